@@ -1,0 +1,176 @@
+"""`load_model`: any GPT-NeoX checkpoint -> config, parameters on device, tokenizer.
+
+Accepted names:
+  random:<preset>          random weights of a preset's shapes (marked `weights="random"`)
+  DIR with isojax.json      an Orbax checkpoint written by `python -m converters` (the fast path)
+  DIR with config.json      a Hugging Face checkpoint directory (converted in memory)
+  preset or hub id          downloaded through huggingface_hub's cache, converted once and kept as
+                            an Orbax checkpoint under the isojax cache (~/.cache/isojax/converted)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from converters.orbax_io import is_converted, load_converted, save_converted
+from isojax.config import GPTNeoXConfig, base_preset, hub_id, preset, read_hf_config
+from isojax.errors import UserError
+from isojax.model import GPTNeoX, collect_states, single_row
+from isojax.tokenizer import load_tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ISOJAX_CACHE", Path.home() / ".cache" / "isojax"))
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: GPTNeoXConfig
+    params: dict
+    weights: str                      # "pretrained" | "random"
+    source: dict                      # name, revision, path, checksum (+ tokenizer once loaded)
+    dtype: str = "float32"
+    attention_impl: str = "xla"
+    tokenizer_dir: Path | None = None  # where tokenizer.json is looked for; None: the hub repo's
+    hub_repo: str | None = None
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The tokenizers.Tokenizer, loaded on first use (states from token ids need none)."""
+        tok, self.source["tokenizer"] = load_tokenizer(self.tokenizer_dir, self.config, hub_repo=self.hub_repo)
+        return tok
+
+    @property
+    def module(self) -> GPTNeoX:
+        dt = DTYPES[self.dtype]
+        return GPTNeoX(self.config, dtype=dt, param_dtype=dt, attention_impl=self.attention_impl)
+
+    def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
+        """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]."""
+        b, t = np.shape(tokens_BxT)
+        buf = jnp.zeros((self.config.num_states, b, t, self.config.hidden_size), jnp.float32)
+        out = _forward_states(self.module, self.params, jnp.asarray(tokens_BxT), jnp.asarray(segment_ids_BxT),
+                              jnp.asarray(positions_BxT), buf)
+        return np.asarray(out)
+
+    def hidden_states(self, token_ids) -> np.ndarray:
+        """States of one sequence, [S, T, D] float32. Longer than the context: consecutive windows."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise UserError("hidden_states takes a non-empty 1-D sequence of token ids")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise UserError(f"token ids must lie in [0, {self.config.vocab_size})")
+        ctx = self.config.max_position_embeddings
+        parts = [self.hidden_states_packed(*single_row(ids[i:i + ctx]))[:, 0] for i in range(0, len(ids), ctx)]
+        return np.concatenate(parts, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("module",))
+def _forward_states(module, params, tokens, seg, pos, buf):
+    return module.apply({"params": params}, tokens, seg, pos, buf, collect_states)
+
+
+def random_params(cfg: GPTNeoXConfig, dtype: str = "float32", seed: int = 0) -> dict:
+    """Random weights of the config's shapes (normal(0.02), LayerNorms at 1/0), initialized on device."""
+    dt = DTYPES[dtype]
+    module = GPTNeoX(cfg, dtype=dt, param_dtype=dt)
+    tokens, seg, pos = single_row(np.zeros(4, np.int32))
+    init = jax.jit(lambda key: module.init(key, tokens, seg, pos, None, lambda obs, s, x: obs)["params"])
+    return init(jax.random.PRNGKey(seed))
+
+
+def load_model(name_or_path: str, revision: str | None = None, dtype: str = "float32",
+               attention_impl: str = "xla") -> LoadedModel:
+    """Load any GPT-NeoX checkpoint; see module docstring for the accepted names."""
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    name = str(name_or_path)
+    if name.startswith("random:"):
+        cfg = preset(name.split(":", 1)[1])
+        params = random_params(cfg, dtype)
+        source = {"name": name, "revision": None, "path": None, "checksum": "random-seed-0"}
+        return LoadedModel(cfg, params, "random", source, dtype, attention_impl, hub_repo=hub_id(cfg.name))
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")):
+        if not path.is_dir():
+            raise UserError(f"{path}: not a checkpoint directory")
+        if revision is not None:
+            raise UserError("--revision applies to hub models, not to a local directory")
+        return _load_dir(path, name, None, dtype, attention_impl)
+    repo = hub_id(name) if base_preset(name) else name
+    if "/" not in repo:
+        from isojax.config import preset_names
+        raise UserError(f"unknown model {name!r}: not a directory, a hub id (org/name), or a preset "
+                        f"({', '.join(preset_names())}, their -deduped variants, random:<preset>)")
+    converted = cache_root() / "converted" / repo.replace("/", "--") / (revision or "main")
+    if not is_converted(converted):
+        from isojax.hf_files import resolve_checkpoint
+        src = resolve_checkpoint(repo, revision)
+        print(f"isojax: converting {repo}@{revision or 'main'} to an Orbax checkpoint at {converted}", file=sys.stderr)
+        convert_dir(src, converted, source={"name": repo, "revision": revision})
+    return _load_dir(converted, repo, revision, dtype, attention_impl)
+
+
+def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str) -> LoadedModel:
+    if is_converted(path):
+        cfg, params, meta = load_converted(path, DTYPES[dtype])
+        source = {"name": meta.get("source", {}).get("name") or name,
+                  "revision": meta.get("source", {}).get("revision", revision),
+                  "path": str(path), "checksum": meta["checksum"]}
+    else:
+        cfg, params_np, checksum = read_hf_dir(path)
+        params = jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), params_np)
+        source = {"name": name, "revision": revision, "path": str(path), "checksum": checksum}
+    return LoadedModel(cfg, params, "pretrained", source, dtype, attention_impl, tokenizer_dir=path)
+
+
+def read_hf_dir(path: Path):
+    """Hugging Face checkpoint dir -> (config, float32 numpy params, checksum of the params)."""
+    from converters.gpt_neox import hf_to_params
+    from isojax.hf_files import CheckpointReader
+    cfg = read_hf_config(path, name=path.name)
+    reader = CheckpointReader(path)
+    params = hf_to_params(reader.read, reader.names(), cfg)
+    return cfg, params, params_checksum(params)
+
+
+def params_checksum(params) -> str:
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def convert_dir(src: Path, dst: Path, source: dict | None = None, overwrite: bool = False) -> Path:
+    """Hugging Face dir -> Orbax checkpoint + isojax.json + tokenizer files, written atomically."""
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise UserError(f"{dst} exists; pass --overwrite to replace it")
+    cfg, params, checksum = read_hf_dir(Path(src))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent))
+    try:
+        for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(src) / fname).is_file():
+                shutil.copy2(Path(src) / fname, tmp / fname)
+        save_converted(tmp, cfg, params, checksum, source or {"name": str(src), "revision": None})
+        if dst.exists():  # only with overwrite: the new checkpoint is complete before the old one goes
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+

@@ -1,0 +1,210 @@
+"""GPT-NeoX forward pass in Flax (linen), matching Hugging Face's `GPTNeoXModel`.
+
+Axes: B rows, T positions in a row, D hidden, H heads, K head dim, R rotary dims, F MLP width,
+L blocks, S = L + 2 hidden states (embed, block_1 .. block_L, final_ln).
+
+Rows may be packed: `segment_ids_BxT` (0 = padding, 1, 2, ... one per sequence) keep attention
+inside a sequence, and `positions_BxT` restart at 0 in each sequence, so a packed row gives
+exactly the states each sequence gives alone.
+
+The L blocks run under `nn.scan` with their weights stacked on a leading axis, so compile time
+does not grow with depth. Every hidden state is handed to an `observe(obs, s, x_BxTxD) -> obs`
+function as it is produced (s = 0 .. L+1): statistics consume states inside the scan and no
+[S, B, T, D] tensor is ever materialized unless the observer builds one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from isojax.config import ACTIVATIONS, GPTNeoXConfig
+
+Observer = Callable[[Any, Any, jax.Array], Any]
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with statistics in float32 (two-pass variance), output in `dtype`."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BxTxD):
+        d = x_BxTxD.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
+        x = x_BxTxD.astype(jnp.float32)
+        xc = x - x.mean(-1, keepdims=True)
+        var = (xc * xc).mean(-1, keepdims=True)
+        y = xc * jax.lax.rsqrt(var + self.eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+def rotary_tables(positions_BxT, cfg: GPTNeoXConfig):
+    """cos, sin [B, T, R] in float32, as Hugging Face: freqs = pos * inv_freq, emb = [freqs, freqs]."""
+    r = cfg.rotary_dims
+    inv_freq_R2 = (1.0 / cfg.rotary_emb_base ** (np.arange(0, r, 2, dtype=np.float64) / r)).astype(np.float32)
+    freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_R2
+    emb_BxTxR = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb_BxTxR), jnp.sin(emb_BxTxR)
+
+
+def apply_rotary(x_BxTxHxK, cos_BxTxR, sin_BxTxR):
+    """Rotate-half rotary embedding on the first R dims of each head; the rest pass through."""
+    r = cos_BxTxR.shape[-1]
+    cos = cos_BxTxR[:, :, None, :].astype(x_BxTxHxK.dtype)
+    sin = sin_BxTxR[:, :, None, :].astype(x_BxTxHxK.dtype)
+    x_rot, x_pass = x_BxTxHxK[..., :r], x_BxTxHxK[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+    rotated = x_rot * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+    return jnp.concatenate([rotated, x_pass], axis=-1)
+
+
+def segment_mask(segment_ids_BxT):
+    """[B, 1, T, T] True where query q may attend key k: same segment and k <= q."""
+    t = segment_ids_BxT.shape[1]
+    same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return (same & causal)[:, None]
+
+
+def attention_xla(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_Bx1xTxT, precision):
+    """Plain attention: scores in the compute dtype, softmax in float32 (as Hugging Face's eager path)."""
+    scale = q_BxTxHxK.shape[-1] ** -0.5
+    scores = jnp.einsum("bqhk,bshk->bhqs", q_BxTxHxK, k_BxTxHxK, precision=precision)
+    scores = jnp.where(mask_Bx1xTxT, scores.astype(jnp.float32) * scale, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxTxHxK.dtype)
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v_BxTxHxK, precision=precision)
+
+
+class Attention(nn.Module):
+    cfg: GPTNeoXConfig
+    dtype: Any
+    param_dtype: Any
+    precision: Any
+    attention_impl: str
+
+    @nn.compact
+    def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
+        b, t, d = x_BxTxD.shape
+        h, k = self.cfg.num_heads, self.cfg.head_dim
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
+                                         precision=self.precision, name=name)
+        # Hugging Face's fused layout: output columns grouped per head as (q, k, v).
+        qkv_BxTxHx3xK = dense(3 * d, "query_key_value")(x_BxTxD).reshape(b, t, h, 3, k)
+        q = apply_rotary(qkv_BxTxHx3xK[..., 0, :], cos_BxTxR, sin_BxTxR)
+        kk = apply_rotary(qkv_BxTxHx3xK[..., 1, :], cos_BxTxR, sin_BxTxR)
+        v = qkv_BxTxHx3xK[..., 2, :]
+        if self.attention_impl == "xla":
+            out_BxTxHxK = attention_xla(q, kk, v, mask_Bx1xTxT, self.precision)
+        else:  # "cudnn" or "auto": jax's fused attention with the same boolean mask
+            impl = None if self.attention_impl == "auto" else self.attention_impl
+            out_BxTxHxK = jax.nn.dot_product_attention(q, kk, v, mask=mask_Bx1xTxT, implementation=impl)
+        return dense(d, "dense")(out_BxTxHxK.reshape(b, t, d))
+
+
+class Block(nn.Module):
+    cfg: GPTNeoXConfig
+    dtype: Any
+    param_dtype: Any
+    precision: Any
+    attention_impl: str
+
+    @nn.compact
+    def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
+        cfg = self.cfg
+        ln = lambda name: LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name=name)
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
+                                         precision=self.precision, name=name)
+
+        def mlp(h_BxTxD):
+            u_BxTxF = dense(cfg.intermediate_size, "dense_h_to_4h")(h_BxTxD)
+            u_BxTxF = jax.nn.gelu(u_BxTxF, approximate=ACTIVATIONS[cfg.hidden_act])
+            return dense(cfg.hidden_size, "dense_4h_to_h")(u_BxTxF)
+
+        attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.attention_impl,
+                         name="attention")(ln("input_layernorm")(x_BxTxD), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
+        if cfg.use_parallel_residual:
+            return mlp(ln("post_attention_layernorm")(x_BxTxD)) + attn + x_BxTxD
+        h = attn + x_BxTxD
+        return mlp(ln("post_attention_layernorm")(h)) + h
+
+
+class ObservedBlock(nn.Module):
+    """One scan step: run block s, hand its output (state s) to the observer."""
+
+    cfg: GPTNeoXConfig
+    dtype: Any
+    param_dtype: Any
+    precision: Any
+    attention_impl: str
+    observe: Observer
+
+    @nn.compact
+    def __call__(self, carry, s, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
+        x_BxTxD, obs = carry
+        x_BxTxD = Block(self.cfg, self.dtype, self.param_dtype, self.precision, self.attention_impl,
+                        name="block")(x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
+        return (x_BxTxD, self.observe(obs, s, x_BxTxD)), None
+
+
+class GPTNeoX(nn.Module):
+    """GPT-NeoX trunk. `__call__` returns the observer's final state; see module docstring.
+
+    `precision` defaults to HIGHEST for float32 compute (no TF32 on GPUs: exact float32) and
+    DEFAULT otherwise. `attention_impl`: "xla" (plain, exact reference), "cudnn" or "auto".
+    """
+
+    cfg: GPTNeoXConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    attention_impl: str = "xla"
+
+    @property
+    def precision(self):
+        return jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
+
+    @nn.compact
+    def __call__(self, tokens_BxT, segment_ids_BxT, positions_BxT, obs, observe: Observer):
+        cfg = self.cfg
+        init = nn.initializers.normal(0.02)
+        embed_VxD = self.param("embed_in", init, (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
+        # The untied unembedding: no metric here needs logits, but the weights belong to the model.
+        self.param("embed_out", init, (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
+
+        x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(self.dtype)
+        obs = observe(obs, 0, x_BxTxD)
+        cos_BxTxR, sin_BxTxR = rotary_tables(positions_BxT, cfg)
+        mask_Bx1xTxT = segment_mask(segment_ids_BxT)
+        layers = nn.scan(ObservedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers)
+        (x_BxTxD, obs), _ = layers(cfg, self.dtype, self.param_dtype, self.precision, self.attention_impl,
+                                   observe, name="layers")(
+            (x_BxTxD, obs), jnp.arange(1, cfg.num_layers + 1), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
+        h_BxTxD = LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name="final_layer_norm")(x_BxTxD)
+        return observe(obs, cfg.num_layers + 1, h_BxTxD)
+
+
+def collect_states(buf_SxBxTxD, s, x_BxTxD):
+    """Observer that writes every state into a preallocated [S, B, T, D] buffer."""
+    return jax.lax.dynamic_update_index_in_dim(buf_SxBxTxD, x_BxTxD.astype(buf_SxBxTxD.dtype), s, 0)
+
+
+def single_row(token_ids_T):
+    """One unpacked sequence as a [1, T] row: segment 1 everywhere, positions 0..T-1."""
+    t = len(token_ids_T)
+    return (np.asarray(token_ids_T, np.int32)[None], np.ones((1, t), np.int32), np.arange(t, dtype=np.int32)[None])
+
+
+def param_shapes(cfg: GPTNeoXConfig, dtype=jnp.float32):
+    """Parameter shapes without allocating (jax.eval_shape)."""
+    model = GPTNeoX(cfg, dtype=dtype, param_dtype=dtype)
+    tokens, seg, pos = single_row(np.zeros(4, np.int32))
+    noop = lambda obs, s, x: obs
+    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, seg, pos, None, noop))["params"]

@@ -1,0 +1,67 @@
+"""Shared fixtures: random GPT-NeoX checkpoints in Hugging Face layout, built locally (no network)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+TOKENIZER_JSON = SHARED_DATA / "gpt-neox-20b-tokenizer.json"
+
+
+def build_hf_checkpoint(directory, *, seed=0, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                        intermediate_size=None, rotary_pct=0.25, parallel=True, hidden_act="gelu",
+                        tokenizer=True, **save_kwargs):
+    """GPTNeoXForCausalLM with random weights (LayerNorms randomized too) saved with save_pretrained."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                        num_attention_heads=num_heads, intermediate_size=intermediate_size or 4 * hidden_size,
+                        rotary_pct=rotary_pct, use_parallel_residual=parallel, hidden_act=hidden_act)
+    model = GPTNeoXForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                base = 1.0 if name.endswith("weight") else 0.0
+                p.copy_(base + 0.3 * torch.randn_like(p))
+    directory = Path(directory)
+    model.save_pretrained(directory, **save_kwargs)
+    if tokenizer:
+        PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER_JSON)).save_pretrained(directory)
+    return model
+
+
+def hf_states(model, ids) -> np.ndarray:
+    """Reference: Hugging Face's L+1 hidden states plus the raw last block (forward hook), [L+2, T, D] float64."""
+    import torch
+
+    captured = {}
+    hook = model.gpt_neox.layers[-1].register_forward_hook(
+        lambda mod, inp, out: captured.__setitem__("x", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            out = model.gpt_neox(torch.as_tensor(np.asarray(ids, np.int64))[None], output_hidden_states=True)
+    finally:
+        hook.remove()
+    hs = [h[0].double().numpy() for h in out.hidden_states]
+    return np.stack(hs[:-1] + [captured["x"][0].double().numpy(), hs[-1]])
+
+
+def max_rel_error(a, b) -> float:
+    """Largest per-vector relative error ||a - b|| / ||b|| over the last axis."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float((np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).max())
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    model = build_hf_checkpoint(tmp_path / "tiny")
+    return tmp_path / "tiny", model

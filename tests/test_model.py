@@ -1,0 +1,104 @@
+"""Flax GPT-NeoX vs Hugging Face PyTorch: all L+2 hidden states, packed rows, preset shapes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import build_hf_checkpoint, hf_states, max_rel_error
+from isojax import load_model
+from isojax.config import preset, preset_names, from_hf_dict
+from isojax.errors import UserError
+from isojax.model import param_shapes
+
+# (hidden, heads, layers, rotary_pct, parallel residual, activation): head dims 64, 80, 128, 256;
+# pythia-2.8b's 80-dim heads have 20 rotary dims.
+SHAPES = [
+    (128, 2, 2, 0.25, True, "gelu"),
+    (160, 2, 2, 0.25, False, "gelu"),
+    (256, 2, 3, 0.5, True, "gelu_new"),
+    (256, 1, 2, 1.0, False, "gelu"),
+]
+
+
+@pytest.mark.parametrize("hidden,heads,layers,pct,parallel,act", SHAPES)
+def test_states_match_hugging_face(tmp_path, hidden, heads, layers, pct, parallel, act):
+    model = build_hf_checkpoint(tmp_path, seed=hidden + layers, vocab_size=700, hidden_size=hidden,
+                                num_heads=heads, num_layers=layers, rotary_pct=pct, parallel=parallel,
+                                hidden_act=act)
+    ours = load_model(tmp_path)
+    assert ours.config.head_dim == hidden // heads
+    ids = np.random.default_rng(hidden).integers(0, 700, size=61)
+    got = ours.hidden_states(ids)
+    ref = hf_states(model, ids)
+    assert got.shape == (layers + 2, 61, hidden)
+    for s, name in enumerate(ours.config.state_names):
+        assert max_rel_error(got[s], ref[s]) < 1e-5, name
+    # The raw last block differs from the final LayerNorm (the state Hugging Face drops).
+    assert max_rel_error(got[-2], ref[-1]) > 1e-2
+
+
+def test_packed_rows_equal_separate_sequences(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    ours = load_model(path)
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 512, size=n) for n in (7, 1, 19, 12)]
+    t = 48
+    tokens, seg, pos = (np.zeros((2, t), np.int32) for _ in range(3))
+    placement, row, col = [], 0, 0
+    for i, s in enumerate(seqs):
+        if col + len(s) > t:
+            row, col = row + 1, 0
+        tokens[row, col:col + len(s)] = s
+        seg[row, col:col + len(s)] = i + 1
+        pos[row, col:col + len(s)] = np.arange(len(s))
+        placement.append((row, col))
+        col += len(s)
+    packed = ours.hidden_states_packed(tokens, seg, pos)
+    for s, (row, col) in zip(seqs, placement):
+        alone = ours.hidden_states(s)
+        np.testing.assert_allclose(packed[:, row, col:col + len(s)], alone, rtol=0, atol=2e-5)
+
+
+def test_bfloat16_states_within_documented_tolerance(tiny_checkpoint):
+    """bf16 compute (bf16 weights, float32 LayerNorm statistics and softmax): per-vector relative
+    error against float32 under 3e-2 (README: 'bfloat16'); typical values are ~1e-2."""
+    path, model = tiny_checkpoint
+    ids = np.random.default_rng(2).integers(0, 512, size=40)
+    got = load_model(path, dtype="bfloat16").hidden_states(ids)
+    ref = hf_states(model, ids)
+    errors = [max_rel_error(got[s], ref[s]) for s in range(len(ref))]
+    assert max(errors) < 3e-2, errors
+    assert max(errors) > 1e-5  # it really ran in bfloat16
+
+
+# Published total parameter counts (Pythia paper, Table 1 / model cards).
+PUBLISHED_PARAMS = {
+    "pythia-70m": 70_426_624, "pythia-160m": 162_322_944, "pythia-410m": 405_334_016,
+    "pythia-1b": 1_011_781_632, "pythia-1.4b": 1_414_647_808, "pythia-2.8b": 2_775_208_960,
+    "pythia-6.9b": 6_857_302_016, "pythia-12b": 11_846_072_320, "gpt-neox-20b": 20_554_567_680,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_preset_parameter_counts(name):
+    assert name in preset_names()
+    shapes = param_shapes(preset(name))  # jax.eval_shape: nothing allocated
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == PUBLISHED_PARAMS[name]
+
+
+def test_config_allowlist_refuses_unknown_attributes():
+    good = {"model_type": "gpt_neox", "vocab_size": 10, "hidden_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 16, "rotary_pct": 0.25, "use_cache": True}
+    assert from_hf_dict(good).rotary_dims == 4
+    for bad in ({"rope_scaling": {"type": "linear", "factor": 2.0}}, {"attention_bias": False},
+                {"some_new_feature": 1}, {"model_type": "llama"}, {"hidden_act": "silu"}, {"rotary_pct": 0.1},
+                {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}):
+        with pytest.raises(UserError):
+            from_hf_dict({**good, **bad})
+
+
+def test_unknown_model_lists_presets():
+    with pytest.raises(UserError, match="pythia-1.4b"):
+        load_model("no-such-model")
