@@ -1,0 +1,162 @@
+"""Float64 read-out of stats.Accumulators into the metrics of DESIGN.md.
+
+Everything here runs in numpy float64 on the host: each double-float pair is summed as
+float64(hi) + float64(lo), groups are combined with Chan's pairwise formula, and spectra
+come from np.linalg.eigvalsh of the float64 covariance.
+"""
+
+import jax
+import numpy as np
+
+from isojax.stats import _COUNT_BITS, Accumulators
+
+
+def _f64(df):
+    return np.asarray(df.hi, np.float64) + np.asarray(df.lo, np.float64)
+
+
+def _mean_cos(sq_norm_of_sum, n):
+    """(|Sum u|^2 - n) / (n^2 - n): the mean cosine over distinct pairs of n unit vectors."""
+    n = np.asarray(n, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n >= 2, (sq_norm_of_sum - n) / (n * n - n), np.nan)
+
+
+def _eig_desc(m_DxD):
+    return np.linalg.eigvalsh((m_DxD + m_DxD.T) / 2)[::-1]
+
+
+def _ratio_top(eig_D):
+    total = eig_D.sum()
+    return float(eig_D[0] / total) if total > 0 else float("nan")
+
+
+def _effective_rank(eig_D):
+    """Roy & Vetterli (2007): exp of the Shannon entropy of the normalized singular
+    values p_k = s_k / Sum s_j of the centered data matrix (s_k = sqrt(eigenvalue))."""
+    sv = np.sqrt(np.clip(eig_D, 0.0, None))
+    if sv.sum() <= 0:
+        return float("nan")
+    p = sv[sv > 0] / sv.sum()
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def _combine_m2(n_G, sum_GxD, m2_GxDxD):
+    """Chan's merge of per-group (n, Sum x, M2) into the whole population's M2."""
+    n = n_G.sum()
+    mean_D = sum_GxD.sum(0) / max(n, 1)
+    dev_GxD = sum_GxD / np.maximum(n_G, 1)[:, None] - mean_D
+    return m2_GxDxD.sum(0) + np.einsum("g,gd,ge->de", n_G.astype(np.float64), dev_GxD, dev_GxD)
+
+
+def _moments(n, sum_D, unit_sum_D, norm_sum, m2_DxD, unit_m2_DxD):
+    """State-level metrics of one population; m2 may be None (no spectra kept for it)."""
+    out = {"count": int(n),
+           "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
+           "mean_norm": float(norm_sum / n) if n else float("nan"),
+           "norm_of_mean": float(np.linalg.norm(sum_D) / n) if n else float("nan")}
+    spectra = None
+    if m2_DxD is not None and n:
+        gram_DxD = m2_DxD + np.outer(sum_D, sum_D) / n  # exact Sum x x^T, rebuilt in float64
+        centered_D, uncentered_D = _eig_desc(m2_DxD / n), _eig_desc(gram_DxD / n)
+        unit_D = _eig_desc(unit_m2_DxD / n)
+        out.update(anisotropy=_ratio_top(centered_D),
+                   anisotropy_uncentered=_ratio_top(uncentered_D),
+                   unit_anisotropy=_ratio_top(unit_D),
+                   effective_rank=_effective_rank(centered_D),
+                   mean_sq_norm=float(np.trace(gram_DxD) / n))
+        spectra = (centered_D, uncentered_D, unit_D)
+    return out, spectra
+
+
+def _bands(count_V, intra_V):
+    """IntraSim by frequency band of the count: [2, 4), [4, 8), ... (rare-token drift)."""
+    bands, lo = [], 2
+    top = int(count_V.max()) if count_V.size else 0
+    while lo <= top:
+        sel = (count_V >= lo) & (count_V < 2 * lo)
+        k = int(sel.sum())
+        bands.append({"lo": lo, "hi": 2 * lo, "tokens": k,
+                      "intra_sim": float(intra_V[sel].mean()) if k else float("nan")})
+        lo *= 2
+    return bands
+
+
+def finalize(acc: Accumulators, state_names: list[str],
+             group_names: list[str] | None = None) -> dict:
+    """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
+    "spectra": {...}}. "layers" combines all groups; "groups" (only with group_names) holds
+    per-source results without per-token fields. Spectra are eigenvalues of the covariance
+    (Sum (x-mean)(x-mean)^T / n), of the second moment (Sum x x^T / n), and of the
+    covariance of unit vectors, each in descending order."""
+    acc = jax.device_get(acc)
+    n_GxS = (np.asarray(acc.count_hi_GxS, np.int64) << _COUNT_BITS) + np.asarray(
+        acc.count_lo_GxS, np.int64)
+    num_groups, num_states = n_GxS.shape
+    if len(state_names) != num_states:
+        raise ValueError(f"{len(state_names)} state names for {num_states} states")
+    if group_names is not None and len(group_names) != num_groups:
+        raise ValueError(f"{len(group_names)} group names for {num_groups} groups")
+    sum_GxSxD, unit_sum_GxSxD = _f64(acc.sum_GxSxD), _f64(acc.unit_sum_GxSxD)
+    norm_GxS = _f64(acc.norm_sum_GxS)
+    m2_HxSxDxD, unit_m2_HxSxDxD = _f64(acc.m2_HxSxDxD), _f64(acc.unit_m2_HxSxDxD)
+    per_group_m2 = m2_HxSxDxD.shape[0] == num_groups and num_groups > 1
+    csum_GxSxC = _f64(acc.centered_sum_GxSxC)
+    centered = csum_GxSxC.shape[-1] > 0
+    tok_count_SxV = np.asarray(acc.tok_count_SxV, np.int64)
+    tok_sum_SxVxD = _f64(acc.tok_sum_SxVxD)
+    token_stats = tok_count_SxV.shape[1] > 0
+
+    layers, spectra = [], {"centered_SxD": [], "uncentered_SxD": [], "unit_SxD": []}
+    intra_SxV = []
+    for s, name in enumerate(state_names):
+        n_G = n_GxS[:, s]
+        if per_group_m2:
+            m2 = _combine_m2(n_G, sum_GxSxD[:, s], m2_HxSxDxD[:, s])
+            unit_m2 = _combine_m2(n_G, unit_sum_GxSxD[:, s], unit_m2_HxSxDxD[:, s])
+        else:
+            m2, unit_m2 = m2_HxSxDxD[0, s], unit_m2_HxSxDxD[0, s]
+        out, spec = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0),
+                             norm_GxS[:, s].sum(), m2, unit_m2)
+        layer = {"name": name, **out}
+        for key, eig in zip(spectra, spec or (None,) * 3):
+            spectra[key].append(eig)
+        if centered:
+            csum_D = csum_GxSxC[:, s].sum(0)
+            layer["centered_inter_sim"] = float(_mean_cos(csum_D @ csum_D, n_G.sum()))
+        if token_stats:
+            count_V = tok_count_SxV[s]
+            intra_V = _mean_cos(np.einsum("vd,vd->v", tok_sum_SxVxD[s], tok_sum_SxVxD[s]),
+                                count_V)
+            seen = count_V >= 2
+            k = int(seen.sum())
+            layer.update(
+                intra_sim=float(intra_V[seen].mean()) if k else float("nan"),
+                intra_sim_weighted=(float((intra_V[seen] * count_V[seen]).sum()
+                                          / count_V[seen].sum()) if k else float("nan")),
+                intra_tokens=k, intra_sim_by_band=_bands(count_V, intra_V))
+            intra_SxV.append(intra_V)
+        else:  # the keys are part of the output contract; null says "not measured"
+            layer.update(intra_sim=None, intra_sim_weighted=None, intra_tokens=None)
+        layers.append(layer)
+
+    result = {"layers": layers}
+    if all(e is not None for e in spectra["centered_SxD"]):
+        result["spectra"] = {k: np.stack(v) for k, v in spectra.items()}
+    if token_stats:
+        result["token"] = {"count_V": tok_count_SxV[0], "intra_sim_SxV": np.stack(intra_SxV)}
+    if group_names is not None:
+        result["groups"] = {}
+        for g, gname in enumerate(group_names):
+            glayers = []
+            for s, name in enumerate(state_names):
+                m2 = m2_HxSxDxD[g, s] if per_group_m2 or num_groups == 1 else None
+                unit_m2 = unit_m2_HxSxDxD[g, s] if m2 is not None else None
+                out, _ = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s],
+                                  norm_GxS[g, s], m2, unit_m2)
+                if centered:
+                    c = csum_GxSxC[g, s]
+                    out["centered_inter_sim"] = float(_mean_cos(c @ c, n_GxS[g, s]))
+                glayers.append({"name": name, **out})
+            result["groups"][gname] = {"tokens": int(n_GxS[g, 0]), "layers": glayers}
+    return result

@@ -1,0 +1,141 @@
+"""PNG plots of a metrics.json dict: per-layer similarity, anisotropy, norms, and per-source comparisons."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+DPI = 120
+
+
+def _value(layer: dict, key: str) -> float:
+    """layer[key] as a float; NaN when missing, None or not a number."""
+    v = layer.get(key)
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _series(layers: list[dict], key: str) -> np.ndarray:
+    return np.array([_value(layer, key) for layer in layers], dtype=float)
+
+
+def title_for(metrics: dict, what: str) -> str:
+    """Figure title: '<what> — <model> @ <revision> [— RANDOM WEIGHTS]' plus a details line."""
+    head = f"{what} — {metrics.get('model', '?')}"
+    if metrics.get("revision"):
+        head += f" @ {metrics['revision']}"
+    if metrics.get("weights") == "random":
+        head += " — RANDOM WEIGHTS"
+    details = []
+    if metrics.get("unit"):
+        details.append(f"unit: {metrics['unit']}")
+    for key in ("tokens", "sequences"):
+        if isinstance(metrics.get(key), (int, float)):
+            details.append(f"{metrics[key]:,} {key}")
+    return head + ("\n" + " · ".join(details) if details else "")
+
+
+def _layer_axis(ax, names: list[str]) -> None:
+    """Layer names on the x axis: rotated when many, every k-th (plus the last) when more than 30."""
+    n = len(names)
+    step = max(1, math.ceil(n / 30))
+    ticks = list(range(0, n, step))
+    if n and ticks[-1] != n - 1:
+        if n - 1 - ticks[-1] <= step / 2:
+            ticks[-1] = n - 1
+        else:
+            ticks.append(n - 1)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([names[i] for i in ticks], rotation=45 if n > 6 else 0, ha="right" if n > 6 else "center",
+                       rotation_mode="anchor" if n > 6 else "default", fontsize=8 if n > 12 else 9)
+    ax.set_xlim(-0.5, max(n - 0.5, 0.5))
+    ax.set_xlabel("layer")
+
+
+def _plot(metrics: dict, names: list[str], lines: list[tuple], ylabel: str, what: str, path: pathlib.Path,
+          log_if_wide: bool = False) -> pathlib.Path | None:
+    """Draw `lines` = [(label, values, style_kwargs), ...]; all-NaN lines are skipped. None when nothing to draw."""
+    lines = [(label, vals, kw) for label, vals, kw in lines if len(vals) and np.isfinite(vals).any()]
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(max(7.0, min(14.0, 0.25 * len(names) + 5)), 4.8))
+    try:
+        x = np.arange(len(names))
+        for label, vals, kw in lines:
+            ax.plot(x, vals, marker="o" if len(names) <= 40 else None, markersize=4, label=label, **kw)
+        if log_if_wide:
+            finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for _, v, _ in lines])
+            if finite.size and finite.max() > 100 * finite.min():
+                ax.set_yscale("log")
+        _layer_axis(ax, names)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title_for(metrics, what), fontsize=11)
+        ax.grid(True, alpha=0.3)
+        if ax.get_yscale() == "log":
+            ax.grid(True, which="minor", alpha=0.12)
+        if len(lines) > 1:
+            ax.legend(fontsize=9, loc="best")
+        fig.tight_layout()
+        fig.savefig(path, dpi=DPI)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _aligned(layers: list[dict], names: list[str], key: str) -> np.ndarray:
+    """Values of `key` in `layers` placed at the positions of `names` (NaN where a name is absent)."""
+    by_name = {layer.get("name"): layer for layer in layers}
+    return np.array([_value(by_name.get(name, {}), key) for name in names], dtype=float)
+
+
+def plot_metrics(metrics: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Write the PNG plots of `metrics` into `out_dir` (created if needed); return the paths written."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layers = list(metrics.get("layers") or [])
+    names = [str(layer.get("name", i)) for i, layer in enumerate(layers)]
+    written = []
+
+    if layers:
+        written.append(_plot(metrics, names, [
+            ("InterSim (random token pairs)", _series(layers, "inter_sim"), {"color": "C0"}),
+            ("IntraSim (mean over token types)", _series(layers, "intra_sim"), {"color": "C1"}),
+            ("IntraSim (occurrence-weighted)", _series(layers, "intra_sim_weighted"),
+             {"color": "C1", "linestyle": "--"}),
+        ], "mean cosine similarity", "InterSim / IntraSim", out_dir / "similarity.png"))
+        written.append(_plot(metrics, names, [
+            ("anisotropy (centered)", _series(layers, "anisotropy"), {"color": "C2"}),
+            ("anisotropy (uncentered)", _series(layers, "anisotropy_uncentered"), {"color": "C3", "linestyle": "--"}),
+        ], "σ₁² / Σσ²", "Anisotropy", out_dir / "anisotropy.png"))
+        written.append(_plot(metrics, names, [
+            ("mean ‖h‖", _series(layers, "mean_norm"), {"color": "C4"}),
+            ("‖mean h‖", _series(layers, "norm_of_mean"), {"color": "C5", "linestyle": "--"}),
+        ], "L2 norm", "Norms", out_dir / "norms.png", log_if_wide=True))
+
+    sources = metrics.get("sources") or {}
+    if isinstance(sources, dict) and sources:
+        if not names:
+            first = next(iter(sources.values())) or {}
+            names = [str(layer.get("name", i)) for i, layer in enumerate(first.get("layers") or [])]
+        for key, what, ylabel, fname in (
+                ("inter_sim", "InterSim by source", "mean cosine similarity", "sources_inter_sim.png"),
+                ("anisotropy", "Anisotropy (centered) by source", "σ₁² / Σσ²", "sources_anisotropy.png")):
+            lines = []
+            for i, (src, entry) in enumerate(sorted(sources.items())):
+                entry = entry or {}
+                label = f"{src} ({entry['tokens']:,} tok)" if isinstance(entry.get("tokens"), int) else str(src)
+                lines.append((label, _aligned(entry.get("layers") or [], names, key), {"color": f"C{(i + 1) % 10}"}))
+            if layers:
+                lines.insert(0, ("all", _aligned(layers, names, key),
+                                     {"color": "0.35", "linewidth": 3.5, "alpha": 0.6, "zorder": 1}))
+            written.append(_plot(metrics, names, lines, ylabel, what, out_dir / fname))
+
+    return [p for p in written if p is not None]

@@ -1,0 +1,325 @@
+"""isojax.stats + isojax.finalize against float64 numpy references written here from the
+definitions (pairwise cosines, SVD / eigvalsh of the float64 covariance)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from isojax import finalize as fz
+from isojax import stats
+
+TOL = 2e-5  # absolute, for dimensionless metrics (cosines, ratios)
+RTOL = 2e-6  # relative, for metrics that carry the states' scale (norms, spectra)
+
+_update = jax.jit(stats.update, donate_argnums=0)
+
+
+def _feed(acc, x_SxNxD, ids_N, valid_N, groups=None, centers_SxD=None, batch=8192):
+    """Feed states in batches of `batch` rows (the last one padded with garbage rows marked
+    invalid, so every test shares one compiled shape); batch b goes to group groups[b]."""
+    s, n, d = x_SxNxD.shape
+    pad = -n % batch
+    x_SxNxD = np.concatenate([x_SxNxD, np.full((s, pad, d), 7.0, x_SxNxD.dtype)], 1)
+    ids_N = np.concatenate([ids_N, np.zeros(pad, np.int32)])
+    valid_N = np.concatenate([valid_N, np.zeros(pad, bool)])
+    for b, start in enumerate(range(0, n + pad, batch)):
+        sl = slice(start, start + batch)
+        acc = _update(acc, x_SxNxD[:, sl], ids_N[sl], valid_N[sl],
+                      0 if groups is None else groups[b], centers_SxD)
+    # Finish before numpy's reference starts: on two cores, XLA's and BLAS's thread pools
+    # running at once slow both several-fold.
+    return jax.block_until_ready(acc)
+
+
+def _ref(x_NxD, ids_N=None, vocab_size=0, center_D=None):
+    """Float64 reference of one state from the definitions."""
+    x = np.asarray(x_NxD, np.float64)
+    n = len(x)
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    su = u.sum(0)
+    cov = (x - x.mean(0)).T @ (x - x.mean(0)) / n
+    eig = np.linalg.eigvalsh(cov)[::-1]
+    eig_unc = np.linalg.eigvalsh(x.T @ x / n)[::-1]
+    eig_unit = np.linalg.eigvalsh(np.cov(u.T, bias=True))[::-1]
+    sv = np.sqrt(np.clip(eig, 0, None))
+    p = sv / sv.sum()
+    out = {"count": n, "inter_sim": (su @ su - n) / (n * n - n),
+           "anisotropy": eig[0] / eig.sum(), "anisotropy_uncentered": eig_unc[0] / eig_unc.sum(),
+           "unit_anisotropy": eig_unit[0] / eig_unit.sum(),
+           "effective_rank": np.exp(-(p * np.log(p)).sum()),
+           "mean_norm": np.linalg.norm(x, axis=1).mean(),
+           "mean_sq_norm": (x * x).sum(1).mean(), "norm_of_mean": np.linalg.norm(x.mean(0)),
+           "eig": eig}
+    if center_D is not None:
+        c = x - np.asarray(center_D, np.float64)
+        cu = (c / np.linalg.norm(c, axis=1, keepdims=True)).sum(0)
+        out["centered_inter_sim"] = (cu @ cu - n) / (n * n - n)
+    if vocab_size:
+        count = np.bincount(ids_N, minlength=vocab_size)
+        tok = np.stack([np.bincount(ids_N, u[:, k], vocab_size) for k in range(x.shape[1])], 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            intra = np.where(count >= 2, ((tok * tok).sum(1) - count) / (count**2 - count), np.nan)
+        seen = count >= 2
+        out.update(count_V=count, intra_V=intra, intra_tokens=int(seen.sum()),
+                   intra_sim=intra[seen].mean(),
+                   intra_sim_weighted=(intra[seen] * count[seen]).sum() / count[seen].sum())
+    return out
+
+
+def _check(layer, ref, spectrum=None):
+    assert layer["count"] == ref["count"]
+    for key in ("inter_sim", "anisotropy", "anisotropy_uncentered", "unit_anisotropy",
+                "centered_inter_sim", "intra_sim", "intra_sim_weighted"):
+        if key in ref:
+            assert abs(layer[key] - ref[key]) < TOL, (key, layer[key], ref[key])
+    for key in ("mean_norm", "mean_sq_norm", "norm_of_mean", "effective_rank"):
+        np.testing.assert_allclose(layer[key], ref[key], rtol=RTOL, err_msg=key)
+    if "intra_tokens" in ref:
+        assert layer["intra_tokens"] == ref["intra_tokens"]
+    if spectrum is not None:  # eigenvalues, relative to the largest
+        np.testing.assert_allclose(spectrum, ref["eig"], atol=RTOL * ref["eig"][0])
+
+
+def _zipf_ids(rng, n, vocab_size, a=1.2):
+    return ((rng.zipf(a, n) - 1) % vocab_size).astype(np.int32)
+
+
+def test_o_n_formulas_match_pairwise_definitions():
+    rng = np.random.default_rng(1)
+    n, d, v = 1500, 16, 64
+    x = (rng.normal(size=(n, d)) + rng.normal(size=d)).astype(np.float32)
+    ids = rng.integers(0, 7, n).astype(np.int32)
+    acc = _feed(stats.init_accumulators(1, d, v), x[None], ids, np.ones(n, bool))
+    layer = fz.finalize(acc, ["s"])["layers"][0]
+    x64 = x.astype(np.float64)
+    u = x64 / np.linalg.norm(x64, axis=1, keepdims=True)
+    cos = u @ u.T
+    off = ~np.eye(n, dtype=bool)
+    assert abs(layer["inter_sim"] - cos[off].mean()) < TOL
+    intra = [cos[np.ix_(ids == t, ids == t)][off[: (ids == t).sum(), : (ids == t).sum()]].mean()
+             for t in range(7)]
+    assert abs(layer["intra_sim"] - np.mean(intra)) < TOL
+    sv = np.linalg.svd(x64 - x64.mean(0), compute_uv=False)  # Razzhigaev et al. section 2.3
+    assert abs(layer["anisotropy"] - sv[0] ** 2 / (sv**2).sum()) < TOL
+
+
+@pytest.mark.parametrize("kind", ["parallel", "isotropic"])
+def test_million_vectors_every_metric(kind):
+    rng = np.random.default_rng(2 if kind == "parallel" else 3)
+    n, d, v = 1 << 20, 16, 64
+    if kind == "parallel":  # cos ~ 0.999 around a common direction, large norms
+        direction = rng.normal(size=d)
+        x = 100.0 * (direction / np.linalg.norm(direction) + 0.011 * rng.normal(size=(n, d)))
+    else:
+        x = rng.normal(size=(n, d)) * rng.uniform(0.5, 2.0, size=d)
+    x = x.astype(np.float32)
+    ids = _zipf_ids(rng, n, v)
+    acc = _feed(stats.init_accumulators(1, d, v), x[None], ids, np.ones(n, bool))
+    out = fz.finalize(acc, ["s"])
+    ref = _ref(x, ids, v)
+    if kind == "parallel":
+        assert ref["inter_sim"] > 0.998 and ref["intra_sim"] > 0.998
+    else:
+        assert abs(ref["inter_sim"]) < 1e-3
+    _check(out["layers"][0], ref, out["spectra"]["centered_SxD"][0])
+    np.testing.assert_array_equal(out["token"]["count_V"], ref["count_V"])
+    np.testing.assert_allclose(out["token"]["intra_sim_SxV"][0], ref["intra_V"], atol=TOL)
+
+
+def test_long_stream_of_nearly_equal_vectors_does_not_drift():
+    """2048 batch sums of nearly equal vectors added to the same rows: plain float32
+    accumulation stagnates (each add rounds to ulp(total) the same way), compensation not."""
+    rng = np.random.default_rng(10)
+    batches, n, d, v = 2048, 512, 16, 64
+    direction = rng.normal(size=d)
+    x = direction / np.linalg.norm(direction) + 3e-4 * rng.normal(size=(batches * n, d))
+    x = (40.0 * x).astype(np.float32)
+    ids = np.where(rng.random(batches * n) < 0.9, 5, 9).astype(np.int32)
+
+    @jax.jit
+    def feed(acc, x_BxNxD, ids_BxN):
+        def body(acc, xs):
+            return stats.update(acc, xs[0][None], xs[1], jnp.ones(n, bool)), None
+        return jax.lax.scan(body, acc, (x_BxNxD, ids_BxN))[0]
+
+    acc = feed(stats.init_accumulators(1, d, v), x.reshape(batches, n, d),
+               ids.reshape(batches, n))
+    out = fz.finalize(acc, ["s"])
+    ref = _ref(x, ids, v)
+    assert ref["inter_sim"] > 0.99999
+    _check(out["layers"][0], ref, out["spectra"]["centered_SxD"][0])
+    np.testing.assert_allclose(out["token"]["intra_sim_SxV"][0], ref["intra_V"], atol=TOL)
+
+
+def test_zipf_per_token_intra_sim_and_bands():
+    rng = np.random.default_rng(4)
+    n, d, v, s = 200_000, 16, 3000, 2
+    ids = _zipf_ids(rng, n, v, a=1.1)
+    # Each token has its own direction: IntraSim near 1 for every token, InterSim low.
+    dirs = rng.normal(size=(v, d))
+    x = np.stack([5 * dirs[ids] + rng.normal(size=(n, d)),
+                  dirs[ids] + 0.02 * rng.normal(size=(n, d))]).astype(np.float32)
+    # Three groups (all data in group 0) only to share the compiled shape of the group tests.
+    acc = _feed(stats.init_accumulators(s, d, v, num_groups=3), x, ids, np.ones(n, bool))
+    out = fz.finalize(acc, ["a", "b"])
+    for k in range(s):
+        ref = _ref(x[k], ids, v)
+        _check(out["layers"][k], ref)
+        got = out["token"]["intra_sim_SxV"][k]
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref["intra_V"]))
+        np.testing.assert_allclose(got, ref["intra_V"], atol=TOL)
+        for band in out["layers"][k]["intra_sim_by_band"]:
+            sel = (ref["count_V"] >= band["lo"]) & (ref["count_V"] < band["hi"])
+            assert band["tokens"] == sel.sum()
+            if sel.any():
+                assert abs(band["intra_sim"] - ref["intra_V"][sel].mean()) < TOL
+        bands = out["layers"][k]["intra_sim_by_band"]
+        assert sum(b["tokens"] for b in bands) == ref["intra_tokens"]
+
+
+def test_scatter_segment_sums_give_the_same_statistics(monkeypatch):
+    rng = np.random.default_rng(11)
+    n, d, v = 30_000, 16, 500
+    ids = _zipf_ids(rng, n, v)
+    x = (rng.normal(size=(v, d))[ids] + 0.1 * rng.normal(size=(n, d))).astype(np.float32)
+    valid = rng.random(n) < 0.95
+    assert stats.SEGMENT_SUM == "scan"  # the default; the other tests cover it
+    monkeypatch.setattr(stats, "SEGMENT_SUM", "scatter")
+    update = jax.jit(stats.update)  # a fresh trace: SEGMENT_SUM is read at trace time
+    acc = stats.init_accumulators(1, d, v)
+    for start in range(0, n, 10_000):
+        sl = slice(start, start + 10_000)
+        acc = update(acc, x[None, sl], ids[sl], valid[sl])
+    out = fz.finalize(acc, ["s"])
+    ref = _ref(x[valid], ids[valid], v)
+    _check(out["layers"][0], ref)
+    np.testing.assert_allclose(out["token"]["intra_sim_SxV"][0], ref["intra_V"], atol=TOL)
+
+
+def test_merge_of_halves_equals_one_pass():
+    rng = np.random.default_rng(5)
+    n, d, v, s = 1 << 16, 16, 3000, 2
+    x = (rng.normal(size=(s, n, d)) + 20 * rng.normal(size=(s, 1, d))).astype(np.float32)
+    ids = _zipf_ids(rng, n, v)
+    valid = np.ones(n, bool)
+    groups = rng.integers(0, 3, n // 8192)
+    names = ["p", "q", "r"]
+    for group_spectra in (True, False):
+        init = lambda: stats.init_accumulators(s, d, v, num_groups=3,
+                                               group_spectra=group_spectra)
+        whole = fz.finalize(_feed(init(), x, ids, valid, groups), ["a", "b"], names)
+        h = n // 2
+        first = _feed(init(), x[:, :h], ids[:h], valid[:h], groups[: h // 8192])
+        second = _feed(init(), x[:, h:], ids[h:], valid[h:], groups[h // 8192:])
+        merged = fz.finalize(jax.jit(stats.merge)(first, second), ["a", "b"], names)
+        for layer_w, layer_m in zip(whole["layers"], merged["layers"]):
+            for key, val in layer_w.items():
+                if isinstance(val, float):
+                    assert abs(val - layer_m[key]) <= 1e-7 * max(1, abs(val)), key
+                elif key != "intra_sim_by_band":
+                    assert val == layer_m[key], key
+        for name in names:
+            for layer_w, layer_m in zip(whole["groups"][name]["layers"],
+                                        merged["groups"][name]["layers"]):
+                assert layer_w.keys() == layer_m.keys()
+                for key, val in layer_w.items():
+                    assert val == (pytest.approx(layer_m[key], rel=1e-7, abs=1e-7)
+                                   if isinstance(val, float) else layer_m[key]), key
+        np.testing.assert_array_equal(whole["token"]["count_V"], merged["token"]["count_V"])
+        np.testing.assert_allclose(whole["token"]["intra_sim_SxV"],
+                                   merged["token"]["intra_sim_SxV"], rtol=1e-7)
+        np.testing.assert_allclose(whole["spectra"]["centered_SxD"],
+                                   merged["spectra"]["centered_SxD"], rtol=1e-6)
+
+
+def test_valid_mask_excludes_padding():
+    rng = np.random.default_rng(6)
+    n, d, v = 40_000, 16, 64
+    x = (rng.normal(size=(n, d)) + 3).astype(np.float32)
+    ids = _zipf_ids(rng, n, v)
+    valid = rng.random(n) < 0.7
+    x_pad = x.copy()  # padding holds garbage that must not leak: huge, inf, nan
+    x_pad[~valid] = rng.choice([1e30, np.inf, np.nan], size=(int((~valid).sum()), 1))
+    acc = _feed(stats.init_accumulators(1, d, v), x_pad[None], ids, valid)
+    out = fz.finalize(acc, ["s"])
+    ref = _ref(x[valid], ids[valid], v)
+    _check(out["layers"][0], ref, out["spectra"]["centered_SxD"][0])
+    np.testing.assert_array_equal(out["token"]["count_V"], ref["count_V"])
+    np.testing.assert_allclose(out["token"]["intra_sim_SxV"][0], ref["intra_V"], atol=TOL)
+
+
+@pytest.mark.parametrize("group_spectra", [True, False])
+def test_groups_and_their_combination(group_spectra):
+    rng = np.random.default_rng(7)
+    n, d, v, batch = 8192 * 10, 16, 3000, 8192
+    groups = rng.choice(3, n // batch)
+    groups[:3] = [0, 1, 2]
+    offsets = 4 * rng.normal(size=(3, d))  # each source has its own mean
+    row_group = np.repeat(groups, batch)
+    x = (rng.normal(size=(n, d)) + offsets[row_group]).astype(np.float32)
+    x = np.stack([x, np.abs(x)])
+    ids = rng.integers(0, v, n).astype(np.int32)
+    acc = stats.init_accumulators(2, d, v, num_groups=3, group_spectra=group_spectra)
+    out = fz.finalize(_feed(acc, x, ids, np.ones(n, bool), groups), ["s", "t"],
+                      ["a", "b", "c"])
+    for k in range(2):
+        _check(out["layers"][k], _ref(x[k], ids, v), out["spectra"]["centered_SxD"][k])
+    for g, name in enumerate("abc"):
+        ref = _ref(x[1, row_group == g])
+        group = out["groups"][name]
+        assert group["tokens"] == ref["count"]
+        layer = group["layers"][1]
+        assert "intra_sim" not in layer
+        if not group_spectra:
+            assert "anisotropy" not in layer
+            ref = {k: ref[k] for k in ("count", "inter_sim", "mean_norm", "norm_of_mean")}
+            layer = {**layer, "mean_sq_norm": 0.0, "effective_rank": 0.0}
+            ref.update(mean_sq_norm=0.0, effective_rank=0.0)
+        _check(layer, ref)
+
+
+def test_centered_inter_sim_second_pass():
+    rng = np.random.default_rng(8)
+    n, d = 1 << 17, 16
+    x = (rng.normal(size=(n, d)) * 0.05 + rng.normal(size=d)).astype(np.float32)
+    center = x.astype(np.float64).mean(0).astype(np.float32)  # the first pass's mean
+    acc = stats.init_accumulators(1, d, 10, token_stats=False, centered=True)
+    acc = _feed(acc, x[None], np.zeros(n, np.int32), np.ones(n, bool), centers_SxD=center[None])
+    out = fz.finalize(acc, ["s"])
+    ref = _ref(x, center_D=center)
+    assert ref["inter_sim"] > 0.99 and abs(ref["centered_inter_sim"]) < 1e-3
+    _check(out["layers"][0], ref)
+    assert out["layers"][0]["intra_sim"] is None and "token" not in out
+
+
+def test_bfloat16_states_and_update_state_in_a_scan():
+    rng = np.random.default_rng(9)
+    s, n, d, v = 3, 8192, 32, 40
+    x = jnp.asarray(rng.normal(size=(s, n, d)) + 2, jnp.bfloat16)
+    ids = rng.integers(0, v, n).astype(np.int32)
+    valid = np.ones(n, bool)
+
+    @jax.jit
+    def scan_update(acc, x_SxNxD, ids_N, valid_N):  # as the model step calls it: traced s
+        def body(acc, s_and_x):
+            return stats.update_state(acc, s_and_x[0], s_and_x[1], ids_N, valid_N, 0), None
+        return jax.lax.scan(body, acc, (jnp.arange(s), x_SxNxD))[0]
+
+    acc = stats.init_accumulators(s, d, v)
+    for half in (slice(0, n // 2), slice(n // 2, n)):
+        acc = scan_update(acc, x[:, half], ids[half], valid[half])
+    out = fz.finalize(acc, ["a", "b", "c"])
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    for k in range(s):
+        _check(out["layers"][k], _ref(x64[k], ids, v))
+
+
+def test_accumulator_bytes():
+    acc = stats.init_accumulators(3, 8, 20, num_groups=2, centered=True)
+    assert stats.accumulator_bytes(3, 8, 20, num_groups=2, centered=True) == sum(
+        leaf.nbytes for leaf in jax.tree.leaves(acc))
+    s, v, d = 26, 50304, 2048  # pythia-1.4b; eval_shape, nothing allocated
+    full = stats.accumulator_bytes(s, d, v)
+    no_tokens = stats.accumulator_bytes(s, d, v, token_stats=False)
+    assert full - no_tokens == 2 * s * v * d * 4 + s * v * 4
