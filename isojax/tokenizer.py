@@ -25,10 +25,11 @@ def byte_level_tokenizer() -> Tokenizer:
 def _from_hub(repo: str) -> Path | None:
     try:
         from huggingface_hub import hf_hub_download
+        from isojax.network import hub_reachable
         try:
             return Path(hf_hub_download(repo, "tokenizer.json", local_files_only=True))
         except Exception:
-            return Path(hf_hub_download(repo, "tokenizer.json"))
+            return Path(hf_hub_download(repo, "tokenizer.json")) if hub_reachable() else None
     except Exception:
         return None
 

@@ -1,0 +1,50 @@
+"""The two JSON documents of a run: metrics (DESIGN.md's contract) and the manifest (provenance)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+import time
+
+import jax
+
+
+def build_metrics(model, unit: str, done: dict, final: dict, has_sources: bool) -> dict:
+    metrics = {"model": model.source["name"], "revision": model.source.get("revision"), "weights": model.weights,
+               "unit": unit, "tokens": done["tokens"], "sequences": done["sequences"],
+               "dtype": model.dtype, "layers": final["layers"]}
+    if has_sources and "groups" in final:
+        metrics["sources"] = final["groups"]
+    return metrics
+
+
+def package_versions() -> dict:
+    names = ["isojax", "jax", "jaxlib", "flax", "orbax-checkpoint", "numpy", "tokenizers", "transformers",
+             "datasets", "tensorstore"]
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def build_manifest(model, cache, corpus, done, plan, seconds, wall, settings) -> dict:
+    dev = jax.devices()[0]
+    return {
+        "model": model.source["name"], "revision": model.source.get("revision"), "weights": model.weights,
+        "weight_checksum": model.source["checksum"], "model_path": model.source.get("path"),
+        "tokenizer": model.source.get("tokenizer"), "config": model.config.to_dict(),
+        "corpus": corpus.describe(), "corpus_fingerprint": cache.fingerprint,
+        "corpus_sources": cache.source_counts(), "bad_records_skipped": corpus.bad_records,
+        "tokens": done["tokens"], "sequences": done["sequences"], "batches": done["batches"],
+        "padding_fraction": plan.padding_fraction, "settings": settings,
+        "seconds_device_loop": seconds, "seconds_wall": wall,
+        "tokens_per_second": done["tokens"] / max(seconds, 1e-9),
+        "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()},
+        "host": {"python": sys.version.split()[0], "platform": platform.platform()},
+        "versions": package_versions(), "command": sys.argv,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

@@ -1,0 +1,78 @@
+"""Writing a run's results: metrics.json, layers.csv, per-token zarr arrays, spectra, manifest,
+plots. Everything is written into a fresh staging directory first and moved into OUT only when
+complete, so a failed run never damages earlier results."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def _clean(x):
+    """JSON-safe: NaN/inf -> null, numpy scalars -> Python."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def write_layers_csv(path: Path, layers: list[dict]) -> None:
+    keys = [k for k, v in layers[0].items() if not isinstance(v, (list, dict))]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(keys)
+        for layer in layers:
+            w.writerow(["" if layer.get(k) is None else layer.get(k) for k in keys])
+
+
+def write_zarr(path: Path, array: np.ndarray) -> None:
+    import tensorstore as ts
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
+    store = ts.open(spec, create=True, dtype=array.dtype.name, shape=array.shape).result()
+    store.write(array).result()
+
+
+def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
+                  token_sums=None, plots: bool = True) -> list[str]:
+    """Stage every file, then move them into `out` (replacing older results of the same names)."""
+    out.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
+    try:
+        (stage / "metrics.json").write_text(json.dumps(_clean(metrics), indent=1) + "\n")
+        write_layers_csv(stage / "layers.csv", _clean(metrics["layers"]))
+        spectra = final.get("spectra", {})
+        np.savez(stage / "spectra.npz", state_names=np.array(state_names),
+                 **{k: np.asarray(v) for k, v in spectra.items()})
+        token = final.get("token")
+        if token is not None:
+            write_zarr(stage / "tokens.zarr" / "count", np.asarray(token["count_V"], np.int64))
+            write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
+            if token_sums is not None:
+                write_zarr(stage / "tokens.zarr" / "unit_sum", np.asarray(token_sums, np.float64))
+        if plots:
+            from isojax.plots import plot_metrics
+            plot_dir = stage / "plots"
+            plot_dir.mkdir()
+            manifest["plots"] = [str(p.relative_to(stage)) for p in plot_metrics(metrics, plot_dir)]
+        (stage / "manifest.json").write_text(json.dumps(_clean(manifest), indent=1) + "\n")
+        written = sorted(p.name for p in stage.iterdir())
+        for name in written:
+            dst = out / name
+            if dst.is_dir():
+                shutil.rmtree(dst)
+            os.replace(stage / name, dst)
+        return written
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

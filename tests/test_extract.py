@@ -1,0 +1,183 @@
+"""End to end: `python -m isojax.extract` against float64 metrics from Hugging Face hidden states."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states
+from isojax.extract import main
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("the of and to in is was that for it with as his on be at by had not are but from or have an they "
+         "which one you were her all she there would their we him been has when who will more no if out so "
+         "said what up its about into than them can only other new some could time these two may then do "
+         "first any my now such like our over man me even most made after also did many before must through "
+         "back years where much your way well down should because each just those people how too little").split()
+
+
+def write_pile_jsonl(path: Path, n_docs: int, seed: int) -> list[tuple[str, str]]:
+    """Short documents from two Pile-style sources; returns (source, text) in file order."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    with open(path, "w") as f:
+        for i in range(n_docs):
+            src = ["Enron Emails", "HackerNews"][i % 2]
+            text = " ".join(rng.choice(WORDS, size=int(rng.integers(3, 40))))
+            docs.append((src, text))
+            f.write(json.dumps({"text": text, "meta": {"pile_set_name": src}}) + "\n")
+    return docs
+
+
+def reference_metrics(states: list[np.ndarray], ids: list[np.ndarray]) -> list[dict]:
+    """float64 metrics of each state from per-sequence HF states, by the papers' definitions."""
+    X_all = np.concatenate(states, axis=1)  # [S, n, D]
+    ids_all = np.concatenate(ids)
+    out = []
+    for X in X_all:
+        n = len(X)
+        U = X / np.linalg.norm(X, axis=1, keepdims=True)
+        cos = U @ U.T
+        inter = (cos.sum() - np.trace(cos)) / (n * n - n)  # the O(n^2) definition, eq. 5
+        intra, weights = [], []
+        for t in np.unique(ids_all):
+            sel = ids_all == t
+            k = int(sel.sum())
+            if k >= 2:
+                c = cos[np.ix_(sel, sel)]
+                intra.append((c.sum() - k) / (k * k - k))
+                weights.append(k)
+        sv = np.linalg.svd(X - X.mean(0), compute_uv=False)
+        sv_u = np.linalg.svd(X, compute_uv=False)
+        out.append({"inter_sim": inter, "intra_sim": np.mean(intra), "intra_sim_weighted": np.average(intra, weights=weights),
+                    "intra_tokens": len(intra), "anisotropy": sv[0] ** 2 / (sv ** 2).sum(),
+                    "anisotropy_uncentered": sv_u[0] ** 2 / (sv_u ** 2).sum(),
+                    "mean_norm": np.linalg.norm(X, axis=1).mean(), "count": n})
+    return out
+
+
+def test_metrics_match_float64_reference_from_hugging_face(tmp_path, monkeypatch):
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
+    model = build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=64, num_layers=2, num_heads=4)
+    docs = write_pile_jsonl(tmp_path / "pile.jsonl", 60, seed=3)
+    out = tmp_path / "out"
+    assert main(["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "pile.jsonl"), "--unit", "document",
+                 "--seq-len", "128", "--batch-tokens", "512", "--out", str(out), "--no-plots"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    tok = Tokenizer.from_file(str(TOKENIZER_JSON))
+    by_source = {}
+    for src, text in docs:
+        ids = np.array(tok.encode(text, add_special_tokens=False).ids)
+        by_source.setdefault(src, []).append((hf_states(model, ids), ids))
+    every = [x for v in by_source.values() for x in v]
+    ref = reference_metrics([s for s, _ in every], [i for _, i in every])
+    assert metrics["tokens"] == sum(len(i) for _, i in every) and metrics["sequences"] == len(docs)
+    assert metrics["weights"] == "pretrained" and metrics["unit"] == "document"
+    assert [layer["name"] for layer in metrics["layers"]] == ["embed", "block_1", "block_2", "final_ln"]
+    for got, want in zip(metrics["layers"], ref):
+        assert got["count"] == want["count"] and got["intra_tokens"] == want["intra_tokens"]
+        for key in ("inter_sim", "intra_sim", "intra_sim_weighted", "anisotropy", "anisotropy_uncentered"):
+            assert abs(got[key] - want[key]) < 2e-5, (got["name"], key, got[key], want[key])
+        assert abs(got["mean_norm"] - want["mean_norm"]) < 2e-5 * want["mean_norm"]
+    for src, items in by_source.items():
+        ref_src = reference_metrics([s for s, _ in items], [i for _, i in items])
+        got_src = metrics["sources"][src]
+        assert got_src["tokens"] == sum(len(i) for _, i in items)
+        for got, want in zip(got_src["layers"], ref_src):
+            assert abs(got["inter_sim"] - want["inter_sim"]) < 2e-5
+            assert abs(got["anisotropy"] - want["anisotropy"]) < 2e-5
+    assert (out / "layers.csv").read_text().splitlines()[0].startswith("name,")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["weight_checksum"].startswith("sha256:") and manifest["tokens"] == metrics["tokens"]
+    assert not (out / "checkpoint").exists()
+
+
+def run_cli(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, **(env or {})}, **kw)
+
+
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
+    env = {"ISOJAX_CACHE": str(tmp_path / "cache")}
+    build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
+    write_pile_jsonl(tmp_path / "pile.jsonl", 400, seed=4)
+    common = ["--model", tmp_path / "ckpt", "--data", tmp_path / "pile.jsonl", "--unit", "document", "--seq-len", "64",
+              "--batch-tokens", "128", "--no-plots"]
+    assert run_cli(*common, "--out", tmp_path / "full", env=env).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", tmp_path / "cut",
+                             "--checkpoint-every-tokens", "300"], cwd=REPO, env={**os.environ, **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(
+            p.name.isdigit() for p in (tmp_path / "cut" / "checkpoint").glob("*")):
+        time.sleep(0.05)
+    time.sleep(0.3)  # let it run on past the checkpoint: those batches must not count twice
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "cut" / "metrics.json").exists(), "killed too late to test anything"
+    again = run_cli(*common, "--out", tmp_path / "cut", "--resume", env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming after" in again.stderr
+    full = json.loads((tmp_path / "full" / "metrics.json").read_text())
+    cut = json.loads((tmp_path / "cut" / "metrics.json").read_text())
+    assert cut["tokens"] == full["tokens"] and cut["sequences"] == full["sequences"]
+    for a, b in zip(cut["layers"], full["layers"]):
+        assert a["count"] == b["count"] and a["intra_tokens"] == b["intra_tokens"]
+        for key in ("inter_sim", "intra_sim", "anisotropy", "mean_norm"):
+            assert abs(a[key] - b[key]) <= 1e-12 * max(1.0, abs(b[key])), key
+
+
+def test_default_run_offline(tmp_path):
+    """No arguments but --out: pythia-70m's shapes with random weights (offline), default corpus."""
+    proc = run_cli("--out", tmp_path / "out", env={"ISOJAX_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
+                                                   "HF_HOME": str(tmp_path / "hf")}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RANDOM WEIGHTS" in proc.stderr
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["weights"] == "random" and metrics["model"] == "random:pythia-70m"
+    assert len(metrics["layers"]) == 8 and metrics["tokens"] >= 50_000
+    assert all(-1 <= layer["inter_sim"] <= 1 for layer in metrics["layers"])
+    assert {"similarity.png", "anisotropy.png", "norms.png"} <= {p.name for p in (tmp_path / "out" / "plots").iterdir()}
+
+
+@pytest.fixture(scope="module")
+def small_vocab_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small") / "ckpt"
+    build_hf_checkpoint(path, vocab_size=512)  # the real tokenizer has 50k tokens: too many for this model
+    return path
+
+
+def test_bad_inputs_exit_cleanly(tmp_path, small_vocab_checkpoint):
+    env = {"ISOJAX_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    truncated = tmp_path / "truncated"
+    build_hf_checkpoint(truncated, vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "metrics.json").write_text("{}")
+    cases = [
+        (["--model", "pythia-7b"], "pythia-1.4b"),                           # unknown model: lists presets
+        (["--model", "random:pythia-70m", "--data", tmp_path / "nope.txt"], "nope.txt"),
+        (["--model", "random:pythia-70m", "--data", empty], "empty"),
+        (["--model", truncated], "model.safetensors"),
+        (["--model", small_vocab_checkpoint], "larger than the model"),
+        (["--model", "random:gpt-neox-20b"], "do not fit"),                  # refused before allocating
+    ]
+    for args, needle in cases:
+        proc = run_cli(*args, "--out", tmp_path / "o", env=env)
+        assert proc.returncode == 2, (args, proc.stderr[-1500:])
+        assert "Traceback" not in proc.stderr and needle in proc.stderr, (args, proc.stderr[-1500:])
+    proc = run_cli("--model", "random:pythia-70m", "--out", tmp_path / "done", env=env)
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    assert (tmp_path / "done" / "metrics.json").read_text() == "{}"  # untouched
