@@ -311,8 +311,15 @@ def test_bfloat16_states_and_update_state_in_a_scan():
         acc = scan_update(acc, x[:, half], ids[half], valid[half])
     out = fz.finalize(acc, ["a", "b", "c"])
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    spectral = ("anisotropy", "anisotropy_uncentered", "unit_anisotropy", "effective_rank", "mean_sq_norm")
     for k in range(s):
-        _check(out["layers"][k], _ref(x64[k], ids, v))
+        ref = _ref(x64[k], ids, v)
+        # bf16 states take the bf16 Gram (deviations rounded to bf16, float32 accumulation):
+        # Gram-derived metrics within 1e-4 relative (README, "bfloat16"), the rest exact as usual.
+        for key in spectral:
+            assert abs(out["layers"][k][key] - ref[key]) < 1e-4 * max(1.0, abs(ref[key])), key
+            out["layers"][k][key] = ref[key]  # checked above; the rest is checked exactly below
+        _check(out["layers"][k], ref)
 
 
 def test_accumulator_bytes():

@@ -1,0 +1,148 @@
+"""End-to-end throughput: isojax vs the Hugging Face PyTorch peer, same process, same card.
+
+isojax: packed rows from token ids already in memory (the host pipeline is benchmarked in
+bench_data.py), bf16 forward, full statistics of every state (unit sums, centered Gram of
+states and of unit vectors, per-token IntraSim), fused into the layer scan.
+Peer (bench/peer_hf.py): bf16 transformers GPTNeoX, SDPA, output_hidden_states, length-sorted
+padded batches, unit sums + per-token index_add_ (DESIGN.md's measured peer: no Gram).
+
+    python bench/bench_throughput.py                       # 70m, 410m, 1.4b
+    python bench/bench_throughput.py --models pythia-70m --tokens 2e6 --no-peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the card with torch
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from workload import random_sentences, sentence_lengths  # noqa: E402
+
+DEFAULT_TOKENS = {"pythia-70m": 8e6, "pythia-410m": 3e6, "pythia-1.4b": 1.5e6}
+
+
+def pack_in_memory(tokens, offsets, rows, row_len):
+    """Packed [B, T] batches of the workload through isojax's own packer (before timing)."""
+    from isojax.data.packing import pack_batches
+    from isojax.data.tokens import TokenCache
+    cache = TokenCache(tokens=tokens, offsets=offsets, source_ids=np.zeros(len(offsets) - 1, np.int16),
+                       source_names=["synthetic"], fingerprint="bench", max_len=row_len, path=Path("."),
+                       from_cache=False, meta={})
+    batches = list(pack_batches(cache, rows=rows, row_len=row_len, prefetch=0))
+    return [(b.tokens_BxT, b.segment_ids_BxT, b.positions_BxT, b.n_tokens) for b in batches]
+
+
+def bf16_matmul_rate() -> float:
+    """Measured dense bf16 matrix rate of this card (FLOP/s), the MFU denominator."""
+    n = 8192
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(10):
+        out = f(a)
+    out.block_until_ready()
+    return 10 * 2 * n ** 3 / (time.perf_counter() - t)
+
+
+def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, warmup=2):
+    from isojax.config import preset
+    from isojax.loading import random_params
+    from isojax.model import GPTNeoX
+    from isojax.runner import Runner
+    cfg = preset(name)
+    rows = max(1, batch_tokens // row_len)
+    t0 = time.perf_counter()
+    batches = pack_in_memory(tokens, offsets, rows, row_len)
+    pack_s = time.perf_counter() - t0
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=attention)
+    runner = Runner(module, random_params(cfg, "bfloat16"), token_stats=token_stats)
+    t0 = time.perf_counter()
+    for tok, seg, pos, _ in batches[:warmup]:
+        runner.step(tok, seg, pos, 0)
+    jax.block_until_ready(runner.acc)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n_tok = 0
+    for tok, seg, pos, n in batches[warmup:]:
+        runner.step(tok, seg, pos, 0)
+        n_tok += n
+    jax.block_until_ready(runner.acc)
+    secs = time.perf_counter() - t0
+    slots = sum(b[0].size for b in batches[warmup:])
+    mem = jax.local_devices()[0].memory_stats() or {}
+    out = dict(tokens_per_s=n_tok / secs, tokens=n_tok, seconds=secs, padding_fraction=1 - n_tok / slots,
+               peak_mem_bytes=mem.get("peak_bytes_in_use"), compile_s=compile_s, pack_s=pack_s,
+               flops_per_token=cfg.flops_per_token(gram=True), rows=rows, row_len=row_len)
+    del runner
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="pythia-70m,pythia-410m,pythia-1.4b")
+    ap.add_argument("--tokens", type=float, default=None, help="tokens per model (default: by size)")
+    ap.add_argument("--row-len", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=65536)
+    ap.add_argument("--attention", default="cudnn", choices=["xla", "cudnn", "auto"])
+    ap.add_argument("--no-token-stats", action="store_true")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-batch-tokens", type=int, default=16384)
+    ap.add_argument("--peer-seconds", type=float, default=40.0, help="cap on each peer run")
+    args = ap.parse_args(argv)
+
+    rate = bf16_matmul_rate()
+    dev = jax.devices()[0]
+    lines = [f"card: {dev.device_kind}; jax {jax.__version__}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s"]
+    rows_out = []
+    for name in args.models.split(","):
+        n = int(args.tokens or DEFAULT_TOKENS.get(name, 1e6))
+        lengths = sentence_lengths(n, seed=1)
+        tokens, offsets = random_sentences(lengths, 50304, seed=2)
+        res = {"model": name, "isojax": run_isojax(name, tokens, offsets, row_len=args.row_len,
+                                                   batch_tokens=args.batch_tokens, attention=args.attention,
+                                                   token_stats=not args.no_token_stats)}
+        res["isojax"]["mfu"] = res["isojax"]["tokens_per_s"] * res["isojax"]["flops_per_token"] / rate
+        jax.clear_caches()
+        if not args.no_peer:
+            import torch
+            from peer_hf import run_peer
+            torch.cuda.reset_peak_memory_stats()
+            res["peer"] = run_peer(name, tokens, offsets, batch_tokens=args.peer_batch_tokens, sort_by_length=True,
+                                   gram=False, max_seconds=args.peer_seconds)
+            res["peer"].pop("stats", None)
+            torch.cuda.empty_cache()
+        rows_out.append(res)
+        print(json.dumps(res, default=str), file=sys.stderr, flush=True)
+
+    lines.append(f"{'model':<13}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
+                 f"{'peak GB':>9}{'peer GB':>9}{'compile s':>10}")
+    for r in rows_out:
+        iso, peer = r["isojax"], r.get("peer")
+        ratio = iso["tokens_per_s"] / peer["tokens_per_s"] if peer else float("nan")
+        lines.append(f"{r['model']:<13}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
+                     f"{ratio:>7.2f}{iso['mfu']:>7.1%}{iso['padding_fraction']:>7.1%}"
+                     f"{(iso['peak_mem_bytes'] or 0) / 1e9:>9.1f}{((peer or {}).get('peak_mem_bytes') or 0) / 1e9:>9.1f}"
+                     f"{iso['compile_s']:>10.1f}")
+    table = "\n".join(lines)
+    print(table)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_throughput.txt").write_text(table + "\n")
+        Path(os.environ["OUT"], "bench_throughput.json").write_text(json.dumps(rows_out, default=str, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
