@@ -109,12 +109,14 @@ def main(argv=None) -> int:
     rows_out = []
     for name in args.models.split(","):
         n = int(args.tokens or DEFAULT_TOKENS.get(name, 1e6))
-        lengths = sentence_lengths(n, seed=1)
+        lengths = sentence_lengths(n, seed=1, max_len=args.row_len)  # longer ones would be windows
         tokens, offsets = random_sentences(lengths, 50304, seed=2)
         res = {"model": name, "isojax": run_isojax(name, tokens, offsets, row_len=args.row_len,
                                                    batch_tokens=args.batch_tokens, attention=args.attention,
                                                    token_stats=not args.no_token_stats)}
         res["isojax"]["mfu"] = res["isojax"]["tokens_per_s"] * res["isojax"]["flops_per_token"] / rate
+        print(f"{name}: isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, compile {res['isojax']['compile_s']:.0f} s",
+              flush=True)
         jax.clear_caches()
         if not args.no_peer:
             import torch

@@ -84,11 +84,13 @@ def _forward_states(module, params, tokens, seg, pos, buf):
 
 
 def random_params(cfg: GPTNeoXConfig, dtype: str = "float32", seed: int = 0) -> dict:
-    """Random weights of the config's shapes (normal(0.02), LayerNorms at 1/0), initialized on device."""
-    dt = DTYPES[dtype]
-    module = GPTNeoX(cfg, dtype=dt, param_dtype=dt)
+    """Random weights of the config's shapes (normal(0.02), LayerNorms at 1/0), initialized on
+    device in float32 and then cast, so every dtype of `random:<preset>` holds the same weights."""
+    module = GPTNeoX(cfg)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))
-    init = jax.jit(lambda key: module.init(key, tokens, seg, pos, None, lambda obs, s, x: obs)["params"])
+    init = jax.jit(lambda key: jax.tree.map(
+        lambda p: p.astype(DTYPES[dtype]),
+        module.init(key, tokens, seg, pos, None, lambda obs, s, x: obs)["params"]))
     return init(jax.random.PRNGKey(seed))
 
 

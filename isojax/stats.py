@@ -35,8 +35,13 @@ GRAM_PRECISION = lax.Precision.HIGHEST
 # log2(N) ulps; O(N D) work in log2(N) steps) or "scatter" (segment_sum, a float32
 # scatter-add into an [N, D] buffer: one pass, but hot tokens contend and its error bound
 # grows with a token's count in the batch). Read at trace time; bench_stats_kernel.py
-# measures both.
-SEGMENT_SUM = "scan"
+# measures both. None: "scan" on CPU, "scatter" on accelerators, where the scan's log2(N)
+# levels of strided slices made XLA's GPU compile take minutes (bench/RESULTS.md).
+SEGMENT_SUM = None
+
+
+def segment_sum_mode() -> str:
+    return SEGMENT_SUM or ("scan" if jax.default_backend() == "cpu" else "scatter")
 _COUNT_BITS = 30  # counts are int32 limbs: n = hi * 2**30 + lo, exact to 2**61
 
 
@@ -117,14 +122,16 @@ def accumulator_bytes(num_states, d, vocab_size, *, num_groups=1, token_stats=Tr
 
 
 def pairwise_sum(x_NxD):
-    """Sum over rows by halving (a balanced tree): error <= log2(N) ulps per element,
-    against up to N ulps for a sequential reduce (XLA's CPU reduce is one)."""
+    """Sum over rows in levels of 16 (a 16-ary tree): at most 15 rounding errors per level and
+    element, ceil(log16 N) levels (4 for N <= 65536), against up to N for one sequential reduce.
+    Each level is one reduce op. (A binary tree of slices fuses into a single GPU kernel with N
+    leaves, which XLA's GPU compiler took minutes to build.)"""
     while x_NxD.shape[0] > 1:
         n = x_NxD.shape[0]
-        if n % 2:
-            x_NxD = jnp.concatenate([x_NxD, jnp.zeros_like(x_NxD[:1])])
-            n += 1
-        x_NxD = x_NxD[: n // 2] + x_NxD[n // 2:]
+        pad = -n % 16
+        if pad:
+            x_NxD = jnp.concatenate([x_NxD, jnp.zeros((pad, *x_NxD.shape[1:]), x_NxD.dtype)])
+        x_NxD = x_NxD.reshape((n + pad) // 16, 16, *x_NxD.shape[1:]).sum(axis=1)
     return x_NxD[0]
 
 
@@ -265,7 +272,7 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
 def segment_sums(sorted_NxD, index: TokenIndex):
     """Per-segment sums of rows already in sorted order, at rows 0..U-1 of an [N, D] array."""
     n = sorted_NxD.shape[0]
-    if SEGMENT_SUM == "scatter":
+    if segment_sum_mode() == "scatter":
         return jax.ops.segment_sum(sorted_NxD, index.rank_N, num_segments=n,
                                    indices_are_sorted=True)
 

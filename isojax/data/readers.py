@@ -1,0 +1,291 @@
+"""Corpus inputs: text files, JSON lines (plain, gzip, zstd), parquet, folders of shards,
+hub datasets, and the embedded default corpus (CPython's bundled documentation topics).
+
+Local files are read by hand rather than through `datasets`: every bad record is reported
+as `file:line`, and an 800 GB corpus is streamed, not first copied into an Arrow cache.
+Hub datasets (`hub:NAME[@REVISION][:CONFIG]:SPLIT`) stream through `datasets`.
+
+A record's source label is `meta.pile_set_name` when present (the Pile's format), else the
+name of the input it came from: a file's stem, a folder's name, a hub dataset's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+from isojax.errors import UserError
+from isojax.data.units import SPLITTER, UNITS
+
+SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+DEFAULT_NAME = "pydoc-topics"
+_MAX_WARNINGS = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+    kind: str  # "txt" | "jsonl" | "parquet" | "hub" | "default"
+    path: str  # file path, hub name, or DEFAULT_NAME
+    label: str  # source label of records without meta.pile_set_name
+    config: str | None = None
+    split: str | None = None
+    revision: str | None = None
+
+
+def _suffix_kind(name: str) -> str | None:
+    for suffix in SUFFIXES:
+        if name.endswith(suffix):
+            return suffix.split(".")[1]
+    return None
+
+
+def _stem(name: str) -> str:
+    for suffix in SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _parse_hub(spec: str) -> Input:
+    parts = spec[len("hub:"):].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise UserError(f"{spec}: expected hub:NAME[@REVISION][:CONFIG]:SPLIT")
+    name, _, revision = parts[0].partition("@")
+    config, split = (None, "train") if len(parts) == 1 else (None, parts[1]) if len(parts) == 2 else parts[1:]
+    return Input("hub", name, name.rstrip("/").split("/")[-1], config or None, split, revision or None)
+
+
+def _expand(spec: str) -> list[Input]:
+    if spec.startswith("hub:"):
+        return [_parse_hub(spec)]
+    path = Path(spec)
+    if not path.exists():
+        raise UserError(f"{spec}: no such file or directory")
+    if path.is_file():
+        kind = _suffix_kind(path.name)
+        if kind is None:
+            raise UserError(f"{spec}: unsupported file type (expected one of {', '.join(SUFFIXES)})")
+        return [Input(kind, str(path), _stem(path.name))]
+    shards = sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and _suffix_kind(p.name) and not any(s.startswith(".") for s in p.relative_to(path).parts)
+    )
+    if not shards:
+        raise UserError(f"{spec}: folder holds no {', '.join(SUFFIXES)} files")
+    label = path.resolve().name
+    return [Input(_suffix_kind(p.name), str(p), label) for p in shards]
+
+
+@dataclasses.dataclass
+class Corpus:
+    """A lazily read corpus: inputs, unit, optional sources filter. Iterate `documents()`."""
+
+    inputs: tuple[Input, ...]
+    unit: str = "sentence"
+    sources: frozenset[str] | None = None
+    text_field: str = "text"
+    max_bad_records: int = 100
+    bad_records: int = 0
+    seen_sources: set[str] = dataclasses.field(default_factory=set)
+
+    def fingerprint(self) -> str:
+        """Hash of inputs (path, size, mtime), unit, sources, splitter; never reads contents.
+
+        The default corpus is hashed by content; a hub dataset by name, config, split and
+        revision (pin a revision: an unpinned hub dataset that changes upstream is not seen).
+        """
+        parts = []
+        for inp in self.inputs:
+            if inp.kind == "default":
+                parts.append([inp.kind, hashlib.sha256(json.dumps(_default_topics()).encode()).hexdigest()])
+            elif inp.kind == "hub":
+                local = Path(inp.path)
+                stats = [_stat(p) for p in sorted(local.rglob("*")) if p.is_file()] if local.is_dir() else []
+                parts.append([inp.kind, inp.path, inp.config, inp.split, inp.revision, stats])
+            else:
+                parts.append([inp.kind, inp.label, *_stat(Path(inp.path))])
+        key = {"inputs": parts, "unit": self.unit, "splitter": SPLITTER if self.unit == "sentence" else None,
+               "sources": sorted(self.sources) if self.sources is not None else None, "text_field": self.text_field}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+    def size_bytes(self) -> int | None:
+        """Bytes of the local input files (compressed size); None for hub datasets."""
+        if any(inp.kind == "hub" for inp in self.inputs):
+            return None
+        return sum(os.path.getsize(inp.path) if inp.kind != "default" else 500_000 for inp in self.inputs)
+
+    def describe(self) -> str:
+        names = [inp.path for inp in self.inputs]
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        """(source label, text) of every record that passes the sources filter, in order."""
+        self.bad_records = 0
+        self.seen_sources = set()
+        for inp in self.inputs:
+            for label, text in _READERS[inp.kind](self, inp):
+                self.seen_sources.add(label)
+                if self.sources is None or label in self.sources:
+                    yield label, text
+
+    def _bad(self, where: str, reason: str) -> None:
+        self.bad_records += 1
+        if self.bad_records > self.max_bad_records:
+            raise UserError(f"{where}: {reason} (more than max_bad_records={self.max_bad_records} bad records)")
+        if self.bad_records <= _MAX_WARNINGS:
+            warnings.warn(f"{where}: {reason}; record skipped", stacklevel=3)
+
+    def _record(self, where: str, rec, default_label: str):
+        if not isinstance(rec, dict):
+            return self._bad(where, f"record is a {type(rec).__name__}, not an object")
+        text = rec.get(self.text_field)
+        if not isinstance(text, str):
+            why = "no" if text is None else f"non-string ({type(text).__name__})"
+            return self._bad(where, f"record has {why} {self.text_field!r} field")
+        meta = rec.get("meta")
+        label = meta.get("pile_set_name") if isinstance(meta, dict) else None
+        return (label if isinstance(label, str) else default_label), text
+
+
+def _stat(path: Path) -> list:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def _read_txt(corpus: Corpus, inp: Input):
+    data = Path(inp.path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise UserError(f"{inp.path}:{line}: invalid UTF-8 byte 0x{data[e.start]:02x} at column {col}") from None
+    yield inp.label, text.lstrip("\ufeff")
+
+
+def _open_binary(path: str):
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+
+        raw = open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(raw, closefd=True))
+    return open(path, "rb")
+
+
+def _read_jsonl(corpus: Corpus, inp: Input):
+    lineno = 0
+    with _open_binary(inp.path) as f:
+        try:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                where = f"{inp.path}:{lineno}"
+                try:
+                    rec = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    corpus._bad(where, f"invalid UTF-8 byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+                    continue
+                except json.JSONDecodeError as e:
+                    corpus._bad(where, f"malformed JSON ({e.msg} at column {e.colno})")
+                    continue
+                out = corpus._record(where, rec, inp.label)
+                if out is not None:
+                    yield out
+        except (EOFError, OSError, gzip.BadGzipFile) as e:
+            raise UserError(f"{inp.path}:{lineno + 1}: corrupt or truncated compressed data ({e})") from None
+        except Exception as e:  # zstandard.ZstdError has no importable common base here
+            if type(e).__name__ == "ZstdError":
+                raise UserError(f"{inp.path}:{lineno + 1}: corrupt or truncated zstd data ({e})") from None
+            raise
+
+
+def _read_parquet(corpus: Corpus, inp: Input):
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(inp.path)
+    except Exception as e:
+        raise UserError(f"{inp.path}: not a readable parquet file ({e})") from None
+    names = pf.schema_arrow.names
+    if corpus.text_field not in names:
+        raise UserError(f"{inp.path}:1: no {corpus.text_field!r} column (columns: {', '.join(names)})")
+    columns = [c for c in (corpus.text_field, "meta") if c in names]
+    row = 0
+    for batch in pf.iter_batches(batch_size=4096, columns=columns):
+        cols = {c: batch.column(c).to_pylist() for c in columns}
+        for i in range(batch.num_rows):
+            row += 1
+            out = corpus._record(f"{inp.path}:{row}", {c: cols[c][i] for c in columns}, inp.label)
+            if out is not None:
+                yield out
+
+
+def _read_hub(corpus: Corpus, inp: Input):
+    import datasets
+
+    spec = f"hub:{inp.path}"
+    try:
+        ds = datasets.load_dataset(inp.path, inp.config, split=inp.split, revision=inp.revision, streaming=True)
+    except Exception as e:
+        raise UserError(f"{spec}: cannot load dataset ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    for i, rec in enumerate(ds, 1):
+        out = corpus._record(f"{spec}:{i}", rec, inp.label)
+        if out is not None:
+            yield out
+
+
+def _default_topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return {k: topics[k] for k in sorted(topics)}
+
+
+def _read_default(corpus: Corpus, inp: Input):
+    for text in _default_topics().values():
+        yield inp.label, text
+
+
+_READERS = {"txt": _read_txt, "jsonl": _read_jsonl, "parquet": _read_parquet, "hub": _read_hub,
+            "default": _read_default}
+
+
+def default_corpus(*, unit: str = "sentence") -> Corpus:
+    """CPython's bundled documentation topics (`pydoc_data.topics`): real English, always offline."""
+    return Corpus((Input("default", DEFAULT_NAME, DEFAULT_NAME),), unit=unit)
+
+
+def load_corpus(paths: list[str] | None, *, unit: str = "sentence", sources=None, text_field: str = "text",
+                max_bad_records: int = 100) -> Corpus:
+    """Describe a corpus; nothing is read until it is tokenized. None or [] -> the default corpus.
+
+    `paths`: .txt (one file = one document), .jsonl / .jsonl.gz / .jsonl.zst with a `text`
+    field, .parquet, folders of such shards (recursive, sorted), or `hub:NAME[@REV][:CONFIG]:SPLIT`.
+    `sources`: keep only records whose source label is in this list.
+    `max_bad_records`: malformed / undecodable / text-less records are skipped with a warning
+    naming file and line; one more than this many raises UserError.
+    """
+    if unit not in UNITS:
+        raise UserError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    srcs = None
+    if sources is not None:
+        srcs = frozenset([sources] if isinstance(sources, str) else sources)
+        if not srcs:
+            raise UserError("sources: empty list (leave it out to keep every source)")
+    if not paths:
+        corpus = default_corpus(unit=unit)
+    else:
+        inputs = [inp for spec in paths for inp in _expand(str(spec))]
+        corpus = Corpus(tuple(inputs), unit=unit)
+    corpus.sources, corpus.text_field, corpus.max_bad_records = srcs, text_field, max_bad_records
+    return corpus

@@ -1,0 +1,270 @@
+"""Find and read Hugging Face checkpoint files one tensor at a time.
+
+`resolve_checkpoint` turns a local directory, a preset name (`pythia-70m`, `pythia-70m-deduped`)
+or a hub id (`EleutherAI/pythia-70m`) into a local directory, downloading through the
+Hugging Face cache when needed. `CheckpointReader` reads single tensors from
+`model.safetensors`, sharded safetensors (`*.index.json`), or `pytorch_model.bin`.
+
+Safetensors files are memory-mapped with numpy from their own header (the header is
+checked against the file size before any tensor is read, so a truncated download fails
+with a clear message instead of a bus error). bfloat16 is upcast to float32 because numpy
+has no bfloat16 arithmetic. `.bin` files are only ever opened with
+`torch.load(weights_only=True)`; nothing here runs remote code.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import pathlib
+import re
+import struct
+
+import numpy as np
+
+from isojax.errors import UserError
+
+_PKG = pathlib.Path(__file__).resolve().parent
+PRESET_DIRS = (_PKG / "presets", _PKG.parent / "configs")
+SAFETENSORS_PATTERNS = ["*.json", "*.safetensors"]
+BIN_PATTERNS = ["*.json", "*.bin"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64,
+    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def preset_hub_id(name: str) -> str | None:
+    """Hub id of a preset name (`pythia-70m` or `pythia-70m-deduped`), or None."""
+    base, suffix = (name[: -len("-deduped")], "-deduped") if name.endswith("-deduped") else (name, "")
+    for d in PRESET_DIRS:
+        f = d / f"{base}.json"
+        if f.is_file():
+            hub_id = json.loads(f.read_text()).get("hub_id")
+            return hub_id + suffix if hub_id else None
+    return None
+
+
+def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> UserError:
+    from huggingface_hub import errors as e
+
+    rev = revision or "main"
+    if isinstance(exc, e.RevisionNotFoundError):
+        return UserError(f"revision {rev!r} not found in hub repo {repo_id}")
+    if isinstance(exc, e.GatedRepoError):
+        return UserError(f"hub repo {repo_id} is gated: accept its terms and log in (hf auth login)")
+    if isinstance(exc, e.RepositoryNotFoundError):
+        return UserError(f"hub repo {repo_id} not found (or private)")
+    if isinstance(exc, e.LocalEntryNotFoundError):
+        return UserError(f"{repo_id}@{rev} is not in the Hugging Face cache and the hub is "
+                         "unreachable or offline (HF_HUB_OFFLINE)")
+    return UserError(f"cannot download {repo_id}@{rev}: {type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
+
+
+def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
+                       allow_patterns=None) -> pathlib.Path:
+    """Local directory of a checkpoint given a directory, preset name or hub id."""
+    path = pathlib.Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise UserError(f"not a directory: {name_or_path}")
+    repo_id = preset_hub_id(name_or_path)
+    if repo_id is None and _HUB_ID.match(name_or_path) and not name_or_path.startswith("."):
+        repo_id = name_or_path
+    if repo_id is None:
+        kind = "directory" if os.sep in name_or_path or name_or_path.startswith(".") else "preset, hub id or directory"
+        raise UserError(f"model not found: {name_or_path} (no such {kind})")
+    import huggingface_hub
+
+    from isojax.network import hub_reachable
+    try:  # no network: the cache only, without huggingface_hub's ~30 s of retries
+        local = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
+                                                  local_files_only=not hub_reachable())
+    except Exception as exc:  # every hub/network failure becomes one line for the user
+        err = _hub_error(exc, repo_id, revision)
+        if repo_id == name_or_path:  # it could also have been meant as a local path
+            err = UserError(f"{err} (and there is no local directory {name_or_path})")
+        raise err from exc
+    return pathlib.Path(local)
+
+
+def resolve_weights(name_or_path: str, revision: str | None = None, *,
+                    tensors=None) -> pathlib.Path:
+    """Like `resolve_checkpoint`, but download only the weight files needed.
+
+    Safetensors are preferred; `.bin` files are fetched only when the revision has no
+    safetensors. With `tensors` (names) and a sharded checkpoint, only the shards that hold
+    them are downloaded (open the result with `CheckpointReader(dir, only=tensors)`).
+    """
+    path = pathlib.Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    meta = resolve_checkpoint(name_or_path, revision, allow_patterns=["*.json"])
+    for index, patterns in (("model.safetensors.index.json", SAFETENSORS_PATTERNS),
+                            ("pytorch_model.bin.index.json", BIN_PATTERNS)):
+        if (meta / index).is_file():
+            if tensors is not None:
+                weight_map = _read_index(meta / index)
+                patterns = ["*.json"] + sorted({weight_map[t] for t in tensors if t in weight_map})
+            return resolve_checkpoint(name_or_path, revision, allow_patterns=patterns)
+    local = resolve_checkpoint(name_or_path, revision, allow_patterns=SAFETENSORS_PATTERNS)
+    if not any(local.glob("*.safetensors")):
+        local = resolve_checkpoint(name_or_path, revision, allow_patterns=BIN_PATTERNS)
+    return local
+
+
+def _read_index(index: pathlib.Path) -> dict:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise UserError(f"corrupt checkpoint index: {index}") from None
+    return weight_map
+
+
+def _safetensors_header(path: pathlib.Path) -> tuple[dict, int]:
+    """(tensor entries, data start offset) after checking that the file holds all the data."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise UserError(f"truncated safetensors file: {path} ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise UserError(f"truncated safetensors file: {path} (header needs {8 + n} bytes, "
+                            f"file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise UserError(f"corrupt safetensors header: {path}") from None
+    header.pop("__metadata__", None)
+    end = max((e["data_offsets"][1] for e in header.values()), default=0)
+    if 8 + n + end > size:
+        raise UserError(f"truncated safetensors file: {path} (header says {8 + n + end} bytes, "
+                        f"file has {size})")
+    return header, 8 + n
+
+
+class CheckpointReader:
+    """Tensor-by-tensor access to the weights of one Hugging Face checkpoint directory.
+
+    `only` (tensor names) lets a partly downloaded sharded checkpoint open: then only the
+    shards holding those tensors must be present.
+    """
+
+    def __init__(self, directory, *, only=None):
+        self.directory = d = pathlib.Path(directory)
+        if not d.is_dir():
+            raise UserError(f"model directory not found: {d}")
+        self._files: dict[str, pathlib.Path] = {}  # tensor name -> file
+        self._st: dict[pathlib.Path, tuple[dict, int]] = {}
+        self._bin: dict[pathlib.Path, dict] = {}
+        self._index: pathlib.Path | None = None
+        for index, single, kind in (("model.safetensors.index.json", "model.safetensors", "st"),
+                                    ("pytorch_model.bin.index.json", "pytorch_model.bin", "bin")):
+            self.format = "safetensors" if kind == "st" else "bin"
+            if (d / index).is_file():
+                self._index = d / index
+                self._files = {k: d / v for k, v in _read_index(d / index).items()}
+                needed = self._files.values() if only is None else \
+                    [self._files[t] for t in only if t in self._files]
+                for f in sorted(set(needed)):
+                    self._require(f)
+                return
+            files = [d / single] if (d / single).is_file() else \
+                sorted(d.glob("*.safetensors")) if kind == "st" else []
+            if files:
+                for f in files:
+                    self._open(f)
+                return
+        raise UserError(f"no weights found in {d} (expected model.safetensors, "
+                        "model.safetensors.index.json, pytorch_model.bin or its index)")
+
+    def _require(self, f: pathlib.Path) -> None:
+        if f in self._st or f in self._bin:
+            return
+        if not f.is_file():
+            raise UserError(f"missing shard {f.name} listed in {self._index}")
+        self._open(f)
+
+    def _open(self, f: pathlib.Path) -> None:
+        if f.suffix == ".safetensors":
+            header, _ = self._st[f] = _safetensors_header(f)
+            names = header.keys()
+        else:
+            import torch
+
+            try:
+                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UserError(f"cannot load {f} with weights_only=True (refusing to unpickle "
+                                f"arbitrary objects): {reason[:200]}") from None
+            if not isinstance(sd, dict):
+                raise UserError(f"{f} does not hold a state dict")
+            self._bin[f] = sd
+            names = sd.keys()
+        for name in names:
+            self._files[name] = f
+
+    def names(self) -> list[str]:
+        return sorted(self._files)
+
+    def _file(self, name: str) -> pathlib.Path:
+        if name not in self._files:
+            close = difflib.get_close_matches(name, self._files, n=4, cutoff=0.5)
+            hint = "; close names: " + ", ".join(close) if close else \
+                f"; it has {len(self._files)} tensors, e.g. " + ", ".join(self.names()[:3])
+            raise UserError(f"tensor {name!r} not found in {self.directory}{hint}")
+        f = self._files[name]
+        self._require(f)
+        if f in self._st and name not in self._st[f][0] or f in self._bin and name not in self._bin[f]:
+            raise UserError(f"tensor {name!r} listed in {self._index} is missing from {f}")
+        return f
+
+    def shape(self, name) -> tuple:
+        f = self._file(name)
+        if f in self._st:
+            return tuple(self._st[f][0][name]["shape"])
+        return tuple(self._bin[f][name].shape)
+
+    def dtype(self, name) -> str:
+        """Stored dtype as a lowercase numpy-style name: float32, float16, bfloat16, ..."""
+        f = self._file(name)
+        if f in self._st:
+            st = self._st[f][0][name]["dtype"]
+            return "bfloat16" if st == "BF16" else np.dtype(_ST_DTYPES.get(st, np.uint8)).name
+        return str(self._bin[f][name].dtype).removeprefix("torch.")
+
+    def read(self, name) -> np.ndarray:
+        """One tensor; memory-mapped (read-only) unless it must be upcast from bfloat16."""
+        f = self._file(name)
+        if f in self._st:
+            header, start = self._st[f]
+            entry = header[name]
+            if entry["dtype"] == "BF16":
+                import ml_dtypes
+
+                dt = np.dtype(ml_dtypes.bfloat16)
+            elif entry["dtype"] in _ST_DTYPES:
+                dt = np.dtype(_ST_DTYPES[entry["dtype"]])
+            else:
+                raise UserError(f"unsupported dtype {entry['dtype']} of {name!r} in {f}")
+            begin, end = entry["data_offsets"]
+            shape = tuple(entry["shape"])
+            if end - begin != dt.itemsize * int(np.prod(shape)):
+                raise UserError(f"corrupt safetensors entry {name!r} in {f}")
+            if end == begin:
+                return np.zeros(shape, dt if dt.name != "bfloat16" else np.float32)
+            arr = np.memmap(f, dtype=dt, mode="r", offset=start + begin, shape=shape)
+            return arr.astype(np.float32) if dt.name == "bfloat16" else arr
+        t = self._bin[f][name]
+        if t.dtype.is_floating_point and t.dtype.itemsize == 2 and str(t.dtype) == "torch.bfloat16":
+            t = t.float()
+        return t.numpy()

@@ -1,0 +1,279 @@
+"""Isotropy of a checkpoint's weights: `python -m isojax.weights --model pythia-70m --out DIR`.
+
+For GPT-NeoX checkpoints: I(W) and friends of the embedding (`embed_in`) and unembedding
+(`embed_out`) matrices and the final LayerNorm's g and b (Machina & Mercer §4.2-4.4).
+With `--tensor NAME`: the matrix metrics of any 2-D tensor of any checkpoint.
+Results go to a temporary directory next to OUT that replaces OUT only when the run has
+succeeded, so a failed run never damages earlier results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+from isojax import hf_files, isotropy
+from isojax.errors import UserError
+
+EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
+LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
+MATRIX_METRICS = ["isotropy", "isotropy_centered", "isotropy_pc_removed",
+                  "isotropy_scaled_centered", "mean_norm", "mean_vector_norm"]
+LN_METRICS = [("avgnorm_g", "avgnorm_b"), ("b_over_g",), ("gao_sum",),
+              ("b_parallel_norm", "b_perp_norm")]
+
+
+def paper_steps() -> list[str]:
+    """The 21 evenly spaced Pythia checkpoints of the paper: step0 and floor(i*143/20)*1000."""
+    return ["step0"] + [f"step{(i * 143 // 20) * 1000}" for i in range(1, 21)]
+
+
+def _matrix(reader: hf_files.CheckpointReader, name: str) -> np.ndarray:
+    shape = reader.shape(name)
+    if len(shape) != 2 or 0 in shape:
+        raise UserError(f"tensor {name!r} has shape {tuple(shape)}: the matrix metrics need a "
+                        "non-empty 2-D tensor")
+    return reader.read(name)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w.\-]+", "_", name)
+
+
+def analyze_checkpoint(model: str, revision: str | None, tensors: list[str] | None,
+                       out: pathlib.Path, plots: bool = True) -> dict:
+    """Measure one checkpoint, write `out/weights.json` (+ arrays.npz, PNGs); return the JSON."""
+    needed = tensors or [EMBED_IN, EMBED_OUT, LN_G, LN_B]
+    directory = hf_files.resolve_weights(model, revision, tensors=needed)
+    reader = hf_files.CheckpointReader(directory, only=needed)
+    result: dict = {"model": model, "revision": revision, "checkpoint": str(directory),
+                    "format": reader.format}
+    if tensors:
+        matrices = {t: t for t in tensors}
+        result["tensors"] = {}
+    else:
+        names = set(reader.names())
+        missing = [t for t in (EMBED_IN, EMBED_OUT, LN_G, LN_B) if t not in names]
+        if missing:
+            raise UserError(f"not a GPT-NeoX checkpoint: {directory} has no {missing[0]}; "
+                            "use --tensor NAME to measure any 2-D tensor")
+        matrices = {"embed_in": EMBED_IN, "embed_out": EMBED_OUT}
+    arrays = {}
+    for key, name in matrices.items():
+        W = _matrix(reader, name)
+        rep = isotropy.analyze_matrix(W)
+        m = dict(rep.metrics, tensor=name, dtype=reader.dtype(name))
+        (result["tensors"] if tensors else result)[key] = m
+        arrays.update({f"{key}/singular_values": rep.singular_values,
+                       f"{key}/singular_values_centered": rep.singular_values_centered,
+                       f"{key}/proj2d": rep.proj2d, f"{key}/proj2d_centered": rep.proj2d_centered})
+        if any(isinstance(v, float) and not math.isfinite(v) for v in m.values()):
+            raise UserError(f"tensor {name!r} in {directory} holds NaN or infinite values")
+        if plots:
+            label = pathlib.Path(model).name if pathlib.Path(model).expanduser().is_dir() else model
+            _matrix_plots(rep, _safe(key), out, f"{label} {revision or ''}\n{key}".replace(" \n", "\n"))
+    if not tensors:
+        g, b = reader.read(LN_G), reader.read(LN_B)
+        if g.ndim != 1 or g.shape != b.shape:
+            raise UserError(f"final LayerNorm weight {g.shape} and bias {b.shape} in {directory} "
+                            "are not two vectors of one length")
+        if not (np.all(np.isfinite(g)) and np.all(np.isfinite(b))):
+            raise UserError(f"final LayerNorm in {directory} holds NaN or infinite values")
+        result["final_ln"] = isotropy.layer_norm_metrics(g, b)
+    np.savez(out / "arrays.npz", **{_safe(k): v for k, v in arrays.items()})
+    (out / "weights.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    return result
+
+
+def _flat(result: dict) -> dict:
+    """Scalar metrics as `group.metric` columns for the sweep table."""
+    row = {}
+    groups = result.get("tensors") or {k: result[k] for k in ("embed_in", "embed_out", "final_ln")}
+    for g, metrics in groups.items():
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) or v is None:
+                row[f"{g}.{k}"] = v
+    return row
+
+
+def _step(revision: str) -> int | None:
+    m = re.fullmatch(r"step(\d+)", revision)
+    return int(m.group(1)) if m else None
+
+
+def run(args) -> None:
+    out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UserError(f"--out {out} already holds results; pass --overwrite to replace them")
+    if args.paper_steps:
+        revisions = paper_steps()
+    elif args.revisions:
+        revisions = [r.strip() for r in args.revisions.split(",") if r.strip()]
+        if not revisions:
+            raise UserError("--revisions is empty")
+    else:
+        revisions = None
+    if (args.revision or revisions) and pathlib.Path(args.model).expanduser().is_dir():
+        raise UserError(f"{args.model} is a local directory: revisions apply to hub models only")
+    if args.tensor:
+        for t in args.tensor:
+            if not t:
+                raise UserError("--tensor needs a tensor name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        if revisions is None:
+            analyze_checkpoint(args.model, args.revision, args.tensor, tmp, not args.no_plots)
+        else:
+            _sweep(args, revisions, tmp)
+        if out.exists():
+            old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(old / out.name)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sweep(args, revisions: list[str], tmp: pathlib.Path) -> None:
+    from tqdm import tqdm
+
+    rows = []
+    for rev in tqdm(revisions, desc="revisions", unit="ckpt", file=sys.stderr,
+                    disable=len(revisions) < 2):
+        sub = tmp / _safe(rev)
+        sub.mkdir()
+        res = analyze_checkpoint(args.model, rev, args.tensor, sub, not args.no_plots)
+        rows.append({"revision": rev, "step": _step(rev), **_flat(res)})
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with open(tmp / "sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows([{k: "" if r.get(k) is None else r.get(k) for k in cols} for r in rows])
+    if not args.no_plots:
+        groups = list(args.tensor) if args.tensor else ["embed_in", "embed_out"]
+        _sweep_plots(rows, groups, [] if args.tensor else LN_METRICS, tmp, args.model)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _matrix_plots(rep: isotropy.MatrixReport, key: str, out: pathlib.Path, title: str) -> None:
+    """Normalized singular values (Bis et al. Fig. 2b) and 2-D SVD projections (Fig. 10)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    k = np.arange(1, len(rep.singular_values) + 1)
+    ax.plot(k, rep.singular_values, label="uncentered")
+    ax.plot(k, rep.singular_values_centered, label="centered")
+    ax.set(yscale="log", xlabel="index k", ylabel="sigma_k / sigma_1",
+           title=f"{title}: normalized singular values")
+    ax.title.set_fontsize(10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{key}_singular_values.png", dpi=120)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5), layout="constrained")
+    ids = np.arange(len(rep.proj2d))
+    for ax, p, name in ((axes[0], rep.proj2d, "uncentered"), (axes[1], rep.proj2d_centered, "centered")):
+        if p.shape[1] < 2:
+            p = np.c_[p, np.zeros(len(p))]
+        sc = ax.scatter(p[:, 0], p[:, 1], c=ids, s=1, cmap="viridis", rasterized=True)
+        ax.set(xlabel="singular direction 1", ylabel="singular direction 2", title=name)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.axvline(0, color="grey", lw=0.5)
+    fig.colorbar(sc, ax=axes, label="token id (row)")
+    fig.suptitle(f"{title}: 2-D SVD projection")
+    fig.savefig(out / f"{key}_svd2d.png", dpi=120)
+    plt.close(fig)
+
+
+def _sweep_plots(rows: list[dict], groups: list[str], ln_metrics, out: pathlib.Path, title: str):
+    """One PNG per metric across revisions (Machina & Mercer Fig. 7 and 9)."""
+    plt = _pyplot()
+    steps = [r["step"] for r in rows]
+    by_step = all(s is not None for s in steps)
+    x = steps if by_step else list(range(len(rows)))
+    series = [(m, [f"{g}.{m}" for g in groups]) for m in MATRIX_METRICS]
+    series += [("final_ln_" + "_".join(ms), [f"final_ln.{m}" for m in ms]) for ms in ln_metrics]
+    for name, cols in series:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for c in cols:
+            y = [np.nan if r.get(c) is None else r[c] for r in rows]
+            ax.plot(x, y, marker="o", ms=3, label=c)
+        ax.set(xlabel="training step" if by_step else "revision", ylabel=name,
+               title=f"{title}: {name}")
+        if not by_step:
+            ax.set_xticks(x, [r["revision"] for r in rows], rotation=45, ha="right")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"sweep_{_safe(name)}.png", dpi=120)
+        plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m isojax.weights",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Partition-function isotropy I(W) of the embedding and unembedding "
+                    "matrices and statistics\nof the final LayerNorm of a GPT-NeoX checkpoint "
+                    "(or of any 2-D tensor with --tensor).",
+        epilog="outputs in OUT (one subfolder per revision for sweeps):\n"
+               "  weights.json             metrics (embed_in, embed_out, final_ln | tensors)\n"
+               "  arrays.npz               normalized singular values, 2-D SVD projections\n"
+               "  *_singular_values.png    normalized singular values before/after centering\n"
+               "  *_svd2d.png              2-D SVD projection, uncentered and centered\n"
+               "  sweep.csv, sweep_*.png   sweeps only: one row per revision, one plot per metric\n"
+               "I(W) = min Z(c) / max Z(c) over the eigenvectors c of W^T W and their negations.")
+    ap.add_argument("--model", required=True, metavar="NAME_OR_PATH",
+                    help="preset (pythia-70m, pythia-70m-deduped, ...), hub id "
+                         "(EleutherAI/pythia-70m) or local directory in Hugging Face layout")
+    rev = ap.add_mutually_exclusive_group()
+    rev.add_argument("--revision", help="hub revision (branch, tag or commit), e.g. step143000")
+    rev.add_argument("--revisions", metavar="R1,R2,...",
+                     help="sweep comma-separated revisions: OUT/REV/ per revision, "
+                          "OUT/sweep.csv and OUT/sweep_*.png")
+    rev.add_argument("--paper-steps", action="store_true",
+                     help="sweep the paper's 21 checkpoints: step0 and floor(i*143/20)*1000 "
+                          "for i = 1..20")
+    ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace existing results in OUT (refused without it)")
+    ap.add_argument("--tensor", action="append", metavar="NAME",
+                    help="measure this 2-D tensor instead of the GPT-NeoX set; repeatable; "
+                         "works for any safetensors checkpoint (reads only that tensor)")
+    ap.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

