@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from isojax.errors import UserError
+from isojax.errors import UserError, run_command
 
 
 def main(argv=None) -> int:
@@ -16,26 +16,24 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="directory to write (must not exist unless --overwrite)")
     ap.add_argument("--revision", default=None, help="hub revision, e.g. step143000 (hub sources only)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    args = ap.parse_args(argv)
-    try:
-        from isojax.config import base_preset, hub_id
-        from isojax.hf_files import resolve_checkpoint
-        from isojax.loading import convert_dir
-        src = Path(args.src).expanduser()
-        if src.is_dir():
-            if args.revision:
-                raise UserError("--revision applies to hub models, not to a local directory")
-            source = {"name": str(src), "revision": None}
-        else:
-            repo = hub_id(args.src) if base_preset(args.src) else args.src
-            src = resolve_checkpoint(repo, args.revision)
-            source = {"name": repo, "revision": args.revision}
-        out = convert_dir(src, Path(args.out), source=source, overwrite=args.overwrite)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(convert, ap.parse_args(argv))
+
+
+def convert(args) -> None:
+    from isojax.config import base_preset, hub_id
+    from isojax.hf_files import resolve_checkpoint
+    from isojax.loading import convert_dir
+    src = Path(args.src).expanduser()
+    if src.is_dir():
+        if args.revision:
+            raise UserError("--revision applies to hub models, not to a local directory")
+        source = {"name": str(src), "revision": None}
+    else:
+        repo = hub_id(args.src) if base_preset(args.src) else args.src
+        src = resolve_checkpoint(repo, args.revision)
+        source = {"name": repo, "revision": args.revision}
+    out = convert_dir(src, Path(args.out), source=source, overwrite=args.overwrite)
     print(f"wrote {out}", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

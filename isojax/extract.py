@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from isojax.errors import UserError
+from isojax.errors import UserError, run_command
 
 DEFAULT_MODEL = "pythia-70m"
 CPU_DEFAULT_MAX_TOKENS = 50_000  # the embedded default must finish in under two minutes on 2 CPU cores
@@ -263,22 +263,7 @@ def centered_pass(final, acc, model, cache, rows, row_len, args):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # device out of memory arrives as a runtime error from XLA
-        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
-            print("error: the device ran out of memory; lower --batch-tokens or use --no-token-stats",
-                  file=sys.stderr)
-            return 2
-        raise
-    return 0
+    return run_command(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

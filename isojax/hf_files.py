@@ -23,10 +23,9 @@ import struct
 
 import numpy as np
 
+from isojax.config import base_preset, hub_id
 from isojax.errors import UserError
 
-_PKG = pathlib.Path(__file__).resolve().parent
-PRESET_DIRS = (_PKG / "presets", _PKG.parent / "configs")
 SAFETENSORS_PATTERNS = ["*.json", "*.safetensors"]
 BIN_PATTERNS = ["*.json", "*.bin"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -39,13 +38,7 @@ _ST_DTYPES = {
 
 def preset_hub_id(name: str) -> str | None:
     """Hub id of a preset name (`pythia-70m` or `pythia-70m-deduped`), or None."""
-    base, suffix = (name[: -len("-deduped")], "-deduped") if name.endswith("-deduped") else (name, "")
-    for d in PRESET_DIRS:
-        f = d / f"{base}.json"
-        if f.is_file():
-            hub_id = json.loads(f.read_text()).get("hub_id")
-            return hub_id + suffix if hub_id else None
-    return None
+    return hub_id(name) if base_preset(name) else None
 
 
 def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> UserError:

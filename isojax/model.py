@@ -15,6 +15,7 @@ function as it is produced (s = 0 .. L+1): statistics consume states inside the 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -83,6 +84,11 @@ def attention_xla(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_Bx1xTxT, precision):
     return jnp.einsum("bhqs,bshk->bqhk", probs, v_BxTxHxK, precision=precision)
 
 
+def _dense(parent: nn.Module, features: int, name: str) -> nn.Dense:
+    return nn.Dense(features, dtype=parent.dtype, param_dtype=parent.param_dtype, precision=parent.precision,
+                    name=name, parent=parent)
+
+
 class Attention(nn.Module):
     cfg: GPTNeoXConfig
     dtype: Any
@@ -94,8 +100,7 @@ class Attention(nn.Module):
     def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
         b, t, d = x_BxTxD.shape
         h, k = self.cfg.num_heads, self.cfg.head_dim
-        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
-                                         precision=self.precision, name=name)
+        dense = functools.partial(_dense, self)
         # Hugging Face's fused layout: output columns grouped per head as (q, k, v).
         qkv_BxTxHx3xK = dense(3 * d, "query_key_value")(x_BxTxD).reshape(b, t, h, 3, k)
         q = apply_rotary(qkv_BxTxHx3xK[..., 0, :], cos_BxTxR, sin_BxTxR)
@@ -120,8 +125,7 @@ class Block(nn.Module):
     def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
         cfg = self.cfg
         ln = lambda name: LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name=name)
-        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
-                                         precision=self.precision, name=name)
+        dense = functools.partial(_dense, self)
 
         def mlp(h_BxTxD):
             u_BxTxF = dense(cfg.intermediate_size, "dense_h_to_4h")(h_BxTxD)

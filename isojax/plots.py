@@ -106,7 +106,7 @@ def plot_metrics(metrics: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
 
     if layers:
         written.append(_plot(metrics, names, [
-            ("InterSim (random token pairs)", _series(layers, "inter_sim"), {"color": "C0"}),
+            ("InterSim (all pairs of states)", _series(layers, "inter_sim"), {"color": "C0"}),
             ("IntraSim (mean over token types)", _series(layers, "intra_sim"), {"color": "C1"}),
             ("IntraSim (occurrence-weighted)", _series(layers, "intra_sim_weighted"),
              {"color": "C1", "linestyle": "--"}),

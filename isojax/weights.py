@@ -22,7 +22,7 @@ import tempfile
 import numpy as np
 
 from isojax import hf_files, isotropy
-from isojax.errors import UserError
+from isojax.errors import UserError, run_command
 
 EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
 LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
@@ -266,13 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
