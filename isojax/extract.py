@@ -149,6 +149,8 @@ def run(args) -> Path:
     row_len = args.seq_len or (512 if args.unit == "sentence" else cfg.max_position_embeddings)
     if not 1 <= row_len <= cfg.max_position_embeddings:
         raise UserError(f"--seq-len must be in [1, {cfg.max_position_embeddings}] (the model's context)")
+    if args.attention == "auto" and model.attention_impl == "cudnn" and row_len % 64:
+        model.attention_impl = "xla"  # cuDNN attention was only measured on rows of multiples of 64
     batch_tokens = args.batch_tokens or (65536 if on_accel else 8192)
     rows = max(1, batch_tokens // row_len)
     rows = -(-rows // n_dev) * n_dev
@@ -165,6 +167,9 @@ def run(args) -> Path:
                     num_groups=len(cache.source_names))
     check_memory(cfg, args, num_groups=len(cache.source_names), verbose=True)
 
+    if args.max_tokens is None and args.data is None and not on_accel:
+        args.max_tokens = CPU_DEFAULT_MAX_TOKENS
+        log(f"embedded default corpus on CPU: the first {args.max_tokens:,} tokens (--max-tokens to change)")
     settings = {"model_checksum": model.source["checksum"], "corpus": cache.fingerprint, "rows": rows,
                 "row_len": row_len, "dtype": dtype, "token_stats": not args.no_token_stats,
                 "max_tokens": args.max_tokens}
@@ -187,10 +192,6 @@ def run(args) -> Path:
     elif ckpt_dir.exists():
         shutil.rmtree(ckpt_dir)
 
-    if args.max_tokens is None and args.data is None and not on_accel:
-        args.max_tokens = CPU_DEFAULT_MAX_TOKENS
-        log(f"embedded default corpus on CPU: the first {args.max_tokens:,} tokens (--max-tokens to change)")
-        settings["max_tokens"] = args.max_tokens
     total = min(plan.tokens, args.max_tokens or plan.tokens)
     t_loop = time.time()
     done = consume(runner, pack_batches(cache, rows=rows, row_len=row_len, start_cursor=cursor), done, total,

@@ -58,7 +58,10 @@ def reference_metrics(states: list[np.ndarray], ids: list[np.ndarray]) -> list[d
                 weights.append(k)
         sv = np.linalg.svd(X - X.mean(0), compute_uv=False)
         sv_u = np.linalg.svd(X, compute_uv=False)
-        out.append({"inter_sim": inter, "intra_sim": np.mean(intra), "intra_sim_weighted": np.average(intra, weights=weights),
+        C = X - X.mean(0)
+        Cu = C / np.linalg.norm(C, axis=1, keepdims=True)
+        centered = ((Cu @ Cu.T).sum() - n) / (n * n - n)
+        out.append({"inter_sim": inter, "centered_inter_sim": centered, "intra_sim": np.mean(intra), "intra_sim_weighted": np.average(intra, weights=weights),
                     "intra_tokens": len(intra), "anisotropy": sv[0] ** 2 / (sv ** 2).sum(),
                     "anisotropy_uncentered": sv_u[0] ** 2 / (sv_u ** 2).sum(),
                     "mean_norm": np.linalg.norm(X, axis=1).mean(), "count": n})
@@ -71,7 +74,8 @@ def test_metrics_match_float64_reference_from_hugging_face(tmp_path, monkeypatch
     docs = write_pile_jsonl(tmp_path / "pile.jsonl", 60, seed=3)
     out = tmp_path / "out"
     assert main(["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "pile.jsonl"), "--unit", "document",
-                 "--seq-len", "128", "--batch-tokens", "512", "--out", str(out), "--no-plots"]) == 0
+                 "--seq-len", "128", "--batch-tokens", "512", "--out", str(out), "--no-plots", "--centered",
+                 "--save-token-sums"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     tok = Tokenizer.from_file(str(TOKENIZER_JSON))
     by_source = {}
@@ -85,9 +89,22 @@ def test_metrics_match_float64_reference_from_hugging_face(tmp_path, monkeypatch
     assert [layer["name"] for layer in metrics["layers"]] == ["embed", "block_1", "block_2", "final_ln"]
     for got, want in zip(metrics["layers"], ref):
         assert got["count"] == want["count"] and got["intra_tokens"] == want["intra_tokens"]
-        for key in ("inter_sim", "intra_sim", "intra_sim_weighted", "anisotropy", "anisotropy_uncentered"):
+        for key in ("inter_sim", "centered_inter_sim", "intra_sim", "intra_sim_weighted", "anisotropy",
+                    "anisotropy_uncentered"):
             assert abs(got[key] - want[key]) < 2e-5, (got["name"], key, got[key], want[key])
         assert abs(got["mean_norm"] - want["mean_norm"]) < 2e-5 * want["mean_norm"]
+    # per-token arrays: counts, IntraSim and unit sums of the most frequent token, every state
+    import tensorstore as ts
+    read = lambda name: ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(out / "tokens.zarr" / name)}}).result().read().result()
+    ids_all = np.concatenate([i for _, i in every])
+    top = int(np.bincount(ids_all).argmax())
+    assert read("count")[top] == np.sum(ids_all == top)
+    X_all = np.concatenate([s for s, _ in every], axis=1)
+    unit_top = X_all[:, ids_all == top] / np.linalg.norm(X_all[:, ids_all == top], axis=2, keepdims=True)
+    np.testing.assert_allclose(read("unit_sum")[:, top], unit_top.sum(1), rtol=1e-5, atol=1e-5)
+    k = unit_top.shape[1]
+    want_intra = ((unit_top.sum(1) ** 2).sum(-1) - k) / (k * k - k)
+    np.testing.assert_allclose(read("intra_sim")[:, top], want_intra, atol=2e-5)
     for src, items in by_source.items():
         ref_src = reference_metrics([s for s, _ in items], [i for _, i in items])
         got_src = metrics["sources"][src]
