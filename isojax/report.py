@@ -15,6 +15,9 @@ from pathlib import Path
 import numpy as np
 
 
+RESULT_NAMES = {"metrics.json", "layers.csv", "spectra.npz", "tokens.zarr", "plots", "manifest.json"}
+
+
 def _clean(x):
     """JSON-safe: NaN/inf -> null, numpy scalars -> Python."""
     if isinstance(x, dict):
@@ -68,11 +71,14 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
             manifest["plots"] = [str(p.relative_to(stage)) for p in plot_metrics(metrics, plot_dir)]
         (stage / "manifest.json").write_text(json.dumps(_clean(manifest), indent=1) + "\n")
         written = sorted(p.name for p in stage.iterdir())
-        for name in written:
+        for name in sorted(set(written) | RESULT_NAMES):  # older results this run did not produce go too
             dst = out / name
             if dst.is_dir():
                 shutil.rmtree(dst)
-            os.replace(stage / name, dst)
+            elif dst.exists():
+                dst.unlink()
+            if name in written:
+                os.replace(stage / name, dst)
         return written
     finally:
         shutil.rmtree(stage, ignore_errors=True)

@@ -219,3 +219,19 @@ def test_bfloat16_run_within_documented_tolerance_of_float32(tmp_path, monkeypat
             worst = max(worst, abs(a[key] - b[key]))
         assert abs(a["mean_norm"] - b["mean_norm"]) < 1e-2 * a["mean_norm"]
     assert 1e-7 < worst < 2e-3, worst  # it really ran in bf16, and stayed close
+
+
+def test_overwrite_replaces_all_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
+    build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
+    write_pile_jsonl(tmp_path / "pile.jsonl", 20, seed=6)
+    args = ["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "pile.jsonl"), "--seq-len", "64",
+            "--batch-tokens", "256", "--out", str(tmp_path / "out"), "--no-plots"]
+    assert main(args) == 0 and (tmp_path / "out" / "tokens.zarr").is_dir()
+    assert main(args + ["--no-token-stats"]) == 2  # refused without --overwrite, results untouched
+    assert (tmp_path / "out" / "tokens.zarr").is_dir()
+    assert main(args + ["--no-token-stats", "--overwrite"]) == 0
+    assert not (tmp_path / "out" / "tokens.zarr").exists()  # nothing stale from the first run
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["layers"][0]["intra_sim"] is None and metrics["layers"][0]["inter_sim"] is not None
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".partial")]
