@@ -14,7 +14,16 @@ from pathlib import Path
 
 from isojax.errors import UserError
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+def _configs_dir() -> Path:
+    """configs/ of a source checkout, else the copy installed as package data of isojax.configs."""
+    here = Path(__file__).resolve().parent.parent / "configs"
+    if here.is_dir():
+        return here
+    import importlib.resources
+    return Path(str(importlib.resources.files("isojax.configs")))
+
+
+CONFIGS_DIR = _configs_dir()
 
 # Activations by Hugging Face name -> whether the tanh approximation is used.
 ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_fast": True, "gelu_pytorch_tanh": True}
