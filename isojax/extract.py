@@ -144,7 +144,7 @@ def run(args) -> Path:
     model = choose_model(args, dtype, attention)
     cfg = model.config
     log(f"model {model.source['name']} ({model.weights} weights, {cfg.num_layers} layers, d={cfg.hidden_size}), "
-        f"{dtype}, attention={attention}, devices: {jax.device_count()} x {jax.devices()[0].device_kind}")
+        f"{dtype}, devices: {jax.device_count()} x {jax.devices()[0].device_kind}")
 
     row_len = args.seq_len or (512 if args.unit == "sentence" else cfg.max_position_embeddings)
     if not 1 <= row_len <= cfg.max_position_embeddings:
@@ -156,16 +156,14 @@ def run(args) -> Path:
     rows = -(-rows // n_dev) * n_dev
     corpus = load_corpus(args.data, unit=args.unit, sources=args.source)
     cache = tokenize_corpus(corpus, model.tokenizer, cache_dir=cache_root() / "tokens", max_len=row_len)
-    if cache.n_tokens == 0:
-        raise UserError(f"the corpus ({corpus.describe()}) holds no tokens"
-                        + (f" from sources {', '.join(args.source)}" if args.source else ""))
     plan = plan_stats(cache, rows=rows, row_len=row_len)
     log(f"corpus {corpus.describe()}: {cache.n_tokens:,} tokens in {cache.n_sequences:,} {args.unit}s, "
-        f"sources: {', '.join(cache.source_names)}; rows {rows} x {row_len}, padding {plan.padding_fraction:.1%}")
+        f"sources: {', '.join(cache.source_names)}; rows {rows} x {row_len}, padding {plan.padding_fraction:.1%}, "
+        f"attention {model.attention_impl}")
 
+    check_memory(cfg, args, num_groups=len(cache.source_names), verbose=True)
     runner = Runner(model.module, model.params, token_stats=not args.no_token_stats,
                     num_groups=len(cache.source_names))
-    check_memory(cfg, args, num_groups=len(cache.source_names), verbose=True)
 
     if args.max_tokens is None and args.data is None and not on_accel:
         args.max_tokens = CPU_DEFAULT_MAX_TOKENS
@@ -195,8 +193,8 @@ def run(args) -> Path:
     total = min(plan.tokens, args.max_tokens or plan.tokens)
     t_loop = time.time()
     done = consume(runner, pack_batches(cache, rows=rows, row_len=row_len, start_cursor=cursor), done, total,
-                   args, lambda d, c: checkpointing.save(ckpt_dir, d["batches"], jax.device_get(
-                       runner.merged_accumulators()), {"settings": settings, "cursor": c, "done": d}))
+                   args, lambda d, c: checkpointing.save(ckpt_dir, d["batches"], runner.merged_accumulators(),
+                                                   {"settings": settings, "cursor": c, "done": d}))
     acc = runner.merged_accumulators()
     seconds = time.time() - t_loop
     has_sources = len(cache.source_names) > 1 or bool(args.source)
