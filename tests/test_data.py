@@ -202,8 +202,19 @@ def test_packing_round_trips(packed_cache, monkeypatch, plan_chunk):
     got = [seq for b in batches for seq in unpack(b)]
     want = [(int(cache.source_ids[i]), cache.sequence(i).tolist()) for i in range(cache.n_sequences)]
     assert sorted(got) == sorted(want)
-    for source in set(s for s, _ in want):  # each source in corpus order
-        assert [t for s, t in got if s == source] == [t for s, t in want if s == source]
+    # each batch holds the next contiguous run of its source's sequences (in any row order),
+    # and a batch closed only because its successor's first sequence fitted in none of its rows
+    seen = {}
+    for k, b in enumerate(batches):
+        source_seqs = [t for s, t in want if s == b.group]
+        start = seen.get(b.group, 0)
+        in_batch = [t for _, t in unpack(b)]
+        assert sorted(in_batch) == sorted(source_seqs[start:start + len(in_batch)])
+        seen[b.group] = start + len(in_batch)
+        if seen[b.group] < len(source_seqs):
+            room = 64 - (b.segment_ids_BxT > 0).sum(axis=1)
+            assert room.max() < len(source_seqs[seen[b.group]])
+    assert seen == {s: sum(1 for g, _ in want if g == s) for s, _ in want}
     assert all(b.tokens_BxT.shape == (4, 64) and b.tokens_BxT.dtype == np.int32 for b in batches)
     assert sum(b.n_tokens for b in batches) == cache.n_tokens
     stats = plan_stats(cache, rows=4, row_len=64)
