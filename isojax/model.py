@@ -27,6 +27,13 @@ from isojax.config import ACTIVATIONS, GPTNeoXConfig
 
 Observer = Callable[[Any, Any, jax.Array], Any]
 
+# Exact-erf GELU with a cheap float32 erf for bfloat16 forwards (see gelu); float32 forwards
+# always use jax's erf. Read at trace time; bench/breakdown.py switches it off to measure it.
+FAST_GELU = True
+# Tell jax.nn.dot_product_attention that the (already causal) mask is causal. Read at trace
+# time; bench/breakdown.py switches it off to measure what it saves.
+CUDNN_CAUSAL = True
+
 
 class LayerNorm(nn.Module):
     """LayerNorm with statistics in float32 (two-pass variance), output in `dtype`."""
@@ -45,6 +52,42 @@ class LayerNorm(nn.Module):
         var = (xc * xc).mean(-1, keepdims=True)
         y = xc * jax.lax.rsqrt(var + self.eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         return y.astype(self.dtype)
+
+
+# Rational approximation of erf on [-4, 4] (odd degree-13 numerator, even degree-8
+# denominator; Eigen's generic_fast_erf_float): |error| <= 4.5e-7 against float64 erf.
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+
+
+def fast_erf(x):
+    """erf in float32 from 12 multiply-adds and one division (erf(4) == 1 in float32)."""
+    x = jnp.clip(x.astype(jnp.float32), -4.0, 4.0)
+    x2 = x * x
+    p = jnp.float32(_ERF_P[0])
+    for c in _ERF_P[1:]:
+        p = p * x2 + c
+    q = jnp.float32(_ERF_Q[0])
+    for c in _ERF_Q[1:]:
+        q = q * x2 + c
+    return x * p / q
+
+
+def gelu(u, approximate: bool):
+    """GELU as Hugging Face computes it. The exact (erf) GELU of a bfloat16 input is computed
+    in float32 with fast_erf and rounded once, as PyTorch's bf16 GELU (float32 inside) is: it
+    differs from the float64 GELU by at most half a bf16 ulp + 2e-6 (a one-ulp difference on
+    7.7% of normal(0, 3) inputs, almost all where u < 0 and |GELU| is small; jax.nn.gelu in bf16
+    arithmetic misses on 41%: tests/test_model.py). XLA's own erf made this elementwise pass
+    the slowest in the layer (bench/RESULTS.md). Float32 forwards use jax's erf."""
+    if u.dtype == jnp.float32 or (not approximate and not FAST_GELU):
+        return jax.nn.gelu(u, approximate=approximate)
+    uf = u.astype(jnp.float32)
+    if approximate:  # tanh GELU, likewise in float32 and rounded once
+        return jax.nn.gelu(uf, approximate=True).astype(u.dtype)
+    return (uf * (0.5 + 0.5 * fast_erf(uf * np.float32(np.sqrt(0.5))))).astype(u.dtype)
 
 
 def rotary_tables(positions_BxT, cfg: GPTNeoXConfig):
@@ -108,9 +151,11 @@ class Attention(nn.Module):
         v = qkv_BxTxHx3xK[..., 2, :]
         if self.attention_impl == "xla":
             out_BxTxHxK = attention_xla(q, kk, v, mask_Bx1xTxT, self.precision)
-        else:  # "cudnn" or "auto": jax's fused attention with the same boolean mask
+        else:  # "cudnn" or "auto": jax's fused attention with the same boolean mask; the mask
+            # is causal already, and saying so lets cuDNN skip the blocks above the diagonal
             impl = None if self.attention_impl == "auto" else self.attention_impl
-            out_BxTxHxK = jax.nn.dot_product_attention(q, kk, v, mask=mask_Bx1xTxT, implementation=impl)
+            out_BxTxHxK = jax.nn.dot_product_attention(q, kk, v, mask=mask_Bx1xTxT, is_causal=CUDNN_CAUSAL,
+                                                       implementation=impl)
         return dense(d, "dense")(out_BxTxHxK.reshape(b, t, d))
 
 
@@ -129,7 +174,7 @@ class Block(nn.Module):
 
         def mlp(h_BxTxD):
             u_BxTxF = dense(cfg.intermediate_size, "dense_h_to_4h")(h_BxTxD)
-            u_BxTxF = jax.nn.gelu(u_BxTxF, approximate=ACTIVATIONS[cfg.hidden_act])
+            u_BxTxF = gelu(u_BxTxF, ACTIVATIONS[cfg.hidden_act])
             return dense(cfg.hidden_size, "dense_4h_to_h")(u_BxTxF)
 
         attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.attention_impl,
