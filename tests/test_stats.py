@@ -178,23 +178,32 @@ def test_zipf_per_token_intra_sim_and_bands():
         assert sum(b["tokens"] for b in bands) == ref["intra_tokens"]
 
 
-def test_scatter_segment_sums_give_the_same_statistics(monkeypatch):
+@pytest.mark.parametrize("segment_sum,token_chunk,gram_split", [("scatter", 4096, 1024), ("scan", 64, 1024),
+                                                            ("scatter", 64, 2)])
+def test_segment_sum_modes_token_chunks_and_gram_blocks(monkeypatch, segment_sum, token_chunk, gram_split):
+    """The accelerator default (scatter), the chunked per-token update (~500 distinct ids in
+    rounds of 64: 8 rounds per batch) and the Gram from three blocks against the float64
+    reference."""
     rng = np.random.default_rng(11)
-    n, d, v = 30_000, 16, 500
+    n, d, v, batch = 32_768, 16, 500, 8192
     ids = _zipf_ids(rng, n, v)
-    x = (rng.normal(size=(v, d))[ids] + 0.1 * rng.normal(size=(n, d))).astype(np.float32)
+    mix = rng.normal(size=(d, d))  # correlated coordinates: the Gram's off-diagonal blocks matter
+    x = ((rng.normal(size=(v, d)) @ mix)[ids] + 0.1 * rng.normal(size=(n, d))).astype(np.float32)
     valid = rng.random(n) < 0.95
-    assert stats.segment_sum_mode() == "scan"  # the CPU default; the other tests cover it
-    monkeypatch.setattr(stats, "SEGMENT_SUM", "scatter")
-    update = jax.jit(stats.update)  # a fresh trace: SEGMENT_SUM is read at trace time
+    assert stats.segment_sum_mode() == "scan"  # the CPU default
+    monkeypatch.setattr(stats, "SEGMENT_SUM", segment_sum)
+    monkeypatch.setattr(stats, "TOKEN_CHUNK", token_chunk)
+    monkeypatch.setattr(stats, "GRAM_SPLIT_MIN_D", gram_split)
+    update = jax.jit(lambda *a: stats.update(*a))  # a new function, so a new trace: all three are read then
     acc = stats.init_accumulators(1, d, v)
-    for start in range(0, n, 10_000):
-        sl = slice(start, start + 10_000)
+    for start in range(0, n, batch):
+        sl = slice(start, start + batch)
         acc = update(acc, x[None, sl], ids[sl], valid[sl])
     out = fz.finalize(acc, ["s"])
     ref = _ref(x[valid], ids[valid], v)
-    _check(out["layers"][0], ref)
+    _check(out["layers"][0], ref, out["spectra"]["centered_SxD"][0])
     np.testing.assert_allclose(out["token"]["intra_sim_SxV"][0], ref["intra_V"], atol=TOL)
+    np.testing.assert_array_equal(out["token"]["count_V"], ref["count_V"])
 
 
 def test_merge_of_halves_equals_one_pass():
