@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="packed row length T; longer sequences are split into consecutive windows of "
                     "min(T, context) tokens (default 512 for sentences, the context for documents)")
     ap.add_argument("--batch-tokens", type=int, default=None,
-                    help="tokens per batch, rows x T (default 65536 on accelerators, 8192 on CPU)")
+                    help="tokens per batch, rows x T (default on accelerators: 262144 for models of width "
+                         "<= 1024, else 65536; 8192 on CPU)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="stop after the batch that reaches this many tokens (whole batches)")
     ap.add_argument("--out", required=True, help="results directory")
@@ -151,7 +152,8 @@ def run(args) -> Path:
         raise UserError(f"--seq-len must be in [1, {cfg.max_position_embeddings}] (the model's context)")
     if args.attention == "auto" and model.attention_impl == "cudnn" and row_len % 64:
         model.attention_impl = "xla"  # cuDNN attention was only measured on rows of multiples of 64
-    batch_tokens = args.batch_tokens or (65536 if on_accel else 8192)
+    # small models are bound by per-kernel overheads: larger batches (bench/RESULTS.md)
+    batch_tokens = args.batch_tokens or ((262144 if cfg.hidden_size <= 1024 else 65536) if on_accel else 8192)
     rows = max(1, batch_tokens // row_len)
     rows = -(-rows // n_dev) * n_dev
     corpus = load_corpus(args.data, unit=args.unit, sources=args.source)
