@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the card with torch
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,7 +30,10 @@ import numpy as np  # noqa: E402
 
 from workload import random_sentences, sentence_lengths  # noqa: E402
 
-DEFAULT_TOKENS = {"pythia-70m": 8e6, "pythia-410m": 3e6, "pythia-1.4b": 1.5e6}
+DEFAULT_TOKENS = {"pythia-70m": 1.2e7, "pythia-410m": 4e6, "pythia-1.4b": 1.5e6}
+# Token slots per batch, by model (bench/breakdown.py: the small models gain 10-15% from
+# 262,144-token batches; isojax.extract's default does the same by width).
+DEFAULT_BATCH_TOKENS = {"pythia-70m": 262144, "pythia-410m": 262144, "pythia-1.4b": 65536}
 
 
 def pack_in_memory(tokens, offsets, rows, row_len):
@@ -65,7 +68,9 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     cfg = preset(name)
     rows = max(1, batch_tokens // row_len)
     t0 = time.perf_counter()
-    batches = pack_in_memory(tokens, offsets, rows, row_len)
+    # The last, partly filled batch is left out (over 10^8 tokens it is noise; here it would
+    # add several points of padding).
+    batches = pack_in_memory(tokens, offsets, rows, row_len)[:-1]
     pack_s = time.perf_counter() - t0
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=attention)
     runner = Runner(module, random_params(cfg, "bfloat16"), token_stats=token_stats)
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="pythia-70m,pythia-410m,pythia-1.4b")
     ap.add_argument("--tokens", type=float, default=None, help="tokens per model (default: by size)")
     ap.add_argument("--row-len", type=int, default=512)
-    ap.add_argument("--batch-tokens", type=int, default=65536)
+    ap.add_argument("--batch-tokens", type=int, default=None, help="default: by model (DEFAULT_BATCH_TOKENS)")
     ap.add_argument("--attention", default="cudnn", choices=["xla", "cudnn", "auto"])
     ap.add_argument("--no-token-stats", action="store_true")
     ap.add_argument("--no-peer", action="store_true")
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
         lengths = sentence_lengths(n, seed=1, max_len=args.row_len)  # longer ones would be windows
         tokens, offsets = random_sentences(lengths, 50304, seed=2)
         res = {"model": name, "isojax": run_isojax(name, tokens, offsets, row_len=args.row_len,
-                                                   batch_tokens=args.batch_tokens, attention=args.attention,
+                                                   batch_tokens=args.batch_tokens or DEFAULT_BATCH_TOKENS.get(name, 65536),
+                                                   attention=args.attention,
                                                    token_stats=not args.no_token_stats)}
         res["isojax"]["mfu"] = res["isojax"]["tokens_per_s"] * res["isojax"]["flops_per_token"] / rate
         print(f"{name}: isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, compile {res['isojax']['compile_s']:.0f} s",
@@ -129,12 +135,12 @@ def main(argv=None) -> int:
         rows_out.append(res)
         print(json.dumps(res, default=str), file=sys.stderr, flush=True)
 
-    lines.append(f"{'model':<13}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
+    lines.append(f"{'model':<13}{'B x T':>10}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
                  f"{'peak GB':>9}{'peer GB':>9}{'compile s':>10}")
     for r in rows_out:
         iso, peer = r["isojax"], r.get("peer")
         ratio = iso["tokens_per_s"] / peer["tokens_per_s"] if peer else float("nan")
-        lines.append(f"{r['model']:<13}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
+        lines.append(f"{r['model']:<13}{str(iso['rows']) + 'x' + str(iso['row_len']):>10}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
                      f"{ratio:>7.2f}{iso['mfu']:>7.1%}{iso['padding_fraction']:>7.1%}"
                      f"{(iso['peak_mem_bytes'] or 0) / 1e9:>9.1f}{((peer or {}).get('peak_mem_bytes') or 0) / 1e9:>9.1f}"
                      f"{iso['compile_s']:>10.1f}")

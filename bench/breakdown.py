@@ -1,11 +1,28 @@
-"""Where the time goes: tokens/s of the fused step with parts switched off, one model, same card.
+"""Where the time goes: tokens/s of the fused step with parts switched off or changed, one
+model, same card, one variant alive at a time.
 
-    python bench/breakdown.py --model pythia-1.4b
+    python bench/breakdown.py --model pythia-1.4b [--variants fwd,fwd_causal,full,...]
+
+Variants (all bf16, random weights, the bench workload of bench_throughput.py):
+  fwd            forward only, cuDNN attention with the boolean segment mask
+  fwd_nocausal   the same without telling cuDNN the mask is causal (no block skipping)
+  fwd_xla        forward only, XLA attention (dense masked softmax)
+  nostats_tok    forward + all statistics except the per-token sums
+  full           forward + all statistics (what `isojax.extract` runs)
+  full_chunkN    full, per-token update in one round of N rows (stats.TOKEN_CHUNK = N)
+  full_chunk2048 / full_chunk8192   rounds of 2048 / 8192 distinct tokens
+  fwd_gelu_xla   forward with jax's erf in the GELU (model.FAST_GELU off)
+  full_gram1     full with each batch Gram as one [D, D] product (stats.GRAM_SPLIT_MIN_D off)
+  *_256          on rows of 256 (256 x 256) instead of 128 x 512
+  *_b256k        on 512 x 512 rows (262,144 token slots per batch)
+  *_b256k_256    on 1024 x 256 rows
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import sys
 import time
 from pathlib import Path
@@ -18,10 +35,23 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench_throughput import pack_in_memory  # noqa: E402
 from workload import random_sentences, sentence_lengths  # noqa: E402
+from isojax import model as model_lib  # noqa: E402
+from isojax import stats  # noqa: E402
 from isojax.config import preset  # noqa: E402
 from isojax.loading import random_params  # noqa: E402
 from isojax.model import GPTNeoX  # noqa: E402
 from isojax.runner import Runner  # noqa: E402
+
+ALL = ("fwd_nocausal,fwd,fwd_gelu_xla,fwd_xla,nostats_tok,full,full_chunkN,full_chunk2048,"
+       "full_chunk8192,full_256")
+# variant -> {(module, attribute): value} switched for that variant only
+OVERRIDES = {
+    "fwd_nocausal": {(model_lib, "CUDNN_CAUSAL"): False},
+    "fwd_gelu_xla": {(model_lib, "FAST_GELU"): False},
+    "full_chunk2048": {(stats, "TOKEN_CHUNK"): 2048},
+    "full_chunk8192": {(stats, "TOKEN_CHUNK"): 8192},
+    "full_gram1": {(stats, "GRAM_SPLIT_MIN_D"): 1 << 30},
+}
 
 
 def rate(step, batches, warmup=2):
@@ -36,33 +66,63 @@ def rate(step, batches, warmup=2):
     return n / (time.perf_counter() - t)
 
 
+SHAPES = {"_256": (256, 256), "_b256k": (512, 512), "_b256k_256": (1024, 256)}  # name suffix -> rows x row_len; else 128 x 512
+
+
+def run_variant(name, cfg, params, packs):
+    shape = next((v for k, v in sorted(SHAPES.items(), key=lambda kv: -len(kv[0])) if name.endswith(k)),
+                 (128, 512))
+    batches = packs(shape)
+    attn = "xla" if name == "fwd_xla" else "cudnn"
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=attn)
+    overrides = dict(OVERRIDES.get(name, {}))
+    if name == "full_chunkN":
+        overrides[(stats, "TOKEN_CHUNK")] = shape[0] * shape[1] + 1  # never divides N: one round
+    saved = {key: getattr(*key) for key in overrides}
+    for (mod, attr), value in overrides.items():
+        setattr(mod, attr, value)
+    try:
+        if name.startswith("fwd"):
+            noop = lambda obs, s, x: obs + x[0, 0, 0].astype(jnp.float32)
+            f = jax.jit(lambda p, a, b, c: module.apply({"params": p}, a, b, c, jnp.float32(0), noop))
+            return rate(lambda b: f(params, b[0], b[1], b[2]), batches)
+        runner = Runner(module, params, token_stats=name != "nostats_tok")
+
+        def step(b):
+            runner.step(b[0], b[1], b[2], 0)
+            return runner.acc
+        r = rate(step, batches)
+        del runner, step
+        return r
+    finally:
+        for (mod, attr), value in saved.items():
+            setattr(mod, attr, value)
+        jax.clear_caches()
+        gc.collect()
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="pythia-1.4b")
     ap.add_argument("--tokens", type=float, default=1e6)
+    ap.add_argument("--variants", default=ALL)
     args = ap.parse_args()
     cfg = preset(args.model)
     params = random_params(cfg, "bfloat16")
     lengths = sentence_lengths(int(args.tokens), seed=1, max_len=256)
     tokens, offsets = random_sentences(lengths, cfg.vocab_size, seed=2)
-    packs = {(r, t): pack_in_memory(tokens, offsets, r, t) for r, t in ((128, 512), (256, 256), (256, 512))}
-    noop = lambda obs, s, x: obs + x[0, 0, 0].astype(jnp.float32)
-    for attn in ("cudnn", "xla"):
-        m = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=attn)
-        f = jax.jit(lambda p, a, b, c, m=m: m.apply({"params": p}, a, b, c, jnp.float32(0), noop))
-        r = rate(lambda b: f(params, b[0], b[1], b[2]), packs[(128, 512)])
-        print(f"{args.model} forward only, attention={attn}, 128x512: {r:,.0f} tok/s", flush=True)
-    m = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl="cudnn")
-    for token_stats, shape in ((False, (128, 512)), (True, (128, 512)), (True, (256, 256)), (True, (256, 512))):
-        runner = Runner(m, params, token_stats=token_stats)
-
-        def step(b, runner=runner):
-            runner.step(b[0], b[1], b[2], 0)
-            return runner.acc
-        r = rate(step, packs[shape])
-        print(f"{args.model} forward + stats, token_stats={token_stats}, {shape[0]}x{shape[1]}: {r:,.0f} tok/s",
-              flush=True)
-        del runner
+    # the last, partly filled batch is left out: it would count as padding
+    packs = functools.cache(lambda shape: pack_in_memory(tokens, offsets, *shape)[:-1])
+    print(f"{args.model} on {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    for name in args.variants.split(","):
+        try:
+            r = run_variant(name, cfg, params, packs)
+            print(f"{name:<14} {r:>12,.0f} tok/s", flush=True)
+        except Exception as e:  # keep going: one failing variant must not hide the others
+            print(f"{name:<14} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if name == "fwd" and model_lib.CUDNN_CAUSAL:
+                model_lib.CUDNN_CAUSAL = False
+                print("(cuDNN refused the causal flag: the remaining variants run without it)", flush=True)
 
 
 if __name__ == "__main__":
