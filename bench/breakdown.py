@@ -12,7 +12,8 @@ Variants (all bf16, random weights, the bench workload of bench_throughput.py):
   full_chunkN    full, per-token update in one round of N rows (stats.TOKEN_CHUNK = N)
   full_chunk2048 / full_chunk8192   rounds of 2048 / 8192 distinct tokens
   fwd_gelu_xla   forward with jax's erf in the GELU (model.FAST_GELU off)
-  full_gram1     full with each batch Gram as one [D, D] product (stats.GRAM_SPLIT_MIN_D off)
+  full_gram1     full with each batch Gram as one [D, D] product (stats.GRAM_BLOCK = inf)
+  full_gram1024  full with Gram blocks of 1024 columns (stats.GRAM_BLOCK = 1024)
   *_256          on rows of 256 (256 x 256) instead of 128 x 512
   *_b256k        on 512 x 512 rows (262,144 token slots per batch)
   *_b256k_256    on 1024 x 256 rows
@@ -50,7 +51,8 @@ OVERRIDES = {
     "fwd_gelu_xla": {(model_lib, "FAST_GELU"): False},
     "full_chunk2048": {(stats, "TOKEN_CHUNK"): 2048},
     "full_chunk8192": {(stats, "TOKEN_CHUNK"): 8192},
-    "full_gram1": {(stats, "GRAM_SPLIT_MIN_D"): 1 << 30},
+    "full_gram1": {(stats, "GRAM_BLOCK"): 1 << 30},
+    "full_gram1024": {(stats, "GRAM_BLOCK"): 1024},
 }
 
 
@@ -70,8 +72,9 @@ SHAPES = {"_256": (256, 256), "_b256k": (512, 512), "_b256k_256": (1024, 256)}  
 
 
 def run_variant(name, cfg, params, packs):
-    shape = next((v for k, v in sorted(SHAPES.items(), key=lambda kv: -len(kv[0])) if name.endswith(k)),
-                 (128, 512))
+    suffix = next((k for k in sorted(SHAPES, key=len, reverse=True) if name.endswith(k)), "")
+    shape = SHAPES.get(suffix, (128, 512))
+    name = name.removesuffix(suffix) if suffix else name
     batches = packs(shape)
     attn = "xla" if name == "fwd_xla" else "cudnn"
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=attn)

@@ -44,10 +44,10 @@ def segment_sum_mode() -> str:
     return SEGMENT_SUM or ("scan" if jax.default_backend() == "cpu" else "scatter")
 
 
-# Widths from which a batch Gram is computed as three [D/2, D/2] blocks (upper triangle and
-# diagonal) instead of one [D, D] product; below it the saving does not pay for the extra
-# launches. Read at trace time.
-GRAM_SPLIT_MIN_D = 1024
+# Column block width of the batch Gram: for D >= 2 * GRAM_BLOCK (and a multiple of it) only the
+# blocks on and above the diagonal are multiplied; narrower states take one [D, D] product,
+# where the saving would not pay for the extra launches. Read at trace time.
+GRAM_BLOCK = 512
 # Distinct tokens per gather/scatter round of the per-token update (used when it divides the
 # batch's N; else one round of N). Read at trace time.
 TOKEN_CHUNK = 4096
@@ -193,22 +193,17 @@ def _centered_moments(x_NxD, valid_N, gram_dtype=jnp.float32):
     sum_D = pairwise_sum(x_NxD)  # invalid rows are already zero
     mean_D = sum_D / jnp.maximum(n_b, 1.0)
     d = x_NxD.shape[1]
-    split = d >= GRAM_SPLIT_MIN_D and d % 2 == 0
-    blocks = (slice(0, d // 2), slice(d // 2, d)) if split else (slice(None),)
+    k = d // GRAM_BLOCK if d >= 2 * GRAM_BLOCK and d % GRAM_BLOCK == 0 else 1
+    blocks = [slice(i * d // k, (i + 1) * d // k) for i in range(k)]
     # each column block's deviations computed on their own, so that each is contiguous
     devs = [jnp.where(valid_N[:, None], x_NxD[:, c] - mean_D[c], 0.0).astype(gram_dtype) for c in blocks]
     kw = dict(preferred_element_type=jnp.float32)
     if gram_dtype != jnp.bfloat16:
         kw["precision"] = GRAM_PRECISION
-    gram = lambda a, b: jnp.einsum("nd,ne->de", a, b, **kw)
-    if not split:
-        return sum_D, gram(devs[0], devs[0])
-    # Sum dev dev^T is symmetric: its two diagonal blocks and one off-diagonal block are 3/4
-    # of the products
-    a, b = devs
-    ab = gram(a, b)
-    m2_DxD = jnp.concatenate([jnp.concatenate([gram(a, a), ab], axis=1),
-                              jnp.concatenate([ab.T, gram(b, b)], axis=1)], axis=0)
+    # Sum dev dev^T is symmetric: the k(k+1)/2 blocks on and above the diagonal are
+    # (k+1)/(2k) of the products (5/8 at D = 2048)
+    upper = {(i, j): jnp.einsum("nd,ne->de", devs[i], devs[j], **kw) for i in range(k) for j in range(i, k)}
+    m2_DxD = jnp.block([[upper[i, j] if i <= j else upper[j, i].T for j in range(k)] for i in range(k)])
     return sum_D, m2_DxD
 
 
@@ -288,11 +283,11 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     return acc
 
 
-def segment_sums(sorted_NxD, index: TokenIndex):
-    """Per-segment sums of rows already in sorted order, at rows 0..U-1 of an [N, D] array."""
-    n = sorted_NxD.shape[0]
+def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int):
+    """Per-segment sums of rows already in sorted order, at rows 0..U-1 of a [num_rows, D]
+    array (num_rows >= U)."""
     if segment_sum_mode() == "scatter":
-        return jax.ops.segment_sum(sorted_NxD, index.rank_N, num_segments=n,
+        return jax.ops.segment_sum(sorted_NxD, index.rank_N, num_segments=num_rows,
                                    indices_are_sorted=True)
 
     def add_within_segment(a, b):
@@ -301,21 +296,25 @@ def segment_sums(sorted_NxD, index: TokenIndex):
 
     _, prefix_NxD = lax.associative_scan(add_within_segment, (index.starts_N, sorted_NxD))
     ends_N = jnp.concatenate([index.starts_N[1:], jnp.ones(1, bool)])
-    target_N = jnp.where(ends_N, index.rank_N, n)  # only segment ends land; the rest drop
-    return jnp.zeros_like(sorted_NxD).at[target_N].set(
+    target_N = jnp.where(ends_N, index.rank_N, num_rows)  # only segment ends land; the rest drop
+    return jnp.zeros((num_rows, sorted_NxD.shape[1]), sorted_NxD.dtype).at[target_N].set(
         prefix_NxD, mode="drop", unique_indices=True, indices_are_sorted=True)
 
 
 def _update_tokens(acc: Accumulators, s, unit_NxD, index: TokenIndex) -> Accumulators:
-    """Per-token unit sums: segment-sum the sorted batch (a fresh [N, D], never [V, D]), then,
-    TOKEN_CHUNK distinct tokens at a time, gather their accumulator rows, TwoSum-add and
-    scatter-set them back in place. Only ceil(U / TOKEN_CHUNK) rounds run (a dynamic trip
-    count), so the gathers and scatters move ~U rows, not N: U ~ 15k distinct ids in a
-    65k-token batch of text."""
+    """Per-token unit sums: segment-sum the sorted batch (a fresh [M, D], M <= min(N, V + 1)
+    rounded up to the chunk, never [V, D] per batch), then, TOKEN_CHUNK distinct tokens at a
+    time, gather their accumulator rows, TwoSum-add and scatter-set them back in place. Only
+    ceil(U / TOKEN_CHUNK) rounds run (a dynamic trip count), so the gathers and scatters move
+    ~U rows, not N: U ~ 15k distinct ids in a 65k-token batch of text."""
     n = unit_NxD.shape[0]
-    seg_NxD = segment_sums(unit_NxD[index.order_N], index)
+    vocab_size = acc.tok_count_SxV.shape[1]
     chunk = TOKEN_CHUNK if n % TOKEN_CHUNK == 0 else n
-    n_unique = index.rank_N[-1] + 1  # distinct ids, plus one segment for padding (dropped)
+    # U <= V + 1 (the distinct ids and one padding segment): a batch longer than the
+    # vocabulary needs no more rows than that
+    num_rows = min(n, -(-(vocab_size + 1) // chunk) * chunk)
+    seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows)
+    n_unique = index.rank_N[-1] + 1
     kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
 
     def add_chunk(c, carry):
@@ -324,7 +323,7 @@ def _update_tokens(acc: Accumulators, s, unit_NxD, index: TokenIndex) -> Accumul
         rows = (s, take(index.uniq_U))
         hi_CxD = hi_SxVxD.at[rows].get(mode="fill", fill_value=0.0)
         lo_CxD = lo_SxVxD.at[rows].get(mode="fill", fill_value=0.0)
-        hi_CxD, lo_CxD = _df_add(hi_CxD, lo_CxD, take(seg_NxD))
+        hi_CxD, lo_CxD = _df_add(hi_CxD, lo_CxD, take(seg_MxD))
         cnt_C = count_SxV.at[rows].get(mode="fill", fill_value=0) + take(index.count_U)
         return (hi_SxVxD.at[rows].set(hi_CxD, **kw), lo_SxVxD.at[rows].set(lo_CxD, **kw),
                 count_SxV.at[rows].set(cnt_C, **kw))
