@@ -14,6 +14,7 @@ Variants (all bf16, random weights, the bench workload of bench_throughput.py):
   fwd_gelu_xla   forward with jax's erf in the GELU (model.FAST_GELU off)
   full_gram1     full with each batch Gram as one [D, D] product (stats.GRAM_BLOCK = inf)
   full_gram1024  full with Gram blocks of 1024 columns (stats.GRAM_BLOCK = 1024)
+  full_hint / full_nohint   per-token segment sums with / without XLA's sorted-indices hint
   *_256          on rows of 256 (256 x 256) instead of 128 x 512
   *_b256k        on 512 x 512 rows (262,144 token slots per batch)
   *_b256k_256    on 1024 x 256 rows
@@ -52,6 +53,8 @@ OVERRIDES = {
     "full_chunk2048": {(stats, "TOKEN_CHUNK"): 2048},
     "full_chunk8192": {(stats, "TOKEN_CHUNK"): 8192},
     "full_gram1": {(stats, "GRAM_BLOCK"): 1 << 30},
+    "full_nohint": {(stats, "SORTED_SCATTER_MAX_D"): 0},
+    "full_hint": {(stats, "SORTED_SCATTER_MAX_D"): 1 << 30},
     "full_gram1024": {(stats, "GRAM_BLOCK"): 1024},
 }
 

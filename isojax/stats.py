@@ -283,12 +283,18 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     return acc
 
 
+# Widest states whose per-token segment sum tells XLA that the ids are sorted. On an H100
+# (jax 0.11.2) the sorted-scatter path is 12% faster at D = 512 and 3% at D = 1024 but 27%
+# slower end to end at D = 2048 (bench/RESULTS.md). Read at trace time.
+SORTED_SCATTER_MAX_D = 1024
+
+
 def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int):
     """Per-segment sums of rows already in sorted order, at rows 0..U-1 of a [num_rows, D]
     array (num_rows >= U)."""
     if segment_sum_mode() == "scatter":
         return jax.ops.segment_sum(sorted_NxD, index.rank_N, num_segments=num_rows,
-                                   indices_are_sorted=True)
+                                   indices_are_sorted=sorted_NxD.shape[1] <= SORTED_SCATTER_MAX_D)
 
     def add_within_segment(a, b):
         (start_a, sum_a), (start_b, sum_b) = a, b
