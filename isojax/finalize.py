@@ -104,7 +104,8 @@ def finalize(acc: Accumulators, state_names: list[str],
     csum_GxSxC = _f64(acc.centered_sum_GxSxC)
     centered = csum_GxSxC.shape[-1] > 0
     tok_count_SxV = np.asarray(acc.tok_count_SxV, np.int64)
-    tok_sum_SxVxD = _f64(acc.tok_sum_SxVxD)
+    tok_sum = acc.tok_sum_SxVxD  # read one state at a time: in float64 all at once it would
+    # double the host memory of the accumulators (21 GB more at pythia-1.4b)
     token_stats = tok_count_SxV.shape[1] > 0
 
     layers, spectra = [], {"centered_SxD": [], "uncentered_SxD": [], "unit_SxD": []}
@@ -126,8 +127,8 @@ def finalize(acc: Accumulators, state_names: list[str],
             layer["centered_inter_sim"] = float(_mean_cos(csum_D @ csum_D, n_G.sum()))
         if token_stats:
             count_V = tok_count_SxV[s]
-            intra_V = _mean_cos(np.einsum("vd,vd->v", tok_sum_SxVxD[s], tok_sum_SxVxD[s]),
-                                count_V)
+            sum_VxD = np.asarray(tok_sum.hi[s], np.float64) + np.asarray(tok_sum.lo[s], np.float64)
+            intra_V = _mean_cos(np.einsum("vd,vd->v", sum_VxD, sum_VxD), count_V)
             seen = count_V >= 2
             k = int(seen.sum())
             layer.update(

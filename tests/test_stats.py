@@ -178,12 +178,14 @@ def test_zipf_per_token_intra_sim_and_bands():
         assert sum(b["tokens"] for b in bands) == ref["intra_tokens"]
 
 
-@pytest.mark.parametrize("segment_sum,token_chunk,gram_block", [("scatter", 4096, 512), ("scan", 64, 8),
-                                                            ("scatter", 64, 4)])
-def test_segment_sum_modes_token_chunks_and_gram_blocks(monkeypatch, segment_sum, token_chunk, gram_block):
+@pytest.mark.parametrize("segment_sum,token_chunk,gram_block,sorted_max_d", [
+    ("scatter", 4096, 512, 1024), ("scan", 64, 8, 1024), ("scatter", 64, 4, 1024), ("scatter", 64, 4, 0)])
+def test_segment_sum_modes_token_chunks_and_gram_blocks(monkeypatch, segment_sum, token_chunk, gram_block,
+                                                        sorted_max_d):
     """The accelerator default (scatter), the chunked per-token update (~500 distinct ids in
-    rounds of 64: 8 rounds per batch) and the Gram from its upper blocks (2 x 2 and 4 x 4 at
-    D = 16) against the float64 reference."""
+    rounds of 64: 8 rounds per batch, into 512 rather than 8192 rows), with and without XLA's
+    sorted-indices hint, and the Gram from its upper blocks (2 x 2 and 4 x 4 at D = 16) against
+    the float64 reference."""
     rng = np.random.default_rng(11)
     n, d, v, batch = 32_768, 16, 500, 8192
     ids = _zipf_ids(rng, n, v)
@@ -194,7 +196,8 @@ def test_segment_sum_modes_token_chunks_and_gram_blocks(monkeypatch, segment_sum
     monkeypatch.setattr(stats, "SEGMENT_SUM", segment_sum)
     monkeypatch.setattr(stats, "TOKEN_CHUNK", token_chunk)
     monkeypatch.setattr(stats, "GRAM_BLOCK", gram_block)
-    update = jax.jit(lambda *a: stats.update(*a))  # a new function, so a new trace: all three are read then
+    monkeypatch.setattr(stats, "SORTED_SCATTER_MAX_D", sorted_max_d)  # 0: no sorted hint (D > 1024)
+    update = jax.jit(lambda *a: stats.update(*a))  # a new function, so a new trace: all are read then
     acc = stats.init_accumulators(1, d, v)
     for start in range(0, n, batch):
         sl = slice(start, start + batch)
