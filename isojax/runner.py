@@ -9,7 +9,6 @@ with a mesh of one.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -70,11 +69,19 @@ class Runner:
         self.acc = self._step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
 
     def merged_accumulators(self) -> stats.Accumulators:
-        """The per-device accumulators merged into one (on the host CPU backend)."""
-        host = jax.device_get(self.acc)
-        slices = [jax.tree.map(lambda x, i=i: x[i], host) for i in range(self.num_devices)]
-        with jax.default_device(jax.devices("cpu")[0]):  # not on the accelerator, which holds self.acc
-            return jax.device_get(functools.reduce(stats.merge, slices))
+        """The per-device accumulators merged into one, on the host CPU backend, one device's
+        slice at a time: host memory holds at most three copies (running total, the next
+        slice, their merge) however many devices there are."""
+        leaves, treedef = jax.tree.flatten(self.acc)
+        total = None
+        for i in range(self.num_devices):
+            part = treedef.unflatten([np.asarray(x.addressable_shards[i].data)[0] for x in leaves])
+            if total is None:
+                total = part
+                continue
+            with jax.default_device(jax.devices("cpu")[0]):  # not on the accelerator, which holds self.acc
+                total = jax.device_get(stats.merge(total, part))
+        return total
 
 
 def _compiled_step(module: GPTNeoX, mesh, centered: bool):

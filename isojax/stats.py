@@ -23,17 +23,16 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-# Batch Gram of the centered deviations: true float32 products and accumulation (no TF32).
-# bfloat16 states are upcast before centering and take the same path: a bf16 x bf16 -> f32
-# dot would be exact in the products, but centered deviations are no longer bf16. On GPU
-# this float32 (non-tensor-core) matmul dominates for large D; lax.DotAlgorithmPreset.
-# BF16_BF16_F32_X6 (six bf16 tensor-core passes, ~float32 accuracy) is the fast option that
-# bench_stats_kernel.py measures, speed and error. Read at trace time.
+# Batch Gram of the centered deviations of float32 states: true float32 products and
+# accumulation (no TF32). bfloat16 states take bf16-rounded deviations on the tensor cores
+# with float32 accumulation instead (_centered_moments). lax.DotAlgorithmPreset.
+# BF16_BF16_F32_X6 (six bf16 tensor-core passes, ~float32 accuracy) is the fast float32
+# option that bench_stats_kernel.py measures, speed and error. Read at trace time.
 GRAM_PRECISION = lax.Precision.HIGHEST
 # How one batch's sorted rows are summed per token: "scan" (a segmented associative scan:
 # no float atomics, so none of the float32 scatter-add hazards of DESIGN.md; error <=
 # log2(N) ulps; O(N D) work in log2(N) steps) or "scatter" (segment_sum, a float32
-# scatter-add into an [N, D] buffer: one pass, but hot tokens contend and its error bound
+# scatter-add into a fresh [M, D] buffer: one pass, but hot tokens contend and its error bound
 # grows with a token's count in the batch). Read at trace time; bench_stats_kernel.py
 # measures both. None: "scan" on CPU, "scatter" on accelerators, where the scan's log2(N)
 # levels of strided slices made XLA's GPU compile take minutes (bench/RESULTS.md).
