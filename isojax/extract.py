@@ -205,10 +205,7 @@ def run(args) -> Path:
         final = centered_pass(final, acc, model, cache, rows, row_len, args)
     metrics = build_metrics(model, args.unit, done, final, has_sources)
     manifest = build_manifest(model, cache, corpus, done, plan, seconds, time.time() - t_start, settings)
-    sums = None
-    if args.save_token_sums and not args.no_token_stats:
-        import numpy as np
-        sums = np.asarray(acc.tok_sum_SxVxD.hi, np.float64) + np.asarray(acc.tok_sum_SxVxD.lo, np.float64)
+    sums = acc.tok_sum_SxVxD if args.save_token_sums and not args.no_token_stats else None
     write_results(out, metrics, manifest, final, cfg.state_names, sums, plots=not args.no_plots)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     log(f"{done['tokens']:,} tokens in {seconds:.1f} s ({done['tokens'] / max(seconds, 1e-9):,.0f} tokens/s); "
