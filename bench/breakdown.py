@@ -1,7 +1,7 @@
 """Where the time goes: tokens/s of the fused step with parts switched off or changed, one
 model, same card, one variant alive at a time.
 
-    python bench/breakdown.py --model pythia-1.4b [--variants fwd,fwd_causal,full,...]
+    python bench/breakdown.py --model pythia-1.4b [--variants fwd,fwd_nocausal,full,full_b256k,...]
 
 Variants (all bf16, random weights, the bench workload of bench_throughput.py):
   fwd            forward only, cuDNN attention with the boolean segment mask
@@ -45,7 +45,7 @@ from isojax.model import GPTNeoX  # noqa: E402
 from isojax.runner import Runner  # noqa: E402
 
 ALL = ("fwd_nocausal,fwd,fwd_gelu_xla,fwd_xla,nostats_tok,full,full_chunkN,full_chunk2048,"
-       "full_chunk8192,full_256")
+       "full_chunk8192,full_gram1,full_hint,full_256,full_b256k")
 # variant -> {(module, attribute): value} switched for that variant only
 OVERRIDES = {
     "fwd_nocausal": {(model_lib, "CUDNN_CAUSAL"): False},
@@ -71,7 +71,8 @@ def rate(step, batches, warmup=2):
     return n / (time.perf_counter() - t)
 
 
-SHAPES = {"_256": (256, 256), "_b256k": (512, 512), "_b256k_256": (1024, 256)}  # name suffix -> rows x row_len; else 128 x 512
+# variant name suffix -> rows x row_len (no suffix: 128 x 512)
+SHAPES = {"_256": (256, 256), "_b256k": (512, 512), "_b256k_256": (1024, 256)}
 
 
 def run_variant(name, cfg, params, packs):
