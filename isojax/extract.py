@@ -127,7 +127,7 @@ def run(args) -> Path:
     from isojax.finalize import finalize
     from isojax.loading import cache_root
     from isojax.manifest import build_manifest, build_metrics
-    from isojax.report import write_results
+    from isojax.results import write_results
     from isojax.runner import Runner
 
     t_start = time.time()
