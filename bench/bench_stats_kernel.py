@@ -9,7 +9,7 @@ Per-token variants (all add the unit vectors of N positions into a [V, D] float3
   segment_sum_V       tok + segment_sum(u, ids, V): builds a fresh [V, D] array per batch
   segsum_set          sort, segment-sum in the batch, gather U rows, add, scatter-set (no lo)
   compensated         isojax.stats: segsum_set with a TwoSum into (hi, lo) rows, the batch's
-                      segment sums by scatter-add (stats.SEGMENT_SUM="scatter") or by a
+                      segment sums by scatter-add (StatsOptions(segment_sum="scatter")) or by a
                       segmented associative scan ("scan", no atomics)
 Gram variants (Sum (x - m)(x - m)^T of one batch, float32 out) by dot algorithm, and the full
 update_state (two Grams, sums, per-token) with the default and one fast Gram algorithm.
@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from isojax import stats
+from isojax.options import StatsOptions
 
 FAST_GRAM = lax.DotAlgorithmPreset.BF16_BF16_F32_X6  # ~float32 accuracy on tensor cores
 
@@ -63,14 +64,11 @@ def tok_segsum_set(tok_VxD, x_NxD, ids_N):
 
 
 def make_compensated(segment_sum):
+    opts = StatsOptions(segment_sum=segment_sum)
+
     def update(acc, x_NxD, ids_N):
-        old, stats.SEGMENT_SUM = stats.SEGMENT_SUM, segment_sum  # read at trace time
-        try:
-            index = stats.index_tokens(ids_N, jnp.ones(ids_N.shape, bool),
-                                       acc.tok_count_SxV.shape[1])
-            return stats._update_tokens(acc, 0, _unit(x_NxD), index)
-        finally:
-            stats.SEGMENT_SUM = old
+        index = stats.index_tokens(ids_N, jnp.ones(ids_N.shape, bool), acc.tok_count_SxV.shape[1])
+        return stats._update_tokens(acc, 0, _unit(x_NxD), index, opts)
     return update
 
 
@@ -84,12 +82,10 @@ def make_gram(precision):
 
 
 def make_update_state(precision):
+    opts = StatsOptions(gram_precision="bf16x6" if precision == lax.DotAlgorithmPreset.BF16_BF16_F32_X6 else "highest")
+
     def update(acc, x_NxD, ids_N):
-        old, stats.GRAM_PRECISION = stats.GRAM_PRECISION, precision  # read at trace time
-        try:
-            return stats.update_state(acc, 0, x_NxD, ids_N, jnp.ones(ids_N.shape, bool), 0)
-        finally:
-            stats.GRAM_PRECISION = old
+        return stats.update_state(acc, 0, x_NxD, ids_N, jnp.ones(ids_N.shape, bool), 0, opts=opts)
     return update
 
 

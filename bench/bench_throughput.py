@@ -63,7 +63,9 @@ def bf16_matmul_rate() -> float:
 def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, warmup=2):
     from isojax.config import preset
     from isojax.loading import random_params
+    from isojax import parallel
     from isojax.model import GPTNeoX
+    from isojax.options import ForwardOptions
     from isojax.runner import Runner
     cfg = preset(name)
     rows = max(1, batch_tokens // row_len)
@@ -72,8 +74,9 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     # add several points of padding).
     batches = pack_in_memory(tokens, offsets, rows, row_len)[:-1]
     pack_s = time.perf_counter() - t0
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=attention)
-    runner = Runner(module, random_params(cfg, "bfloat16"), token_stats=token_stats)
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention))
+    runner = Runner(module, random_params(cfg, "bfloat16"), parallel.make_mesh(devices=jax.devices()[:1]),
+                    token_stats=token_stats)
     t0 = time.perf_counter()
     for tok, seg, pos, _ in batches[:warmup]:
         runner.step(tok, seg, pos, 0)

@@ -9,11 +9,11 @@ Variants (all bf16, random weights, the bench workload of bench_throughput.py):
   fwd_xla        forward only, XLA attention (dense masked softmax)
   nostats_tok    forward + all statistics except the per-token sums
   full           forward + all statistics (what `isojax.extract` runs)
-  full_chunkN    full, per-token update in one round of N rows (stats.TOKEN_CHUNK = N)
+  full_chunkN    full, per-token update in one round of N rows (StatsOptions.token_chunk = N)
   full_chunk2048 / full_chunk8192   rounds of 2048 / 8192 distinct tokens
-  fwd_gelu_xla   forward with jax's erf in the GELU (model.FAST_GELU off)
-  full_gram1     full with each batch Gram as one [D, D] product (stats.GRAM_BLOCK = inf)
-  full_gram1024  full with Gram blocks of 1024 columns (stats.GRAM_BLOCK = 1024)
+  fwd_gelu_xla   forward with jax's erf in the GELU (ForwardOptions.fast_gelu off)
+  full_gram1     full with each batch Gram as one [D, D] product (StatsOptions.gram_block = inf)
+  full_gram1024  full with Gram blocks of 1024 columns (StatsOptions.gram_block = 1024)
   full_hint / full_nohint   per-token segment sums with / without XLA's sorted-indices hint
   *_256          on rows of 256 (256 x 256) instead of 128 x 512
   *_b256k        on 512 x 512 rows (262,144 token slots per batch)
@@ -37,26 +37,28 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench_throughput import pack_in_memory  # noqa: E402
 from workload import random_sentences, sentence_lengths  # noqa: E402
-from isojax import model as model_lib  # noqa: E402
-from isojax import stats  # noqa: E402
+import dataclasses  # noqa: E402
+
+from isojax import parallel  # noqa: E402
 from isojax.config import preset  # noqa: E402
 from isojax.loading import random_params  # noqa: E402
 from isojax.model import GPTNeoX  # noqa: E402
+from isojax.options import ForwardOptions, StatsOptions  # noqa: E402
 from isojax.runner import Runner  # noqa: E402
 
 ALL = ("fwd_nocausal,fwd,fwd_gelu_xla,fwd_xla,nostats_tok,full,full_chunkN,full_chunk2048,"
        "full_chunk8192,full_gram1,full_hint,full_256,full_b256k")
-# variant -> {(module, attribute): value} switched for that variant only
-OVERRIDES = {
-    "fwd_nocausal": {(model_lib, "CUDNN_CAUSAL"): False},
-    "fwd_gelu_xla": {(model_lib, "FAST_GELU"): False},
-    "full_chunk2048": {(stats, "TOKEN_CHUNK"): 2048},
-    "full_chunk8192": {(stats, "TOKEN_CHUNK"): 8192},
-    "full_gram1": {(stats, "GRAM_BLOCK"): 1 << 30},
-    "full_nohint": {(stats, "SORTED_SCATTER_MAX_D"): 0},
-    "full_hint": {(stats, "SORTED_SCATTER_MAX_D"): 1 << 30},
-    "full_gram1024": {(stats, "GRAM_BLOCK"): 1024},
+# variant -> settings of the forward (ForwardOptions) or of the statistics (StatsOptions)
+FORWARD = {"fwd_nocausal": {"cudnn_causal": False}, "fwd_gelu_xla": {"fast_gelu": False}, "fwd_xla": {"attention": "xla"}}
+STATS = {
+    "full_chunk2048": {"token_chunk": 2048},
+    "full_chunk8192": {"token_chunk": 8192},
+    "full_gram1": {"gram_block": 1 << 30},
+    "full_nohint": {"sorted_scatter_max_d": 0},
+    "full_hint": {"sorted_scatter_max_d": 1 << 30},
+    "full_gram1024": {"gram_block": 1024},
 }
+CAUSAL = {"cudnn_causal": True}  # turned off if cuDNN refuses it
 
 
 def rate(step, batches, warmup=2):
@@ -80,20 +82,18 @@ def run_variant(name, cfg, params, packs):
     shape = SHAPES.get(suffix, (128, 512))
     name = name.removesuffix(suffix) if suffix else name
     batches = packs(shape)
-    attn = "xla" if name == "fwd_xla" else "cudnn"
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=attn)
-    overrides = dict(OVERRIDES.get(name, {}))
+    forward = ForwardOptions(**{"attention": "cudnn", **CAUSAL, **FORWARD.get(name, {})})
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=forward)
+    stats_options = StatsOptions(**STATS.get(name, {}))
     if name == "full_chunkN":
-        overrides[(stats, "TOKEN_CHUNK")] = shape[0] * shape[1] + 1  # never divides N: one round
-    saved = {key: getattr(*key) for key in overrides}
-    for (mod, attr), value in overrides.items():
-        setattr(mod, attr, value)
+        stats_options = dataclasses.replace(stats_options, token_chunk=shape[0] * shape[1] + 1)  # one round
     try:
         if name.startswith("fwd"):
             noop = lambda obs, s, x: obs + x[0, 0, 0].astype(jnp.float32)
             f = jax.jit(lambda p, a, b, c: module.apply({"params": p}, a, b, c, jnp.float32(0), noop))
             return rate(lambda b: f(params, b[0], b[1], b[2]), batches)
-        runner = Runner(module, params, token_stats=name != "nostats_tok")
+        runner = Runner(module, params, parallel.make_mesh(devices=jax.devices()[:1]),
+                        token_stats=name != "nostats_tok", options=stats_options)
 
         def step(b):
             runner.step(b[0], b[1], b[2], 0)
@@ -102,8 +102,6 @@ def run_variant(name, cfg, params, packs):
         del runner, step
         return r
     finally:
-        for (mod, attr), value in saved.items():
-            setattr(mod, attr, value)
         jax.clear_caches()
         gc.collect()
 
@@ -127,8 +125,8 @@ def main() -> None:
             print(f"{name:<14} {r:>12,.0f} tok/s", flush=True)
         except Exception as e:  # keep going: one failing variant must not hide the others
             print(f"{name:<14} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            if name == "fwd" and model_lib.CUDNN_CAUSAL:
-                model_lib.CUDNN_CAUSAL = False
+            if name == "fwd" and CAUSAL["cudnn_causal"]:
+                CAUSAL["cudnn_causal"] = False
                 print("(cuDNN refused the causal flag: the remaining variants run without it)", flush=True)
 
 

@@ -17,7 +17,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from isojax import stats  # noqa: E402
+from isojax import parallel  # noqa: E402
+from isojax.options import ForwardOptions, StatsOptions  # noqa: E402
 from isojax.config import preset  # noqa: E402
 from isojax.loading import random_params  # noqa: E402
 from isojax.model import GPTNeoX  # noqa: E402
@@ -45,18 +46,18 @@ def main() -> None:
     seg = np.ones((b, t), np.int32)
     pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
     params = random_params(cfg, "bfloat16")
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=args.attention)
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=args.attention))
     noop = lambda obs, s, x: obs + x[0, 0, 0].astype(jnp.float32)
     fwd = jax.jit(lambda p, a, c, d: module.apply({"params": p}, a, c, d, jnp.float32(0), noop))
     timed_compile("forward only", fwd, params, tok, seg, pos)
     one = dataclasses.replace(cfg, num_layers=1)
     for token_stats in (False, True):
         for mode in ("scatter", "scan") if token_stats else (None,):
-            stats.SEGMENT_SUM = mode
             for c in (one, cfg):
-                m = GPTNeoX(c, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=args.attention)
-                r = Runner(m, random_params(c, "bfloat16"), token_stats=token_stats)
-                rows = jax.device_put((tok, seg, pos), r.row_sharding)
+                m = GPTNeoX(c, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=args.attention))
+                r = Runner(m, random_params(c, "bfloat16"), parallel.make_mesh(devices=jax.devices()[:1]),
+                           token_stats=token_stats, options=StatsOptions(segment_sum=mode or "auto"))
+                rows = jax.device_put((tok, seg, pos), parallel.rows(r.mesh))
                 timed_compile(f"L={c.num_layers} token_stats={token_stats} segsum={mode}", r._step, r.params, r.acc,
                               *rows, jnp.int32(0), r.centers_SxD)
 

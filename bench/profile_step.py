@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--forward-only", action="store_true", help="no statistics (a no-op observer)")
     ap.add_argument("--no-token-stats", action="store_true")
     ap.add_argument("--attention", default="cudnn")
-    ap.add_argument("--no-causal", action="store_true", help="model.CUDNN_CAUSAL = False")
+    ap.add_argument("--no-causal", action="store_true", help="ForwardOptions(cudnn_causal=False)")
     ap.add_argument("--out", default="/tmp/isojax_profile")
     args = ap.parse_args()
 
@@ -120,22 +120,23 @@ def main() -> int:
     from isojax.loading import random_params
     from isojax.model import GPTNeoX
     from isojax.runner import Runner
-    from isojax import model as model_lib
-
-    model_lib.CUDNN_CAUSAL = not args.no_causal
+    from isojax import parallel
+    from isojax.options import ForwardOptions
     cfg = preset(args.model)
     n_batches = args.steps + 2
     lengths = sentence_lengths(int(args.rows * args.row_len * (n_batches + 1)), seed=1, max_len=args.row_len)
     tokens, offsets = random_sentences(lengths, cfg.vocab_size, seed=2)
     batches = pack_in_memory(tokens, offsets, args.rows, args.row_len)[:n_batches]
     params = random_params(cfg, "bfloat16")
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention_impl=args.attention)
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                     options=ForwardOptions(attention=args.attention, cudnn_causal=not args.no_causal))
     if args.forward_only:
         noop = lambda obs, s, x: obs + x[0, 0, 0].astype(jnp.float32)
         fwd = jax.jit(lambda p, a, b, c: module.apply({"params": p}, a, b, c, jnp.float32(0), noop))
         step = lambda b: fwd(params, b[0], b[1], b[2])
     else:
-        runner = Runner(module, params, token_stats=not args.no_token_stats)
+        runner = Runner(module, params, parallel.make_mesh(devices=jax.devices()[:1]),
+                        token_stats=not args.no_token_stats)
 
         def step(b):
             runner.step(b[0], b[1], b[2], 0)

@@ -82,13 +82,29 @@ def _bands(count_V, intra_V):
     return bands
 
 
+def token_readout(acc: Accumulators) -> tuple[np.ndarray, np.ndarray] | None:
+    """(count_V, intra_sim_SxV) in float64 from accumulators on the host, one state at a time
+    (in float64 all at once the sums would double the host memory of the accumulators: 21 GB
+    more at pythia-1.4b); None without token stats. runner.Runner.token_readout does the same
+    on the devices."""
+    count_SxV = np.asarray(acc.tok_count_SxV, np.int64)
+    if count_SxV.shape[1] == 0:
+        return None
+    intra = []
+    for s in range(count_SxV.shape[0]):
+        sum_VxD = np.asarray(acc.tok_sum_SxVxD.hi[s], np.float64) + np.asarray(acc.tok_sum_SxVxD.lo[s], np.float64)
+        intra.append(_mean_cos(np.einsum("vd,vd->v", sum_VxD, sum_VxD), count_SxV[s]))
+    return count_SxV[0], np.stack(intra)
+
+
 def finalize(acc: Accumulators, state_names: list[str],
-             group_names: list[str] | None = None) -> dict:
+             group_names: list[str] | None = None, token=None) -> dict:
     """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
     "spectra": {...}}. "layers" combines all groups; "groups" (only with group_names) holds
     per-source results without per-token fields. Spectra are eigenvalues of the covariance
     (Sum (x-mean)(x-mean)^T / n), of the second moment (Sum x x^T / n), and of the
-    covariance of unit vectors, each in descending order."""
+    covariance of unit vectors, each in descending order. `token`: (count_V, intra_sim_SxV)
+    when already read out (runner.Runner.token_readout); else taken from acc."""
     acc = jax.device_get(acc)
     n_GxS = (np.asarray(acc.count_hi_GxS, np.int64) << _COUNT_BITS) + np.asarray(
         acc.count_lo_GxS, np.int64)
@@ -103,13 +119,11 @@ def finalize(acc: Accumulators, state_names: list[str],
     per_group_m2 = m2_HxSxDxD.shape[0] == num_groups and num_groups > 1
     csum_GxSxC = _f64(acc.centered_sum_GxSxC)
     centered = csum_GxSxC.shape[-1] > 0
-    tok_count_SxV = np.asarray(acc.tok_count_SxV, np.int64)
-    tok_sum = acc.tok_sum_SxVxD  # read one state at a time: in float64 all at once it would
-    # double the host memory of the accumulators (21 GB more at pythia-1.4b)
-    token_stats = tok_count_SxV.shape[1] > 0
+    if token is None:
+        token = token_readout(acc)
+    token_stats = token is not None
 
     layers, spectra = [], {"centered_SxD": [], "uncentered_SxD": [], "unit_SxD": []}
-    intra_SxV = []
     for s, name in enumerate(state_names):
         n_G = n_GxS[:, s]
         if per_group_m2:
@@ -126,9 +140,7 @@ def finalize(acc: Accumulators, state_names: list[str],
             csum_D = csum_GxSxC[:, s].sum(0)
             layer["centered_inter_sim"] = float(_mean_cos(csum_D @ csum_D, n_G.sum()))
         if token_stats:
-            count_V = tok_count_SxV[s]
-            sum_VxD = np.asarray(tok_sum.hi[s], np.float64) + np.asarray(tok_sum.lo[s], np.float64)
-            intra_V = _mean_cos(np.einsum("vd,vd->v", sum_VxD, sum_VxD), count_V)
+            count_V, intra_V = token[0], token[1][s]
             seen = count_V >= 2
             k = int(seen.sum())
             layer.update(
@@ -136,7 +148,6 @@ def finalize(acc: Accumulators, state_names: list[str],
                 intra_sim_weighted=(float((intra_V[seen] * count_V[seen]).sum()
                                           / count_V[seen].sum()) if k else float("nan")),
                 intra_tokens=k, intra_sim_by_band=_bands(count_V, intra_V))
-            intra_SxV.append(intra_V)
         else:  # the keys are part of the output contract; null says "not measured"
             layer.update(intra_sim=None, intra_sim_weighted=None, intra_tokens=None)
         layers.append(layer)
@@ -145,7 +156,7 @@ def finalize(acc: Accumulators, state_names: list[str],
     if all(e is not None for e in spectra["centered_SxD"]):
         result["spectra"] = {k: np.stack(v) for k, v in spectra.items()}
     if token_stats:
-        result["token"] = {"count_V": tok_count_SxV[0], "intra_sim_SxV": np.stack(intra_SxV)}
+        result["token"] = {"count_V": token[0], "intra_sim_SxV": token[1]}
     if group_names is not None:
         result["groups"] = {}
         for g, gname in enumerate(group_names):

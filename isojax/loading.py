@@ -27,6 +27,7 @@ from converters.orbax_io import is_converted, load_converted, save_converted
 from isojax.config import GPTNeoXConfig, base_preset, hub_id, preset, read_hf_config
 from isojax.errors import UserError
 from isojax.model import GPTNeoX, collect_states, single_row
+from isojax.options import ForwardOptions
 from isojax.tokenizer import load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -56,7 +57,7 @@ class LoadedModel:
     @property
     def module(self) -> GPTNeoX:
         dt = DTYPES[self.dtype]
-        return GPTNeoX(self.config, dtype=dt, param_dtype=dt, attention_impl=self.attention_impl)
+        return GPTNeoX(self.config, dtype=dt, param_dtype=dt, options=ForwardOptions(attention=self.attention_impl))
 
     def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
         """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]."""
@@ -83,26 +84,42 @@ def _forward_states(module, params, tokens, seg, pos, buf):
     return module.apply({"params": params}, tokens, seg, pos, buf, collect_states)
 
 
-def random_params(cfg: GPTNeoXConfig, dtype: str = "float32", seed: int = 0) -> dict:
+def random_params(cfg: GPTNeoXConfig, dtype: str = "float32", seed: int = 0, mesh=None) -> dict:
     """Random weights of the config's shapes (normal(0.02), LayerNorms at 1/0), initialized on
-    device in float32 and then cast, so every dtype of `random:<preset>` holds the same weights."""
+    device in float32 and then cast, so every dtype of `random:<preset>` holds the same weights.
+    With a mesh they are created where parallel.param_shardings puts them."""
     module = GPTNeoX(cfg)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))
-    init = jax.jit(lambda key: jax.tree.map(
-        lambda p: p.astype(DTYPES[dtype]),
-        module.init(key, tokens, seg, pos, None, lambda obs, s, x: obs)["params"]))
-    return init(jax.random.PRNGKey(seed))
+    make = lambda key: jax.tree.map(lambda p: p.astype(DTYPES[dtype]),
+                                    module.init(key, tokens, seg, pos, None, lambda obs, s, x: obs)["params"])
+    key = jax.random.PRNGKey(seed)
+    shardings = None
+    if mesh is not None:
+        from isojax.parallel import param_shardings
+        shardings = param_shardings(jax.eval_shape(make, key), mesh)
+    return jax.jit(make, out_shardings=shardings)(key)
+
+
+def place(params, dtype: str, mesh=None) -> dict:
+    """Parameters (numpy or jax) in `dtype` on the default device, or where
+    parallel.param_shardings puts them on the mesh."""
+    if mesh is None:
+        return jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), params)
+    from isojax.parallel import param_shardings
+    cast = jax.tree.map(lambda a: a.astype(DTYPES[dtype]), params)
+    return jax.device_put(cast, param_shardings(cast, mesh))
 
 
 def load_model(name_or_path: str, revision: str | None = None, dtype: str = "float32",
-               attention_impl: str = "xla") -> LoadedModel:
-    """Load any GPT-NeoX checkpoint; see module docstring for the accepted names."""
+               attention_impl: str = "xla", mesh=None) -> LoadedModel:
+    """Load any GPT-NeoX checkpoint; see module docstring for the accepted names. With a mesh
+    the parameters are placed on it (replicated, or split over its "model" axis)."""
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     name = str(name_or_path)
     if name.startswith("random:"):
         cfg = preset(name.split(":", 1)[1])
-        params = random_params(cfg, dtype)
+        params = random_params(cfg, dtype, mesh=mesh)
         source = {"name": name, "revision": None, "path": None, "checksum": "random-seed-0"}
         return LoadedModel(cfg, params, "random", source, dtype, attention_impl, hub_repo=hub_id(cfg.name))
     path = Path(name).expanduser()
@@ -111,7 +128,7 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
             raise UserError(f"{path}: not a checkpoint directory")
         if revision is not None:
             raise UserError("--revision applies to hub models, not to a local directory")
-        return _load_dir(path, name, None, dtype, attention_impl)
+        return _load_dir(path, name, None, dtype, attention_impl, mesh)
     repo = hub_id(name) if base_preset(name) else name
     if "/" not in repo:
         from isojax.config import preset_names
@@ -123,18 +140,19 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
         src = resolve_checkpoint(repo, revision)
         print(f"isojax: converting {repo}@{revision or 'main'} to an Orbax checkpoint at {converted}", file=sys.stderr)
         convert_dir(src, converted, source={"name": repo, "revision": revision})
-    return _load_dir(converted, repo, revision, dtype, attention_impl)
+    return _load_dir(converted, repo, revision, dtype, attention_impl, mesh)
 
 
-def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str) -> LoadedModel:
+def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str, mesh=None) -> LoadedModel:
     if is_converted(path):
         cfg, params, meta = load_converted(path, DTYPES[dtype])
+        params = place(params, dtype, mesh) if mesh is not None else params
         source = {"name": meta.get("source", {}).get("name") or name,
                   "revision": meta.get("source", {}).get("revision", revision),
                   "path": str(path), "checksum": meta["checksum"]}
     else:
         cfg, params_np, checksum = read_hf_dir(path)
-        params = jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), params_np)
+        params = place(params_np, dtype, mesh)
         source = {"name": name, "revision": revision, "path": str(path), "checksum": checksum}
     return LoadedModel(cfg, params, "pretrained", source, dtype, attention_impl, tokenizer_dir=path)
 

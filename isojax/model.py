@@ -24,15 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from isojax.config import ACTIVATIONS, GPTNeoXConfig
+from isojax.options import ForwardOptions
 
 Observer = Callable[[Any, Any, jax.Array], Any]
 
-# Exact-erf GELU with a cheap float32 erf for bfloat16 forwards (see gelu); float32 forwards
-# always use jax's erf. Read at trace time; bench/breakdown.py switches it off to measure it.
-FAST_GELU = True
-# Tell jax.nn.dot_product_attention that the (already causal) mask is causal. Read at trace
-# time; bench/breakdown.py switches it off to measure what it saves.
-CUDNN_CAUSAL = True
 
 
 class LayerNorm(nn.Module):
@@ -75,14 +70,15 @@ def fast_erf(x):
     return x * p / q
 
 
-def gelu(u, approximate: bool):
+def gelu(u, approximate: bool, fast: bool = True):
     """GELU as Hugging Face computes it. The exact (erf) GELU of a bfloat16 input is computed
     in float32 with fast_erf and rounded once, as PyTorch's bf16 GELU (float32 inside) is: it
     differs from the float64 GELU by at most half a bf16 ulp + 2e-6 (a one-ulp difference on
     7.7% of normal(0, 3) inputs, almost all where u < 0 and |GELU| is small; jax.nn.gelu in bf16
     arithmetic misses on 41%: tests/test_model.py). XLA's own erf made this elementwise pass
-    the slowest in the layer (bench/RESULTS.md). Float32 forwards use jax's erf."""
-    if u.dtype == jnp.float32 or (not approximate and not FAST_GELU):
+    the slowest in the layer (bench/RESULTS.md). Float32 forwards, and fast=False, use jax's
+    erf."""
+    if u.dtype == jnp.float32 or (not approximate and not fast):
         return jax.nn.gelu(u, approximate=approximate)
     uf = u.astype(jnp.float32)
     if approximate:  # tanh GELU, likewise in float32 and rounded once
@@ -137,7 +133,7 @@ class Attention(nn.Module):
     dtype: Any
     param_dtype: Any
     precision: Any
-    attention_impl: str
+    options: ForwardOptions
 
     @nn.compact
     def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
@@ -149,13 +145,14 @@ class Attention(nn.Module):
         q = apply_rotary(qkv_BxTxHx3xK[..., 0, :], cos_BxTxR, sin_BxTxR)
         kk = apply_rotary(qkv_BxTxHx3xK[..., 1, :], cos_BxTxR, sin_BxTxR)
         v = qkv_BxTxHx3xK[..., 2, :]
-        if self.attention_impl == "xla":
+        attention = self.options.attention
+        if attention == "xla":
             out_BxTxHxK = attention_xla(q, kk, v, mask_Bx1xTxT, self.precision)
         else:  # "cudnn" or "auto": jax's fused attention with the same boolean mask; the mask
             # is causal already, and saying so lets cuDNN skip the blocks above the diagonal
-            impl = None if self.attention_impl == "auto" else self.attention_impl
-            out_BxTxHxK = jax.nn.dot_product_attention(q, kk, v, mask=mask_Bx1xTxT, is_causal=CUDNN_CAUSAL,
-                                                       implementation=impl)
+            impl = None if attention == "auto" else attention
+            out_BxTxHxK = jax.nn.dot_product_attention(q, kk, v, mask=mask_Bx1xTxT,
+                                                       is_causal=self.options.cudnn_causal, implementation=impl)
         return dense(d, "dense")(out_BxTxHxK.reshape(b, t, d))
 
 
@@ -164,7 +161,7 @@ class Block(nn.Module):
     dtype: Any
     param_dtype: Any
     precision: Any
-    attention_impl: str
+    options: ForwardOptions
 
     @nn.compact
     def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
@@ -174,10 +171,10 @@ class Block(nn.Module):
 
         def mlp(h_BxTxD):
             u_BxTxF = dense(cfg.intermediate_size, "dense_h_to_4h")(h_BxTxD)
-            u_BxTxF = gelu(u_BxTxF, ACTIVATIONS[cfg.hidden_act])
+            u_BxTxF = gelu(u_BxTxF, ACTIVATIONS[cfg.hidden_act], self.options.fast_gelu)
             return dense(cfg.hidden_size, "dense_4h_to_h")(u_BxTxF)
 
-        attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.attention_impl,
+        attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.options,
                          name="attention")(ln("input_layernorm")(x_BxTxD), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
         if cfg.use_parallel_residual:
             return mlp(ln("post_attention_layernorm")(x_BxTxD)) + attn + x_BxTxD
@@ -192,28 +189,29 @@ class ObservedBlock(nn.Module):
     dtype: Any
     param_dtype: Any
     precision: Any
-    attention_impl: str
+    options: ForwardOptions
     observe: Observer
 
     @nn.compact
     def __call__(self, carry, s, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
         x_BxTxD, obs = carry
-        x_BxTxD = Block(self.cfg, self.dtype, self.param_dtype, self.precision, self.attention_impl,
+        x_BxTxD = Block(self.cfg, self.dtype, self.param_dtype, self.precision, self.options,
                         name="block")(x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
+        x_BxTxD = self.options.constrain(x_BxTxD)
         return (x_BxTxD, self.observe(obs, s, x_BxTxD)), None
 
 
 class GPTNeoX(nn.Module):
     """GPT-NeoX trunk. `__call__` returns the observer's final state; see module docstring.
 
-    `precision` defaults to HIGHEST for float32 compute (no TF32 on GPUs: exact float32) and
-    DEFAULT otherwise. `attention_impl`: "xla" (plain, exact reference), "cudnn" or "auto".
+    `precision` is HIGHEST for float32 compute (no TF32 on GPUs: exact float32) and DEFAULT
+    otherwise. `options`: attention kernel, GELU, activation sharding (options.ForwardOptions).
     """
 
     cfg: GPTNeoXConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    attention_impl: str = "xla"
+    options: ForwardOptions = ForwardOptions()
 
     @property
     def precision(self):
@@ -227,13 +225,13 @@ class GPTNeoX(nn.Module):
         # The untied unembedding: no metric here needs logits, but the weights belong to the model.
         self.param("embed_out", init, (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
 
-        x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(self.dtype)
+        x_BxTxD = self.options.constrain(jnp.take(embed_VxD, tokens_BxT, axis=0).astype(self.dtype))
         obs = observe(obs, 0, x_BxTxD)
         cos_BxTxR, sin_BxTxR = rotary_tables(positions_BxT, cfg)
         mask_Bx1xTxT = segment_mask(segment_ids_BxT)
         layers = nn.scan(ObservedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers)
-        (x_BxTxD, obs), _ = layers(cfg, self.dtype, self.param_dtype, self.precision, self.attention_impl,
+        (x_BxTxD, obs), _ = layers(cfg, self.dtype, self.param_dtype, self.precision, self.options,
                                    observe, name="layers")(
             (x_BxTxD, obs), jnp.arange(1, cfg.num_layers + 1), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
         h_BxTxD = LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name="final_layer_norm")(x_BxTxD)

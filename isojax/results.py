@@ -50,18 +50,19 @@ def write_zarr(path: Path, array: np.ndarray) -> None:
     _open_zarr(path, array.dtype.name, array.shape).write(array).result()
 
 
-def write_token_sums(path: Path, tok_sum) -> None:
-    """The per-token unit sums hi + lo in float64, [S, V, D], written one state at a time (all
-    at once in float64 they would double the host memory of the accumulators)."""
-    store = _open_zarr(path, "float64", tuple(tok_sum.hi.shape))
-    for s in range(tok_sum.hi.shape[0]):
-        store[s].write(np.asarray(tok_sum.hi[s], np.float64) + np.asarray(tok_sum.lo[s], np.float64)).result()
+def write_token_sums(path: Path, state_sums, num_states: int) -> None:
+    """The per-token unit sums [S, V, D] in float64, written one state at a time (all at once in
+    float64 they would double the host memory of the accumulators). state_sums(s) -> [V, D]."""
+    first = state_sums(0)
+    store = _open_zarr(path, "float64", (num_states, *first.shape))
+    for s in range(num_states):
+        store[s].write(first if s == 0 else state_sums(s)).result()
 
 
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
                   token_sums=None, plots: bool = True) -> list[str]:
     """Stage every file, then move them into `out` (replacing older results of the same names).
-    `token_sums`: the accumulators' per-token sums (a stats.DF of [S, V, D] hi and lo) or None."""
+    `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None."""
     out.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
     try:
@@ -75,7 +76,7 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
             write_zarr(stage / "tokens.zarr" / "count", np.asarray(token["count_V"], np.int64))
             write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
             if token_sums is not None:
-                write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums)
+                write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
         if plots:
             from isojax.plots import plot_metrics
             plot_dir = stage / "plots"

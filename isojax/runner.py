@@ -1,109 +1,257 @@
 """The device side of a run: one jitted step = GPT-NeoX forward + statistics of every state,
-consumed inside the layer scan, data-parallel over all local devices.
+consumed inside the layer scan, on every device of every process.
 
-Each device keeps its own accumulators (a leading device axis, sharded over the mesh axis
-"data"); batch rows are split across devices; `merged_accumulators` merges the per-device
-slices (stats.merge is associative) only when results are read. One device is the same code
-with a mesh of one.
+The forward is plain jit code that XLA partitions from the shardings of its inputs (rows over
+all devices, parameters replicated or over "model": parallel.py). The observer the layer scan
+calls with each state runs the statistics per device under shard_map: each device adds its rows
+to its own partial of the layer part and sends its per-token sums to the tokens' owners
+(stats._update_token_shards).
+
+Global layout of the accumulators (a stats.Accumulators of global arrays):
+  layer part  counts, sums, Grams, centered sums: [n, ...], one partial per device (axis 0 split)
+  token part  tok_count [S, V'], tok_sum [S, V', D]: split over V' = V rounded up to a multiple
+              of n; global row k * V'/n + j holds token id j * n + k (parallel.py).
+`merged_layers` merges the partials on the devices (a butterfly of ppermutes, one state at a
+time); `token_readout` turns the per-token sums into IntraSim on the devices, in float64.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from isojax import stats
+from isojax import parallel, stats
 from isojax.model import GPTNeoX
-
+from isojax.options import StatsOptions
+from isojax.parallel import ALL
 
 MAX_GROUP_SPECTRA = 8
+LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
+                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC")
+TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
+
+
+def _map_fields(acc: stats.Accumulators, fields, fn) -> stats.Accumulators:
+    return acc.replace(**{f: jax.tree.map(fn, getattr(acc, f)) for f in fields})
+
+
+def accumulator_specs(acc: stats.Accumulators) -> stats.Accumulators:
+    """PartitionSpecs of the global layout (module docstring)."""
+    specs = jax.tree.map(lambda _: P(ALL), acc)
+    return specs.replace(tok_count_SxV=P(None, ALL),
+                         tok_sum_SxVxD=jax.tree.map(lambda _: P(None, ALL, None), acc.tok_sum_SxVxD))
+
+
+def vocab_rows(vocab_size: int, n: int) -> int:
+    return -(-vocab_size // n) * n
+
+
+def token_order(values_SxV: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
+    """Rows of the global token layout -> token id order, [S, V'] -> [S, V]."""
+    s, v = values_SxV.shape
+    return values_SxV.reshape(s, n, v // n).transpose(0, 2, 1).reshape(s, v)[:, :vocab_size]
 
 
 class Runner:
-    """Holds params, per-device accumulators and the compiled step for one model shape."""
+    """Params, accumulators and the compiled step of one model on one mesh."""
 
-    def __init__(self, module: GPTNeoX, params, *, token_stats: bool = True, num_groups: int = 1,
-                 centers_SxD=None, devices=None):
+    def __init__(self, module: GPTNeoX, params, mesh=None, *, token_stats: bool = True, num_groups: int = 1,
+                 centers_SxD=None, options: StatsOptions | None = None):
         cfg = module.cfg
         self.module, self.cfg = module, cfg
-        devices = devices or jax.local_devices()
-        self.mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
-        self.num_devices = len(devices)
-        self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
-        self.row_sharding = NamedSharding(self.mesh, P("data"))
+        self.mesh = mesh if mesh is not None else parallel.make_mesh()
+        self.num_devices = n = self.mesh.size
+        options = options or StatsOptions()
+        self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
+        self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
         self.centered = centers_SxD is not None
-        self.centers_SxD = (jax.device_put(jnp.asarray(centers_SxD, jnp.float32), NamedSharding(self.mesh, P()))
-                            if self.centered else jnp.zeros((cfg.num_states, 0), jnp.float32))
+        self.centers_SxD = jax.device_put(
+            np.asarray(centers_SxD, np.float32) if self.centered else np.zeros((cfg.num_states, 0), np.float32),
+            parallel.replicated(self.mesh))
         # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
         self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=self.centered,
                                 group_spectra=num_groups <= MAX_GROUP_SPECTRA)
+        self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
+        shapes = jax.eval_shape(self._init_global)
+        self.specs = accumulator_specs(shapes)
+        self.shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs)
+        self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                     shapes, self.shardings)
         self.acc = self.fresh_accumulators()
-        self._step = _compiled_step(module, self.mesh, self.centered)
+        self._step = _compiled_step(module, self.mesh, self.options, self.specs, self.centered)
 
-    def fresh_accumulators(self):
-        cfg = self.cfg
-        init = lambda: jax.tree.map(lambda x: x[None], stats.init_accumulators(
-            cfg.num_states, cfg.hidden_size, cfg.vocab_size, **self.init_kwargs))
-        sharding = jax.tree.map(lambda _: NamedSharding(self.mesh, P("data")), jax.eval_shape(init))
-        return jax.jit(lambda: jax.tree.map(lambda x: jnp.repeat(x, self.num_devices, 0), init()),
-                       out_shardings=sharding)()
+    def _init_global(self) -> stats.Accumulators:
+        acc = stats.init_accumulators(self.cfg.num_states, self.cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
+        return _map_fields(acc, LAYER_FIELDS, lambda x: jnp.broadcast_to(x[None], (self.num_devices, *x.shape)))
 
-    def load_accumulators(self, acc_host) -> None:
-        """Resume from merged accumulators: device 0 takes them, the others start from zero."""
-        def stack(x):
-            x = np.asarray(x)
-            return np.concatenate([x[None], np.zeros((self.num_devices - 1, *x.shape), x.dtype)])
-        self.acc = jax.device_put(jax.tree.map(stack, acc_host), NamedSharding(self.mesh, P("data")))
+    def fresh_accumulators(self) -> stats.Accumulators:
+        return jax.jit(self._init_global, out_shardings=self.shardings)()
 
     def accumulator_bytes(self) -> int:
-        cfg = self.cfg
-        return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, cfg.vocab_size, **self.init_kwargs)
+        """Bytes of accumulators on each device."""
+        return per_device_accumulator_bytes(self.cfg, self.num_devices, **self.init_kwargs)
 
     def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int) -> None:
-        """Consume one batch (rows must divide evenly over the devices); asynchronous."""
-        rows = jax.device_put((tokens_BxT, segment_ids_BxT, positions_BxT), self.row_sharding)
+        """Consume one batch (asynchronous). Arrays: this process's rows (parallel.local_rows) of
+        a batch whose row count is a multiple of the device count."""
+        total = len(tokens_BxT) * self.num_devices // len(self.mesh.local_devices)
+        rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
+                for a in (tokens_BxT, segment_ids_BxT, positions_BxT)]
         self.acc = self._step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
 
-    def merged_accumulators(self) -> stats.Accumulators:
-        """The per-device accumulators merged into one, on the host CPU backend, one device's
-        slice at a time: host memory holds at most three copies (running total, the next
-        slice, their merge) however many devices there are."""
-        leaves, treedef = jax.tree.flatten(self.acc)
-        total = None
-        for i in range(self.num_devices):
-            part = treedef.unflatten([np.asarray(x.addressable_shards[i].data)[0] for x in leaves])
-            if total is None:
-                total = part
-                continue
-            with jax.default_device(jax.devices("cpu")[0]):  # not on the accelerator, which holds self.acc
-                total = jax.device_get(stats.merge(total, part))
+    def merged_layers(self) -> stats.Accumulators:
+        """The layer part merged over devices, as numpy (token fields left empty)."""
+        merged = _compiled_merge(self.mesh, self.specs, self.cfg.num_states)(_layer_part(self.acc))
+        first = lambda x: np.asarray(x.addressable_shards[0].data)[0]
+        merged = _map_fields(merged, LAYER_FIELDS, first)
+        return merged.replace(tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
+            *(np.zeros((self.cfg.num_states, 0, self.cfg.hidden_size), np.float32),) * 2))
+
+    def token_readout(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(count_V int64, intra_sim_SxV float64) from the per-token sums, computed on the devices
+        in float64 one state at a time; None without token stats."""
+        if not self.vocab_rows:
+            return None
+        with jax.enable_x64(True):
+            intra = _compiled_readout(self.mesh)(self.acc.tok_count_SxV, self.acc.tok_sum_SxVxD)
+            intra, count = _gather(intra), _gather(self.acc.tok_count_SxV[:1])
+        n, v = self.num_devices, self.cfg.vocab_size
+        return token_order(count, n, v)[0].astype(np.int64), token_order(intra, n, v)
+
+    def token_sums(self, s: int) -> np.ndarray:
+        """Per-token unit-vector sums of state s, hi + lo in float64, [V, D] in token order."""
+        with jax.enable_x64(True):
+            sums = _gather(_state_sums(self.acc.tok_sum_SxVxD, jnp.int32(s)))
+        n, d = self.num_devices, sums.shape[-1]
+        return sums.reshape(n, -1, d).transpose(1, 0, 2).reshape(-1, d)[:self.cfg.vocab_size]
+
+    def load(self, acc) -> None:
+        self.acc = acc
+
+
+def per_device_accumulator_bytes(cfg, n: int, *, num_groups=1, token_stats=True, centered=False,
+                                 group_spectra=True) -> int:
+    """Bytes on each of n devices: one layer part plus 1/n of the per-token part (rounded up)."""
+    kw = dict(num_groups=num_groups, centered=centered, group_spectra=group_spectra)
+    layer = stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, 0, token_stats=False, **kw)
+    if not token_stats:
+        return layer
+    rows = vocab_rows(cfg.vocab_size, n) // n
+    return layer + stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, **kw) - \
+        stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, 0, token_stats=False, **kw)
+
+
+def _gather(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@jax.jit
+def _state_sums(tok: stats.DF, s):
+    return tok.hi[s].astype(jnp.float64) + tok.lo[s].astype(jnp.float64)
+
+
+def _layer_part(acc: stats.Accumulators) -> stats.Accumulators:
+    """acc with empty token fields (what the merge and checkpoints of the layer part carry)."""
+    return acc.replace(tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
+        lambda x: x[:, :0], acc.tok_sum_SxVxD))
+
+
+def _device_view(acc):
+    return _map_fields(acc, LAYER_FIELDS, lambda x: x[0])
+
+
+def _stacked(acc):
+    return _map_fields(acc, LAYER_FIELDS, lambda x: x[None])
+
+
+def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered: bool):
+    d, n = module.cfg.hidden_size, mesh.size
+
+    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, group, centers_SxD):
+        center_D = lax.dynamic_index_in_dim(centers_SxD, s, 0, keepdims=False) if centered else None
+        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), tokens_BxT.reshape(-1),
+                                 seg_BxT.reshape(-1) != 0, group, center_D, index=index, opts=options)
+        return _stacked(acc)
+
+    def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, group, centers_SxD):
+        rows = acc.tok_count_SxV.shape[1]  # the padded vocabulary (0 without token stats)
+        index = None
+        if rows:  # each device sorts its rows' ids once per batch, for all states
+            index = jax.shard_map(
+                lambda t, g: stats.index_tokens(t.reshape(-1), g.reshape(-1) != 0, rows, n),
+                mesh=mesh, in_specs=(P(ALL), P(ALL)), out_specs=P(ALL))(tokens_BxT, seg_BxT)
+        update = jax.shard_map(local_update, mesh=mesh,
+                               in_specs=(specs, P(), P(ALL), P(ALL), P(ALL), P(ALL), P(), P()),
+                               out_specs=specs, check_vma=False)
+        observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, group, centers_SxD)
+        return module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+@functools.cache
+def _compiled_merge(mesh, specs, num_states: int):
+    """Merge the per-device layer partials on the devices, one state at a time (memory: one
+    state's partial more per device). Powers of two: a butterfly of ppermutes, after which every
+    device holds the same total (stats.merge is symmetric, so partners agree bit for bit);
+    other counts: all-gather one state and fold."""
+    n = mesh.size
+
+    def merge_all(part):
+        if n & (n - 1) == 0:
+            k = 1
+            while k < n:
+                other = jax.tree.map(lambda x: lax.ppermute(x, ALL, [(i, i ^ k) for i in range(n)]), part)
+                part = stats.merge(part, other)
+                k *= 2
+            return part
+        every = jax.tree.map(lambda x: lax.all_gather(x, ALL), part)
+        total = jax.tree.map(lambda x: x[0], every)
+        for i in range(1, n):
+            total = stats.merge(total, jax.tree.map(lambda x, i=i: x[i], every))
         return total
 
+    def local(acc):
+        acc = _device_view(acc)
 
-def _compiled_step(module: GPTNeoX, mesh, centered: bool):
-    def local_step(params, acc, tokens_BxT, seg_BxT, pos_BxT, group, centers_SxD):
-        acc = jax.tree.map(lambda x: x[0], acc)  # this device's slice
-        d = module.cfg.hidden_size
-        ids_N, valid_N = tokens_BxT.reshape(-1), seg_BxT.reshape(-1) != 0
-        vocab = acc.tok_count_SxV.shape[1]
-        index = stats.index_tokens(ids_N, valid_N, vocab) if vocab else None
+        def one_state(s, acc):
+            take = lambda x: lax.dynamic_slice_in_dim(x, s, 1, axis=1)
+            part = merge_all(_map_fields(acc, LAYER_FIELDS, take))
+            return acc.replace(**{f: jax.tree.map(lambda x, y: lax.dynamic_update_slice_in_dim(x, y, s, axis=1),
+                                                  getattr(acc, f), getattr(part, f)) for f in LAYER_FIELDS})
 
-        def observe(acc, s, x_BxTxD):
-            center_D = jax.lax.dynamic_index_in_dim(centers_SxD, s, 0, keepdims=False) if centered else None
-            return stats.update_state(acc, s, x_BxTxD.reshape(-1, d), ids_N, valid_N, group, center_D,
-                                      index=index)
+        return _stacked(lax.fori_loop(0, num_states, one_state, acc))
 
-        acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
-        return jax.tree.map(lambda x: x[None], acc)
+    layer_specs = specs  # token fields are empty [S, 0(, D)] arrays, split over nothing
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(layer_specs,), out_specs=layer_specs,
+                                 check_vma=False))
 
-    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data"), P("data"),
-                                                             P(), P()),
-                            out_specs=P("data"), check_vma=False)
-    return jax.jit(sharded, donate_argnums=(1,))
+
+@functools.cache
+def _compiled_readout(mesh):
+    """IntraSim of every token row, in float64 (call under jax.enable_x64): (|hi + lo|^2 - c) /
+    (c^2 - c), NaN where c < 2; one state at a time, so the float64 copy is one [V/n, D]."""
+
+    def local(count_SxV, tok):
+        def one(s):
+            sum_VxD = tok.hi[s].astype(jnp.float64) + tok.lo[s].astype(jnp.float64)
+            return jnp.einsum("vd,vd->v", sum_VxD, sum_VxD)
+
+        sq_SxV = lax.map(one, jnp.arange(count_SxV.shape[0]))
+        c = count_SxV.astype(jnp.float64)
+        return jnp.where(c >= 2, (sq_SxV - c) / jnp.where(c >= 2, c * c - c, 1.0), jnp.nan)
+
+    tok_spec = stats.DF(P(None, ALL, None), P(None, ALL, None))
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, ALL), tok_spec), out_specs=P(None, ALL)))
 
 
 def device_memory_bytes() -> int | None:
@@ -116,5 +264,5 @@ def device_memory_bytes() -> int | None:
 
 
 def host_memory_bytes() -> int:
+    import os
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-

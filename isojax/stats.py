@@ -23,33 +23,10 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-# Batch Gram of the centered deviations of float32 states: true float32 products and
-# accumulation (no TF32). bfloat16 states take bf16-rounded deviations on the tensor cores
-# with float32 accumulation instead (_centered_moments). lax.DotAlgorithmPreset.
-# BF16_BF16_F32_X6 (six bf16 tensor-core passes, ~float32 accuracy) is the fast float32
-# option that bench_stats_kernel.py measures, speed and error. Read at trace time.
-GRAM_PRECISION = lax.Precision.HIGHEST
-# How one batch's sorted rows are summed per token: "scan" (a segmented associative scan:
-# no float atomics, so none of the float32 scatter-add hazards of DESIGN.md; error <=
-# log2(N) ulps; O(N D) work in log2(N) steps) or "scatter" (segment_sum, a float32
-# scatter-add into a fresh [M, D] buffer: one pass, but hot tokens contend and its error bound
-# grows with a token's count in the batch). Read at trace time; bench_stats_kernel.py
-# measures both. None: "scan" on CPU, "scatter" on accelerators, where the scan's log2(N)
-# levels of strided slices made XLA's GPU compile take minutes (bench/RESULTS.md).
-SEGMENT_SUM = None
+from isojax.options import StatsOptions
 
+DEFAULT_OPTIONS = StatsOptions()
 
-def segment_sum_mode() -> str:
-    return SEGMENT_SUM or ("scan" if jax.default_backend() == "cpu" else "scatter")
-
-
-# Column block width of the batch Gram: for D >= 2 * GRAM_BLOCK (and a multiple of it) only the
-# blocks on and above the diagonal are multiplied; narrower states take one [D, D] product,
-# where the saving would not pay for the extra launches. Read at trace time.
-GRAM_BLOCK = 512
-# Distinct tokens per gather/scatter round of the per-token update (used when it divides the
-# batch's N; else one round of N). Read at trace time.
-TOKEN_CHUNK = 4096
 _COUNT_BITS = 30  # counts are int32 limbs: n = hi * 2**30 + lo, exact to 2**61
 
 
@@ -147,20 +124,27 @@ def pairwise_sum(x_NxD):
 class TokenIndex:
     """The sort of one batch's token ids, shared by all S states of that batch.
 
-    uniq_U holds the distinct valid ids in ascending order at ranks 0..U-1; the remaining
-    N - U slots hold distinct out-of-range ids (>= V), so a scatter with mode='drop' skips
-    them and every index is unique and sorted (no contention, no atomics)."""
+    Sorting is by key: the token id itself, or, when the vocabulary is split over `shards`
+    devices (device k owns ids k, k + shards, ...), key = owner * (V / shards) + id // shards,
+    so that each owner's tokens form one contiguous run of segments and key % (V / shards) is
+    the row on the owner. uniq_U holds the distinct valid keys in ascending order at ranks
+    0..U-1; the remaining N - U slots hold distinct out-of-range keys (>= V), so a scatter with
+    mode='drop' skips them and every index is unique and sorted (no contention, no atomics)."""
 
-    order_N: jax.Array  # permutation that sorts the batch by id
+    order_N: jax.Array  # permutation that sorts the batch by key
     starts_N: jax.Array  # bool: sorted position opens a new segment
-    rank_N: jax.Array  # segment (distinct-id) index of each sorted position
-    uniq_U: jax.Array  # [N] ids per segment, padded with V, V+1, ... (dropped)
+    rank_N: jax.Array  # segment (distinct-key) index of each sorted position
+    uniq_U: jax.Array  # [N] keys per segment, padded with V, V+1, ... (dropped)
     count_U: jax.Array  # [N] valid occurrences per segment
 
 
-def index_tokens(token_ids_N, valid_N, vocab_size) -> TokenIndex:
+def index_tokens(token_ids_N, valid_N, vocab_size, shards: int = 1) -> TokenIndex:
+    """vocab_size: the (padded) vocabulary, a multiple of `shards`."""
     n = token_ids_N.shape[0]
-    ids_N = jnp.where(valid_N, token_ids_N.astype(jnp.int32), vocab_size)  # padding sorts last
+    ids_N = token_ids_N.astype(jnp.int32)
+    if shards > 1:
+        ids_N = (ids_N % shards) * (vocab_size // shards) + ids_N // shards
+    ids_N = jnp.where(valid_N, ids_N, vocab_size)  # padding sorts last
     order_N = jnp.argsort(ids_N, stable=True)
     sorted_N = ids_N[order_N]
     starts_N = jnp.concatenate([jnp.ones(1, bool), sorted_N[1:] != sorted_N[:-1]])
@@ -181,7 +165,7 @@ def _count_f32(lo, hi):
     return hi.astype(jnp.float32) * float(1 << _COUNT_BITS) + lo.astype(jnp.float32)
 
 
-def _centered_moments(x_NxD, valid_N, gram_dtype=jnp.float32):
+def _centered_moments(x_NxD, valid_N, gram_dtype, opts: StatsOptions):
     """(Sum x, Sum (x - m)(x - m)^T) of the valid rows, m = their mean, n_b = their number.
 
     gram_dtype bfloat16 (for states from a bfloat16 forward): the deviations are rounded to
@@ -192,13 +176,14 @@ def _centered_moments(x_NxD, valid_N, gram_dtype=jnp.float32):
     sum_D = pairwise_sum(x_NxD)  # invalid rows are already zero
     mean_D = sum_D / jnp.maximum(n_b, 1.0)
     d = x_NxD.shape[1]
-    k = d // GRAM_BLOCK if d >= 2 * GRAM_BLOCK and d % GRAM_BLOCK == 0 else 1
+    block = opts.gram_block
+    k = d // block if d >= 2 * block and d % block == 0 else 1
     blocks = [slice(i * d // k, (i + 1) * d // k) for i in range(k)]
     # each column block's deviations computed on their own, so that each is contiguous
     devs = [jnp.where(valid_N[:, None], x_NxD[:, c] - mean_D[c], 0.0).astype(gram_dtype) for c in blocks]
     kw = dict(preferred_element_type=jnp.float32)
     if gram_dtype != jnp.bfloat16:
-        kw["precision"] = GRAM_PRECISION
+        kw["precision"] = opts.gram_dot_precision()
     # Sum dev dev^T is symmetric: the k(k+1)/2 blocks on and above the diagonal are
     # (k+1)/(2k) of the products (5/8 at D = 2048)
     upper = {(i, j): jnp.einsum("nd,ne->de", devs[i], devs[j], **kw) for i in range(k) for j in range(i, k)}
@@ -230,10 +215,12 @@ def _df_slot_add(df: DF, idx, v):
 
 
 def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, center_D=None,
-                 *, index: TokenIndex | None = None) -> Accumulators:
+                 *, index: TokenIndex | None = None, opts: StatsOptions = DEFAULT_OPTIONS) -> Accumulators:
     """Add state s of one batch. s, group: (traced) int32 scalars; padding rows
     (valid_N False) contribute nothing, whatever they hold. `index` (from index_tokens)
-    lets a caller sort the ids once per batch instead of once per state."""
+    lets a caller sort the ids once per batch instead of once per state. With
+    opts.token_shards > 1 this runs inside shard_map: the per-token accumulators hold this
+    device's share of the vocabulary and the batch's per-token sums are exchanged."""
     s, group = jnp.asarray(s, jnp.int32), jnp.asarray(group, jnp.int32)
     token_ids_N, valid_N = jnp.asarray(token_ids_N), jnp.asarray(valid_N)
     gram_dtype = jnp.bfloat16 if x_NxD.dtype == jnp.bfloat16 else jnp.float32
@@ -252,8 +239,8 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     _, unit_sum_a_D = _population(acc.unit_sum_GxSxD, acc.count_lo_GxS, acc.count_hi_GxS,
                                   m2_slots, group, s)
 
-    sum_D, m2_DxD = _centered_moments(x_NxD, valid_N, gram_dtype)
-    unit_sum_D, unit_m2_DxD = _centered_moments(unit_NxD, valid_N, gram_dtype)
+    sum_D, m2_DxD = _centered_moments(x_NxD, valid_N, gram_dtype, opts)
+    unit_sum_D, unit_m2_DxD = _centered_moments(unit_NxD, valid_N, gram_dtype, opts)
     acc = acc.replace(
         m2_HxSxDxD=_merge_m2(acc.m2_HxSxDxD, m2_idx, n_a, sum_a_D, n_bf, sum_D, m2_DxD),
         unit_m2_HxSxDxD=_merge_m2(acc.unit_m2_HxSxDxD, m2_idx, n_a, unit_sum_a_D, n_bf,
@@ -274,26 +261,22 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
         acc = acc.replace(centered_sum_GxSxC=_df_slot_add(
             acc.centered_sum_GxSxC, gs, pairwise_sum(dunit_NxD)))
 
-    vocab_size = acc.tok_count_SxV.shape[1]
-    if vocab_size:
+    rows = acc.tok_count_SxV.shape[1]
+    if rows:
+        shards = opts.token_shards
         if index is None:
-            index = index_tokens(token_ids_N, valid_N, vocab_size)
-        acc = _update_tokens(acc, s, unit_NxD, index)
+            index = index_tokens(token_ids_N, valid_N, rows * shards, shards)
+        update_tokens = _update_tokens if shards == 1 else _update_token_shards
+        acc = update_tokens(acc, s, unit_NxD, index, opts)
     return acc
 
 
-# Widest states whose per-token segment sum tells XLA that the ids are sorted. On an H100
-# (jax 0.11.2) the sorted-scatter path is 12% faster at D = 512 and 3% at D = 1024 but 27%
-# slower end to end at D = 2048 (bench/RESULTS.md). Read at trace time.
-SORTED_SCATTER_MAX_D = 1024
-
-
-def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int):
+def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int, opts: StatsOptions = DEFAULT_OPTIONS):
     """Per-segment sums of rows already in sorted order, at rows 0..U-1 of a [num_rows, D]
     array (num_rows >= U)."""
-    if segment_sum_mode() == "scatter":
+    if opts.segment_sum_mode() == "scatter":
         return jax.ops.segment_sum(sorted_NxD, index.rank_N, num_segments=num_rows,
-                                   indices_are_sorted=sorted_NxD.shape[1] <= SORTED_SCATTER_MAX_D)
+                                   indices_are_sorted=sorted_NxD.shape[1] <= opts.sorted_scatter_max_d)
 
     def add_within_segment(a, b):
         (start_a, sum_a), (start_b, sum_b) = a, b
@@ -306,19 +289,19 @@ def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int):
         prefix_NxD, mode="drop", unique_indices=True, indices_are_sorted=True)
 
 
-def _update_tokens(acc: Accumulators, s, unit_NxD, index: TokenIndex) -> Accumulators:
+def _update_tokens(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts: StatsOptions) -> Accumulators:
     """Per-token unit sums: segment-sum the sorted batch (a fresh [M, D], M <= min(N, V + 1)
-    rounded up to the chunk, never [V, D] per batch), then, TOKEN_CHUNK distinct tokens at a
-    time, gather their accumulator rows, TwoSum-add and scatter-set them back in place. Only
-    ceil(U / TOKEN_CHUNK) rounds run (a dynamic trip count), so the gathers and scatters move
-    ~U rows, not N: U ~ 15k distinct ids in a 65k-token batch of text."""
+    rounded up to the chunk, never [V, D] per batch), then, opts.token_chunk distinct tokens at
+    a time, gather their accumulator rows, TwoSum-add and scatter-set them back in place. Only
+    ceil(U / chunk) rounds run (a dynamic trip count), so the gathers and scatters move ~U
+    rows, not N: U ~ 15k distinct ids in a 65k-token batch of text."""
     n = unit_NxD.shape[0]
     vocab_size = acc.tok_count_SxV.shape[1]
-    chunk = TOKEN_CHUNK if n % TOKEN_CHUNK == 0 else n
+    chunk = opts.token_chunk if n % opts.token_chunk == 0 else n
     # U <= V + 1 (the distinct ids and one padding segment): a batch longer than the
     # vocabulary needs no more rows than that
     num_rows = min(n, -(-(vocab_size + 1) // chunk) * chunk)
-    seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows)
+    seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows, opts)
     n_unique = index.rank_N[-1] + 1
     kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
 
@@ -339,18 +322,70 @@ def _update_tokens(acc: Accumulators, s, unit_NxD, index: TokenIndex) -> Accumul
     return acc.replace(tok_sum_SxVxD=DF(hi, lo), tok_count_SxV=count)
 
 
+def _add_token_rows(carry, s, rows_KxD, local_K, count_K, opts: StatsOptions):
+    """TwoSum-add K rows of partial sums (several may share a token) to this device's token
+    rows local_K (>= the rows held: dropped)."""
+    hi_SxVxD, lo_SxVxD, count_SxV = carry
+    k = rows_KxD.shape[0]
+    held = count_SxV.shape[1]
+    idx = index_tokens(local_K, local_K < held, held)  # rows from several senders: sum them first
+    sums_KxD = segment_sums(rows_KxD[idx.order_N], idx, k, opts)
+    counts_K = jax.ops.segment_sum(count_K[idx.order_N], idx.rank_N, num_segments=k, indices_are_sorted=True)
+    rows = (s, idx.uniq_U)  # unique and sorted; the padding segment and unused slots are >= held
+    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+    hi_KxD, lo_KxD = _df_add(hi_SxVxD.at[rows].get(mode="fill", fill_value=0.0),
+                             lo_SxVxD.at[rows].get(mode="fill", fill_value=0.0), sums_KxD)
+    return (hi_SxVxD.at[rows].set(hi_KxD, **kw), lo_SxVxD.at[rows].set(lo_KxD, **kw),
+            count_SxV.at[rows].set(count_SxV.at[rows].get(mode="fill", fill_value=0) + counts_K, **kw))
+
+
+def _update_token_shards(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts: StatsOptions) -> Accumulators:
+    """Per-token unit sums with the vocabulary split over opts.token_shards devices (inside
+    shard_map). Each device segment-sums its rows of the batch (keys grouped by owner), then, in
+    rounds, sends up to cap = token_chunk / shards segments to every owner in one all_to_all
+    (rows, local row index and count packed into [shards, cap, D + 2]); each owner sums what it
+    received per token and TwoSum-adds it to its rows. Rounds: the largest number any device
+    sends to any owner, divided by cap (a pmax, so every device runs the same collectives). The
+    traffic is each device's ~U distinct-token rows, once."""
+    n, d = unit_NxD.shape
+    shards, axes = opts.token_shards, opts.token_axes
+    held = acc.tok_count_SxV.shape[1]  # token rows this device owns: V / shards
+    cap = max(1, opts.token_chunk // shards)
+    num_rows = min(n, shards * held + 1)  # >= the segments of the batch (distinct keys + padding)
+    seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows, opts)
+    bounds_O1 = jnp.searchsorted(index.uniq_U, jnp.arange(shards + 1, dtype=jnp.int32) * held).astype(jnp.int32)
+    rounds = lax.pmax(jnp.max((bounds_O1[1:] - bounds_O1[:-1] + cap - 1) // cap), axes)
+    bits = lambda v: lax.bitcast_convert_type(v.astype(jnp.int32), jnp.float32)
+
+    def one_round(r, carry):
+        j_OxC = bounds_O1[:-1, None] + r * cap + jnp.arange(cap, dtype=jnp.int32)[None]
+        ok_OxC = j_OxC < bounds_O1[1:, None]
+        rows_OxCxD = jnp.where(ok_OxC[..., None], seg_MxD.at[j_OxC].get(mode="fill", fill_value=0.0), 0.0)
+        local_OxC = jnp.where(ok_OxC, index.uniq_U.at[j_OxC].get(mode="fill", fill_value=0) % held, held)
+        count_OxC = jnp.where(ok_OxC, index.count_U.at[j_OxC].get(mode="fill", fill_value=0), 0)
+        send = jnp.concatenate([rows_OxCxD, bits(local_OxC)[..., None], bits(count_OxC)[..., None]], -1)
+        recv_KxD2 = lax.all_to_all(send, axes, 0, 0).reshape(shards * cap, d + 2)
+        as_int = lambda v: lax.bitcast_convert_type(v, jnp.int32)
+        return _add_token_rows(carry, s, recv_KxD2[:, :d], as_int(recv_KxD2[:, d]), as_int(recv_KxD2[:, d + 1]),
+                               opts)
+
+    tok = acc.tok_sum_SxVxD
+    hi, lo, count = lax.fori_loop(0, rounds, one_round, (tok.hi, tok.lo, acc.tok_count_SxV))
+    return acc.replace(tok_sum_SxVxD=DF(hi, lo), tok_count_SxV=count)
+
+
 def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
-           centers_SxD=None) -> Accumulators:
+           centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS) -> Accumulators:
     """Add all S states of one batch (ids sorted once, a fori_loop over states)."""
-    vocab_size = acc.tok_count_SxV.shape[1]
+    vocab_size = acc.tok_count_SxV.shape[1] * opts.token_shards
     states_SxNxD, token_ids_N, valid_N = map(jnp.asarray, (states_SxNxD, token_ids_N, valid_N))
     centers_SxD = None if centers_SxD is None else jnp.asarray(centers_SxD)
-    index = index_tokens(token_ids_N, valid_N, max(vocab_size, 1))
+    index = index_tokens(token_ids_N, valid_N, max(vocab_size, 1), opts.token_shards)
 
     def body(s, acc):
         center_D = None if centers_SxD is None else centers_SxD[s]
         return update_state(acc, s, states_SxNxD[s], token_ids_N, valid_N, group, center_D,
-                            index=index)
+                            index=index, opts=opts)
 
     return lax.fori_loop(0, states_SxNxD.shape[0], body, acc)
 

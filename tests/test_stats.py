@@ -1,6 +1,8 @@
 """isojax.stats + isojax.finalize against float64 numpy references written here from the
 definitions (pairwise cosines, SVD / eigvalsh of the float64 covariance)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 
 from isojax import finalize as fz
 from isojax import stats
+from isojax.options import StatsOptions
 
 TOL = 2e-5  # absolute, for dimensionless metrics (cosines, ratios)
 RTOL = 2e-6  # relative, for metrics that carry the states' scale (norms, spectra)
@@ -180,8 +183,7 @@ def test_zipf_per_token_intra_sim_and_bands():
 
 @pytest.mark.parametrize("segment_sum,token_chunk,gram_block,sorted_max_d", [
     ("scatter", 4096, 512, 1024), ("scan", 64, 8, 1024), ("scatter", 64, 4, 1024), ("scatter", 64, 4, 0)])
-def test_segment_sum_modes_token_chunks_and_gram_blocks(monkeypatch, segment_sum, token_chunk, gram_block,
-                                                        sorted_max_d):
+def test_segment_sum_modes_token_chunks_and_gram_blocks(segment_sum, token_chunk, gram_block, sorted_max_d):
     """The accelerator default (scatter), the chunked per-token update (~500 distinct ids in
     rounds of 64: 8 rounds per batch, into 512 rather than 8192 rows), with and without XLA's
     sorted-indices hint, and the Gram from its upper blocks (2 x 2 and 4 x 4 at D = 16) against
@@ -192,12 +194,10 @@ def test_segment_sum_modes_token_chunks_and_gram_blocks(monkeypatch, segment_sum
     mix = rng.normal(size=(d, d))  # correlated coordinates: the Gram's off-diagonal blocks matter
     x = ((rng.normal(size=(v, d)) @ mix)[ids] + 0.1 * rng.normal(size=(n, d))).astype(np.float32)
     valid = rng.random(n) < 0.95
-    assert stats.segment_sum_mode() == "scan"  # the CPU default
-    monkeypatch.setattr(stats, "SEGMENT_SUM", segment_sum)
-    monkeypatch.setattr(stats, "TOKEN_CHUNK", token_chunk)
-    monkeypatch.setattr(stats, "GRAM_BLOCK", gram_block)
-    monkeypatch.setattr(stats, "SORTED_SCATTER_MAX_D", sorted_max_d)  # 0: no sorted hint (D > 1024)
-    update = jax.jit(lambda *a: stats.update(*a))  # a new function, so a new trace: all are read then
+    assert StatsOptions().segment_sum_mode() == "scan"  # the CPU default
+    opts = StatsOptions(segment_sum=segment_sum, token_chunk=token_chunk, gram_block=gram_block,
+                        sorted_scatter_max_d=sorted_max_d)  # 0: no sorted hint (as for D > 1024)
+    update = jax.jit(functools.partial(stats.update, opts=opts))
     acc = stats.init_accumulators(1, d, v)
     for start in range(0, n, batch):
         sl = slice(start, start + batch)

@@ -94,28 +94,35 @@ def _plan(cache: TokenCache, rows: int, row_len: int) -> Iterator[tuple[int, lis
         yield g, open_batches[g].row_list()
 
 
-def _materialize(cache: TokenCache, row_list: list[np.ndarray], rows: int, row_len: int):
-    counts = np.array([len(r) for r in row_list])
-    seqs = np.concatenate(row_list)
-    starts = cache.offsets[seqs]
-    lengths = cache.offsets[seqs + 1] - starts
-    row_of = np.repeat(np.arange(len(row_list)), counts)
-    first_in_row = np.cumsum(counts) - counts
-    segment = np.arange(len(seqs)) - np.repeat(first_in_row, counts) + 1
-    seq_end = np.cumsum(lengths)
-    seq_begin = seq_end - lengths
-    col0 = seq_begin - np.repeat(seq_begin[first_in_row], counts)  # column where each sequence starts
-    owner = np.repeat(np.arange(len(seqs)), lengths)  # sequence of each real token
-    within = np.arange(int(seq_end[-1])) - seq_begin[owner]
-    dst = (row_of * row_len + col0)[owner] + within
-    tokens = np.zeros(rows * row_len, np.int32)
-    segments = np.zeros(rows * row_len, np.int32)
-    positions = np.zeros(rows * row_len, np.int32)
-    tokens[dst] = cache.tokens[starts[owner] + within]
-    segments[dst] = segment[owner]
-    positions[dst] = within
+def _materialize(cache: TokenCache, row_list: list[np.ndarray], rows: int, row_len: int, subset=None):
+    """[rows, row_len] arrays of the planned rows, or only of the global rows in `subset` (a
+    process's share); the token and sequence counts are always the whole batch's."""
+    every = np.concatenate(row_list)
+    n_tok, n_seq = int((cache.offsets[every + 1] - cache.offsets[every]).sum()), len(every)
+    if subset is not None:
+        row_list = [row_list[r] if r < len(row_list) else every[:0] for r in subset]
+        rows = len(subset)
     shape = (rows, row_len)
-    return tokens.reshape(shape), segments.reshape(shape), positions.reshape(shape), len(owner), len(seqs)
+    tokens, segments, positions = (np.zeros(rows * row_len, np.int32) for _ in range(3))
+    counts = np.array([len(r) for r in row_list], np.int64)
+    if counts.sum():
+        seqs = np.concatenate(row_list)
+        starts = cache.offsets[seqs]
+        lengths = cache.offsets[seqs + 1] - starts
+        row_of = np.repeat(np.arange(len(row_list)), counts)
+        first_in_row = np.cumsum(counts) - counts
+        segment = np.arange(len(seqs)) - np.repeat(first_in_row, counts) + 1
+        seq_end = np.cumsum(lengths)
+        seq_begin = seq_end - lengths
+        used = counts > 0
+        col0 = seq_begin - np.repeat(seq_begin[first_in_row[used]], counts[used])  # column of each sequence
+        owner = np.repeat(np.arange(len(seqs)), lengths)  # sequence of each real token
+        within = np.arange(int(seq_end[-1])) - seq_begin[owner]
+        dst = (row_of * row_len + col0)[owner] + within
+        tokens[dst] = cache.tokens[starts[owner] + within]
+        segments[dst] = segment[owner]
+        positions[dst] = within
+    return tokens.reshape(shape), segments.reshape(shape), positions.reshape(shape), n_tok, n_seq
 
 
 def _cursor(cache: TokenCache, rows: int, row_len: int, next_batch: int) -> dict:
@@ -123,11 +130,11 @@ def _cursor(cache: TokenCache, rows: int, row_len: int, next_batch: int) -> dict
             "rows": rows, "row_len": row_len, "plan_chunk": _PLAN_CHUNK, "next_batch": next_batch}
 
 
-def _batches(cache: TokenCache, rows: int, row_len: int, skip: int) -> Iterator[Batch]:
+def _batches(cache: TokenCache, rows: int, row_len: int, skip: int, subset) -> Iterator[Batch]:
     for k, (group, row_list) in enumerate(_plan(cache, rows, row_len)):
         if k < skip:
             continue
-        tokens, segments, positions, n_tok, n_seq = _materialize(cache, row_list, rows, row_len)
+        tokens, segments, positions, n_tok, n_seq = _materialize(cache, row_list, rows, row_len, subset)
         yield Batch(tokens, segments, positions, group, n_tok, n_seq, _cursor(cache, rows, row_len, k + 1))
 
 
@@ -221,14 +228,17 @@ class BatchIterator:
             self._stop.set()
 
 
-def pack_batches(cache: TokenCache, *, rows: int, row_len: int, start_cursor=None, prefetch: int = 4) -> BatchIterator:
+def pack_batches(cache: TokenCache, *, rows: int, row_len: int, start_cursor=None, prefetch: int = 4,
+                 row_subset=None) -> BatchIterator:
     """Packed [rows, row_len] batches of `cache`, each of a single source (`Batch.group`).
 
     `start_cursor`: a `Batch.cursor`; yields exactly the batches after that one.
     `prefetch`: batches a background thread keeps ready (0 = produce in the caller's thread).
+    `row_subset`: global row indices to materialize (a process's share of every batch; the
+    batches' token and sequence counts stay those of the whole batch); None: all rows.
     """
     skip = _check(cache, rows, row_len, start_cursor)
-    return BatchIterator(_batches(cache, rows, row_len, skip), prefetch)
+    return BatchIterator(_batches(cache, rows, row_len, skip, row_subset), prefetch)
 
 
 def plan_stats(cache: TokenCache, *, rows: int, row_len: int) -> PackStats:

@@ -1,0 +1,133 @@
+"""Scale-out: tokens/s of the full step (per-token IntraSim included) on 1, 2, ... devices of
+one host, peak memory per device, and what an asynchronous checkpoint costs the loop.
+
+Each device keeps the per-device batch of isojax.extract's default (65,536 token slots for
+widths above 1024, else 262,144), so k devices run k times the rows per step; scaling
+efficiency = tokens/s on k devices / (k x tokens/s on 1). The workload is bench_throughput's
+(log-normal sentence lengths, Zipf token ids), packed by isojax's packer.
+
+    python bench/bench_scaling.py --models pythia-410m,pythia-1.4b --devices 1,2
+    python bench/bench_scaling.py --models pythia-1.4b --devices 2 --checkpoint /tmp/ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+from bench_throughput import pack_in_memory  # noqa: E402
+from workload import random_sentences, sentence_lengths  # noqa: E402
+
+
+def per_device_batch(cfg) -> int:
+    return 262144 if cfg.hidden_size <= 1024 else 65536
+
+
+def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 512, model_axis: int = 1,
+        batch_per_device: int | None = None) -> dict:
+    import jax.numpy as jnp
+
+    from isojax import checkpointing, parallel
+    from isojax.config import preset
+    from isojax.loading import random_params
+    from isojax.model import GPTNeoX
+    from isojax.options import ForwardOptions
+    from isojax.runner import Runner
+    cfg = preset(name)
+    mesh = parallel.make_mesh({"data": k // model_axis, "model": model_axis}, devices=jax.devices()[:k])
+    rows = k * (batch_per_device or per_device_batch(cfg)) // row_len
+    lengths = sentence_lengths(int(rows * row_len * (steps + 3) * 1.02), seed=1, max_len=row_len)
+    tokens, offsets = random_sentences(lengths, 50304, seed=2)
+    batches = pack_in_memory(tokens, offsets, rows, row_len)[:steps + 2]
+    options = ForwardOptions(attention="cudnn" if jax.default_backend() == "gpu" else "xla", activation_sharding=parallel.rows(mesh) if k > 1 else None)
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options)
+    runner = Runner(module, random_params(cfg, "bfloat16", mesh=mesh), mesh)
+    t0 = time.perf_counter()
+    for tok, seg, pos, _ in batches[:2]:
+        runner.step(tok, seg, pos, 0)
+    jax.block_until_ready(runner.acc)
+    compile_s = time.perf_counter() - t0
+
+    def loop(part):
+        t = time.perf_counter()
+        n = 0
+        for tok, seg, pos, m in part:
+            runner.step(tok, seg, pos, 0)
+            n += m
+        jax.block_until_ready(runner.acc)
+        return n, time.perf_counter() - t
+
+    half = 2 + steps // 2
+    n_tok, secs = loop(batches[2:half])
+    out = dict(model=name, devices=k, model_axis=model_axis, rows=rows, tokens_per_s=n_tok / secs, compile_s=compile_s,
+               acc_gb_per_device=runner.accumulator_bytes() / 1e9,
+               peak_gb=[(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9 for d in mesh.local_devices])
+    if checkpoint:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        ckpt = checkpointing.Checkpointer(Path(checkpoint))
+        t = time.perf_counter()
+        ckpt.save(1, runner.acc, {"bench": True})
+        block_s = time.perf_counter() - t
+        n2, secs2 = loop(batches[half:])  # steps while the files are written
+        t = time.perf_counter()
+        ckpt.close()
+        tail_s = time.perf_counter() - t
+        expected = n2 / out["tokens_per_s"]
+        out.update(ckpt_block_s=block_s, ckpt_loop_slowdown_s=secs2 - expected, ckpt_wait_after_s=tail_s,
+                   ckpt_gb=sum(f.stat().st_size for f in Path(checkpoint).rglob("*") if f.is_file()) / 1e9)
+        # cost per checkpoint over the loop time of a 20M-token interval
+        out["ckpt_cost_at_20M"] = (block_s + max(secs2 - expected, 0.0)) / (20e6 / out["tokens_per_s"])
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    del runner
+    jax.clear_caches()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="pythia-410m,pythia-1.4b")
+    ap.add_argument("--devices", default=None, help="device counts (default: 1 and all)")
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per run")
+    ap.add_argument("--model-axis", type=int, default=1, help="split parameters over this many devices (FSDP)")
+    ap.add_argument("--batch-per-device", type=int, default=None, help="token slots per device and step")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="also time one asynchronous checkpoint on the largest device count")
+    args = ap.parse_args()
+    counts = [int(c) for c in args.devices.split(",")] if args.devices else sorted({1, jax.device_count()})
+    dev = jax.devices()[0]
+    results = []
+    for name in args.models.split(","):
+        for k in counts:
+            res = run(name, k, args.steps, args.checkpoint if k == max(counts) else None,
+                      model_axis=min(args.model_axis, k), batch_per_device=args.batch_per_device)
+            results.append(res)
+            print(json.dumps(res), file=sys.stderr, flush=True)
+    base = {r["model"]: r["tokens_per_s"] for r in results if r["devices"] == 1}
+    lines = [f"card: {jax.device_count()} x {dev.device_kind}; jax {jax.__version__}",
+             f"{'model':<13}{'devices':>8}{'rows':>6}{'tok/s':>12}{'efficiency':>11}{'acc GB/dev':>11}"
+             f"{'peak GB/dev':>12}{'compile s':>10}{'ckpt block s':>13}{'ckpt @20M':>10}"]
+    for r in results:
+        eff = r["tokens_per_s"] / (r["devices"] * base[r["model"]]) if r["model"] in base else float("nan")
+        ck = f"{r['ckpt_block_s']:>13.2f}{r['ckpt_cost_at_20M']:>10.1%}" if "ckpt_block_s" in r else f"{'':>13}{'':>10}"
+        lines.append(f"{r['model']:<13}{str(r['devices']) + ('/m' + str(r['model_axis']) if r['model_axis'] > 1 else ''):>8}{r['rows']:>6}{r['tokens_per_s']:>12,.0f}{eff:>11.1%}"
+                     f"{r['acc_gb_per_device']:>11.2f}{max(r['peak_gb']):>12.1f}{r['compile_s']:>10.1f}" + ck)
+    table = "\n".join(lines)
+    print(table)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_scaling.txt").write_text(table + "\n")
+        Path(os.environ["OUT"], "bench_scaling.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
