@@ -5,11 +5,12 @@ or a hub id (`EleutherAI/pythia-70m`) into a local directory, downloading throug
 Hugging Face cache when needed. `CheckpointReader` reads single tensors from
 `model.safetensors`, sharded safetensors (`*.index.json`), or `pytorch_model.bin`.
 
-Safetensors files are memory-mapped with numpy from their own header (the header is
-checked against the file size before any tensor is read, so a truncated download fails
-with a clear message instead of a bus error). bfloat16 is upcast to float32 because numpy
-has no bfloat16 arithmetic. `.bin` files are only ever opened with
-`torch.load(weights_only=True)`; nothing here runs remote code.
+Safetensors files are opened with the `safetensors` package (`safe_open`, framework numpy):
+it checks the header against the file size when the file is opened, so a truncated download
+fails with a clear message, and reads one tensor at a time (`read`) or a block of rows
+(`rows`, for matrices too big to hold). bfloat16 is upcast to float32 because numpy has no
+bfloat16 arithmetic. `.bin` files are only ever opened with `torch.load(weights_only=True)`;
+nothing here runs remote code.
 """
 
 from __future__ import annotations
@@ -19,20 +20,22 @@ import json
 import os
 import pathlib
 import re
-import struct
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from isojax.config import base_preset, hub_id
 from isojax.errors import UserError
+from isojax.isotropy import RowBlocks
 
 SAFETENSORS_PATTERNS = ["*.json", "*.safetensors"]
 BIN_PATTERNS = ["*.json", "*.bin"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64,
-    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+_ST_DTYPES = {  # safetensors dtype -> the name `CheckpointReader.dtype` reports
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }
 
 
@@ -121,27 +124,78 @@ def _read_index(index: pathlib.Path) -> dict:
     return weight_map
 
 
-def _safetensors_header(path: pathlib.Path) -> tuple[dict, int]:
-    """(tensor entries, data start offset) after checking that the file holds all the data."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise UserError(f"truncated safetensors file: {path} ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            raise UserError(f"truncated safetensors file: {path} (header needs {8 + n} bytes, "
-                            f"file has {size})")
+def open_safetensors(path: pathlib.Path):
+    """`safe_open(path, "numpy")`; a truncated or corrupt file -> UserError naming it."""
+    try:
+        return safe_open(path, framework="numpy")
+    except SafetensorError as exc:
+        size = path.stat().st_size
+        reason = str(exc).removeprefix("Error while deserializing header: ")
+        if "not fully covered" in reason:
+            raise UserError(f"truncated safetensors file: {path} ({size} bytes, fewer than "
+                            "its header lists)") from None
+        if "header too small" in reason or "invalid header length" in reason:
+            raise UserError(f"truncated safetensors file: {path} ({size} bytes, the header "
+                            "is incomplete; or not a safetensors file)") from None
+        raise UserError(f"corrupt safetensors file: {path} ({reason})") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _to_numpy(get, name: str, f: pathlib.Path) -> np.ndarray:
+    """Run a safetensors read; bfloat16 -> float32, unsupported dtypes -> UserError."""
+    try:
+        a = get()
+    except (TypeError, SafetensorError) as exc:  # numpy has no such dtype (float8, ...)
+        raise UserError(f"cannot read {name!r} from {f}: {exc}") from None
+    return a.astype(np.float32) if a.dtype == ml_dtypes.bfloat16 else a
+
+
+class SafetensorsRows(RowBlocks):
+    """One 2-D tensor of an open safetensors file, read a block of rows at a time."""
+
+    def __init__(self, handle, name: str, path: pathlib.Path):
+        self._slice, self.name, self.path = handle.get_slice(name), name, path
+        self.shape = tuple(self._slice.get_shape())
+        st = self._slice.get_dtype()
+        self.dtype = _ST_DTYPES.get(st, st.lower())  # as stored: blocks of bfloat16 are float32
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        # safetensors refuses slices past the end, which numpy clips: clip them here
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("SafetensorsRows reads contiguous row blocks only")
+        stop = max(start, stop)
+        if start == stop:
+            return np.empty((0, *self.shape[1:]), np.float32)
+        return _to_numpy(lambda: self._slice[start:stop], self.name, self.path)
+
+
+def torch_load(f: pathlib.Path):
+    """`torch.load(f, weights_only=True)`, memory-mapped when the file format allows it."""
+    import torch
+
+    try:
         try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise UserError(f"corrupt safetensors header: {path}") from None
-    header.pop("__metadata__", None)
-    end = max((e["data_offsets"][1] for e in header.values()), default=0)
-    if 8 + n + end > size:
-        raise UserError(f"truncated safetensors file: {path} (header says {8 + n + end} bytes, "
-                        f"file has {size})")
-    return header, 8 + n
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap can only be used" not in str(exc):
+                raise
+            return torch.load(f, map_location="cpu", weights_only=True)  # pre-zip format
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load {f} with weights_only=True (refusing to unpickle "
+                        f"arbitrary objects): {reason[:200]}") from None
+
+
+def torch_to_numpy(t) -> np.ndarray:
+    """A CPU tensor as numpy (shared memory where possible); bfloat16 and float8 -> float32."""
+    import torch
+
+    t = t.detach()
+    if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
+        t = t.float()
+    return t.numpy()
 
 
 class CheckpointReader:
@@ -156,7 +210,7 @@ class CheckpointReader:
         if not d.is_dir():
             raise UserError(f"model directory not found: {d}")
         self._files: dict[str, pathlib.Path] = {}  # tensor name -> file
-        self._st: dict[pathlib.Path, tuple[dict, int]] = {}
+        self._st: dict[pathlib.Path, object] = {}  # open safe_open handles
         self._bin: dict[pathlib.Path, dict] = {}
         self._index: pathlib.Path | None = None
         for index, single, kind in (("model.safetensors.index.json", "model.safetensors", "st"),
@@ -188,17 +242,10 @@ class CheckpointReader:
 
     def _open(self, f: pathlib.Path) -> None:
         if f.suffix == ".safetensors":
-            header, _ = self._st[f] = _safetensors_header(f)
-            names = header.keys()
+            self._st[f] = open_safetensors(f)
+            names = self._st[f].keys()
         else:
-            import torch
-
-            try:
-                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise UserError(f"cannot load {f} with weights_only=True (refusing to unpickle "
-                                f"arbitrary objects): {reason[:200]}") from None
+            sd = torch_load(f)
             if not isinstance(sd, dict):
                 raise UserError(f"{f} does not hold a state dict")
             self._bin[f] = sd
@@ -209,6 +256,10 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return sorted(self._files)
 
+    def files(self) -> list[pathlib.Path]:
+        """The weight files behind the tensors."""
+        return sorted(set(self._files.values()))
+
     def _file(self, name: str) -> pathlib.Path:
         if name not in self._files:
             close = difflib.get_close_matches(name, self._files, n=4, cutoff=0.5)
@@ -217,47 +268,33 @@ class CheckpointReader:
             raise UserError(f"tensor {name!r} not found in {self.directory}{hint}")
         f = self._files[name]
         self._require(f)
-        if f in self._st and name not in self._st[f][0] or f in self._bin and name not in self._bin[f]:
+        if f in self._st and name not in self._st[f].keys() or f in self._bin and name not in self._bin[f]:
             raise UserError(f"tensor {name!r} listed in {self._index} is missing from {f}")
         return f
 
     def shape(self, name) -> tuple:
         f = self._file(name)
         if f in self._st:
-            return tuple(self._st[f][0][name]["shape"])
+            return tuple(self._st[f].get_slice(name).get_shape())
         return tuple(self._bin[f][name].shape)
 
     def dtype(self, name) -> str:
         """Stored dtype as a lowercase numpy-style name: float32, float16, bfloat16, ..."""
         f = self._file(name)
         if f in self._st:
-            st = self._st[f][0][name]["dtype"]
-            return "bfloat16" if st == "BF16" else np.dtype(_ST_DTYPES.get(st, np.uint8)).name
+            return SafetensorsRows(self._st[f], name, f).dtype
         return str(self._bin[f][name].dtype).removeprefix("torch.")
 
     def read(self, name) -> np.ndarray:
-        """One tensor; memory-mapped (read-only) unless it must be upcast from bfloat16."""
+        """One tensor, read from its file alone (bfloat16 upcast to float32)."""
         f = self._file(name)
         if f in self._st:
-            header, start = self._st[f]
-            entry = header[name]
-            if entry["dtype"] == "BF16":
-                import ml_dtypes
+            return _to_numpy(lambda: self._st[f].get_tensor(name), name, f)
+        return torch_to_numpy(self._bin[f][name])
 
-                dt = np.dtype(ml_dtypes.bfloat16)
-            elif entry["dtype"] in _ST_DTYPES:
-                dt = np.dtype(_ST_DTYPES[entry["dtype"]])
-            else:
-                raise UserError(f"unsupported dtype {entry['dtype']} of {name!r} in {f}")
-            begin, end = entry["data_offsets"]
-            shape = tuple(entry["shape"])
-            if end - begin != dt.itemsize * int(np.prod(shape)):
-                raise UserError(f"corrupt safetensors entry {name!r} in {f}")
-            if end == begin:
-                return np.zeros(shape, dt if dt.name != "bfloat16" else np.float32)
-            arr = np.memmap(f, dtype=dt, mode="r", offset=start + begin, shape=shape)
-            return arr.astype(np.float32) if dt.name == "bfloat16" else arr
-        t = self._bin[f][name]
-        if t.dtype.is_floating_point and t.dtype.itemsize == 2 and str(t.dtype) == "torch.bfloat16":
-            t = t.float()
-        return t.numpy()
+    def rows(self, name):
+        """A 2-D tensor to read in row blocks (`isotropy.RowBlocks`; `.bin`: memory-mapped)."""
+        f = self._file(name)
+        if f in self._st:
+            return SafetensorsRows(self._st[f], name, f)
+        return self.read(name)

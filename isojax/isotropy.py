@@ -8,6 +8,16 @@ with c over the d eigenvectors of W^T W **and their negations** (2d candidates):
 eigensolver's sign choice is arbitrary, so the one-sided version is not reproducible; with
 both signs it is. log Z is a log-sum-exp in float64 and I = exp(min log Z - max log Z).
 
+`isotropy_one_sided` is the published definition (d candidates, one sign per eigenvector)
+with a fixed sign rule instead of the solver's: each eigenvector c_k is oriented so that
+<c_k, mu> > 0, mu the mean row of W (the direction the rows drift in). The rule is
+geometric: the value does not change when W is rotated (W Q, Q orthogonal) or negated
+(-W has mean -mu, so every c_k flips and Z(c_k) stays). Where mu gives no direction,
+|<c_k, mu>| <= 1e-9 * mean row norm (a centered matrix; c_k orthogonal to mu), the largest-
+magnitude component of c_k is made positive (sklearn's `svd_flip`; the first such
+component on a tie), which depends on the coordinate axes. The two-sided I(W) is never
+above a one-sided value, whatever its signs.
+
 Variants of W (each measured with the eigenvectors of its own Gram matrix):
 
 - centered:   W~ = W - mu, mu the mean row (Bis et al. eq. 9).
@@ -25,45 +35,29 @@ products with streamed log-sum-exp. Everything stays float64; bench/bench_weight
 
 from __future__ import annotations
 
+import abc
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import math
-import pathlib
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 OUTLIER_STD = 3.0
 _BLOCK_BYTES = 64 << 20  # float64 work per row block of a projection
 _SINGLE_THREAD_BELOW_D = 1024
-
-
-@functools.cache
-def _openblas_set_threads():
-    """numpy's bundled OpenBLAS `openblas_set_num_threads_local`, or None."""
-    libs = pathlib.Path(np.__file__).resolve().parent.parent / "numpy.libs"
-    for f in sorted(libs.glob("*openblas*.so*")):
-        try:
-            fn = ctypes.CDLL(str(f)).openblas_set_num_threads_local
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        return fn
-    return None
+_SIGN_TOL = 1e-9  # |<c, mu>| below this times the mean row norm: mu gives c no direction
 
 
 @contextlib.contextmanager
 def blas_threads(n: int | None):
-    """Run the block with n OpenBLAS threads (None or no bundled OpenBLAS: unchanged)."""
-    fn = _openblas_set_threads() if n else None
-    old = fn(n) if fn else None
-    try:
+    """Run the block with at most n threads in every loaded BLAS (None: unchanged)."""
+    if not n:
         yield
-    finally:
-        if fn:
-            fn(old)
+        return
+    with threadpool_limits(limits=n, user_api="blas"):
+        yield
 
 
 def _blas_threads_for(d: int):
@@ -76,10 +70,22 @@ def _block_rows(d: int) -> int:
     return max(256, _BLOCK_BYTES // (8 * max(d, 1)))
 
 
-def _as_matrix(W) -> np.ndarray:
-    W = np.asarray(W)
-    if W.ndim != 2 or W.shape[0] < 1 or W.shape[1] < 1:
-        raise ValueError(f"expected a non-empty 2-D matrix, got shape {W.shape}")
+class RowBlocks(abc.ABC):
+    """A matrix too big to hold, read in row blocks: `W[a:b]` -> ndarray [b - a, d].
+
+    `analyze_matrix` takes one in place of an array and never asks for more than a block.
+    """
+    shape: tuple[int, int]
+
+    @abc.abstractmethod
+    def __getitem__(self, rows: slice) -> np.ndarray: ...
+
+
+def _as_matrix(W):
+    if not isinstance(W, (np.ndarray, RowBlocks)):
+        W = np.asarray(W)
+    if len(W.shape) != 2 or W.shape[0] < 1 or W.shape[1] < 1:
+        raise ValueError(f"expected a non-empty 2-D matrix, got shape {tuple(W.shape)}")
     return W
 
 
@@ -158,7 +164,8 @@ class MatrixReport:
 
 def analyze_matrix(W_NxD, *, variants=("uncentered", "centered", "scaled_centered"),
                    timings: dict | None = None) -> MatrixReport:
-    """Every matrix metric of W (any float dtype, may be memory-mapped), in float64.
+    """Every matrix metric of W (any real dtype; an array, a memory map or `RowBlocks`), in
+    float64. Raises ValueError when W is not a non-empty 2-D matrix of finite values.
 
     `timings`, when given, receives the seconds spent in each phase (for bench/).
     """
@@ -170,8 +177,12 @@ def analyze_matrix(W_NxD, *, variants=("uncentered", "centered", "scaled_centere
 def _analyze(W_NxD: np.ndarray, variants, timings: dict | None) -> MatrixReport:
     n, d = W_NxD.shape
     t = time.perf_counter()
-    st = _stats(W_NxD)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite input: refused just below
+        st = _stats(W_NxD)
     t = _lap(timings, "gram_pass", t)
+    # a NaN or inf anywhere reaches its column's sum and the Gram matrix (eigh would fail)
+    if not (np.isfinite(st.sum_D).all() and np.isfinite(st.gram_DxD).all()):
+        raise ValueError("the matrix holds NaN or infinite values, or values too large to square")
     mu = st.sum_D / n
     mu_hat = st.unit_sum_D / n
     grams = {"uncentered": st.gram_DxD,
@@ -215,8 +226,11 @@ def _analyze(W_NxD: np.ndarray, variants, timings: dict | None) -> MatrixReport:
     mean_norm = float(st.norms_N.mean())
     mean_vec_norm = float(np.linalg.norm(mu))
     top = eig["uncentered"][1][:, 0]
+    plus = one_sided_signs(eig["uncentered"][1], mu, mean_norm) > 0
+    logz_one = np.where(plus, logz["uncentered"][:d], logz["uncentered"][d:])
     m = {
         "isotropy": _isotropy_from_logz(logz["uncentered"]),
+        "isotropy_one_sided": _isotropy_from_logz(logz_one),
         "isotropy_centered": _isotropy_from_logz(logz["centered"]),
         "isotropy_pc_removed": _isotropy_from_logz(logz_pc),
         "mean_norm": mean_norm,
@@ -240,9 +254,25 @@ def _analyze(W_NxD: np.ndarray, variants, timings: dict | None) -> MatrixReport:
                         proj["uncentered"], proj["centered"])
 
 
+def one_sided_signs(V_DxK: np.ndarray, mu_D: np.ndarray, scale: float) -> np.ndarray:
+    """+-1 per column c of V: the sign that makes <c, mu> > 0, or, where |<c, mu>| <=
+    1e-9 * scale (mu gives no direction), the one that makes c's largest-magnitude
+    component positive (module docstring)."""
+    dots = mu_D @ V_DxK
+    big = np.argmax(np.abs(V_DxK), axis=0)
+    flip = np.sign(V_DxK[big, np.arange(V_DxK.shape[1])])
+    signs = np.where(np.abs(dots) > _SIGN_TOL * scale, np.sign(dots), flip)
+    return np.where(signs == 0, 1.0, signs)
+
+
 def isotropy(W) -> float:
     """I(W) over the +-eigenvectors of W^T W."""
     return analyze_matrix(W, variants=("uncentered",)).metrics["isotropy"]
+
+
+def isotropy_one_sided(W) -> float:
+    """I(W) over the eigenvectors of W^T W, each with the sign of the module's rule."""
+    return analyze_matrix(W, variants=("uncentered",)).metrics["isotropy_one_sided"]
 
 
 def isotropy_centered(W) -> float:

