@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import matplotlib
 import matplotlib.image
 import numpy as np
 import pytest
@@ -89,3 +90,15 @@ def test_random_weights_in_title(tmp_path, monkeypatch, weights, expect):
 def test_empty_metrics(tmp_path):
     assert plots.plot_metrics({"model": "x", "layers": []}, tmp_path) == []
     assert np.isnan(plots._value({}, "inter_sim"))
+
+
+def test_user_rc_does_not_change_the_figures(tmp_path):
+    """Figures are drawn under isojax's style whatever the user's rcParams say (a matplotlibrc with
+    text.usetex would cost a LaTeX run per label; here thick lines, big fonts, a red background)."""
+    ref = plots.plot_metrics(_metrics(), tmp_path / "ref")
+    with matplotlib.rc_context({"lines.linewidth": 6, "font.size": 20, "figure.facecolor": "red",
+                                "axes.prop_cycle": matplotlib.cycler(color=["k"])}):
+        got = plots.plot_metrics(_metrics(), tmp_path / "user")
+    assert [p.name for p in got] == [p.name for p in ref]
+    for a, b in zip(ref, got):
+        assert np.array_equal(matplotlib.image.imread(a), matplotlib.image.imread(b)), a.name

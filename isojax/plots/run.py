@@ -1,17 +1,14 @@
-"""PNG plots of a metrics.json dict: per-layer similarity, anisotropy, norms, and per-source comparisons."""
+"""PNG plots of one run's metrics.json dict (the `plots/` folder of an extract result):
+per-layer similarity, anisotropy, norms, and per-source comparisons."""
 
 from __future__ import annotations
 
 import math
 import pathlib
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-DPI = 120
+from isojax.plots.style import DPI, plt, styled
 
 
 def _value(layer: dict, key: str) -> float:
@@ -66,6 +63,11 @@ def _plot(metrics: dict, names: list[str], lines: list[tuple], ylabel: str, what
     lines = [(label, vals, kw) for label, vals, kw in lines if len(vals) and np.isfinite(vals).any()]
     if not lines:
         return None
+    with styled():
+        return _draw(metrics, names, lines, ylabel, what, path, log_if_wide)
+
+
+def _draw(metrics, names, lines, ylabel, what, path, log_if_wide) -> pathlib.Path:
     fig, ax = plt.subplots(figsize=(max(7.0, min(14.0, 0.25 * len(names) + 5)), 4.8))
     try:
         x = np.arange(len(names))

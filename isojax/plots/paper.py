@@ -1,0 +1,121 @@
+"""The figures of Machina & Mercer (NAACL 2024), drawn from plain series so that any mix of runs
+can be shown: lines over layers, training steps or frequency bands (Figs 1-4, 7, 9), grouped
+bars over model sizes (Figs 5, 6, 8) and 2-D SVD scatters (Fig 10).
+
+Every function returns an open matplotlib Figure drawn under `styled()`; pass it to
+`isojax.plots.save`, which writes PNG and SVG and closes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from isojax.plots.style import plt, styled
+
+
+@dataclasses.dataclass
+class Line:
+    label: str
+    x: Sequence[float]
+    y: Sequence[float]
+    style: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Panel:
+    title: str
+    lines: list[Line]
+    xticks: list[tuple[float, str]] | None = None  # (position, label); None: automatic
+
+
+def _grid(n: int, ncols_max: int = 3, width: float = 5.2, height: float = 3.9, **kw):
+    ncols = min(n, ncols_max)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols + 0.4, height * nrows + 0.6),
+                             squeeze=False, layout="constrained", **kw)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
+
+
+def _finite(values) -> np.ndarray:
+    return np.asarray([np.nan if v is None else v for v in values], dtype=float)
+
+
+def lines(panels: list[Panel], xlabel: str, ylabel: str, title: str, xscale: str = "linear",
+          sharey: bool = True, ncols: int = 3, width: float = 5.2):
+    """One axes per panel; a legend in each panel (outside on the right when it is long)."""
+    with styled():
+        fig, axes = _grid(len(panels), ncols, width=width, sharey=sharey)
+        for ax, panel in zip(axes, panels):
+            for line in panel.lines:
+                y = _finite(line.y)
+                style = {"marker": "o", "markersize": 3.5 if len(y) <= 40 else 0, **line.style}
+                ax.plot(np.asarray(line.x, dtype=float), y, label=line.label, **style)
+            if xscale == "log2":
+                ax.set_xscale("log", base=2)
+            if panel.xticks is not None:
+                ax.set_xticks([p for p, _ in panel.xticks], [s for _, s in panel.xticks],
+                              rotation=45 if len(panel.xticks) > 6 else 0, ha="right", fontsize=8,
+                              rotation_mode="anchor")
+            ax.set(xlabel=xlabel, ylabel=ylabel)
+            ax.set_title(panel.title, fontsize=10)
+            ax.grid(True, alpha=0.3)
+            labelled = [line for line in panel.lines if line.label]
+            if len(labelled) > 6:
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+            elif labelled:
+                ax.legend(fontsize=8, loc="best")
+        fig.suptitle(title, fontsize=12)
+    return fig
+
+
+def bars(categories: list[str], groups: list[tuple[str, Sequence[float]]], ylabel: str, title: str,
+         ylim: tuple[float, float] | None = None):
+    """Grouped bars: one group of len(groups) bars per category, the value written on each bar."""
+    with styled():
+        fig, ax = plt.subplots(figsize=(max(5.5, 1.1 * len(categories) * max(1, len(groups)) * 0.6 + 2.5), 4.4),
+                               layout="constrained")
+        x = np.arange(len(categories))
+        width = 0.8 / max(len(groups), 1)
+        for i, (label, values) in enumerate(groups):
+            v = _finite(values)
+            rects = ax.bar(x + (i - (len(groups) - 1) / 2) * width, np.nan_to_num(v), width, label=label)
+            ax.bar_label(rects, labels=["" if not np.isfinite(a) else f"{a:.3g}" for a in v],
+                         fontsize=7, padding=2)
+        ax.set_xticks(x, categories, rotation=30 if len(categories) > 4 else 0,
+                      ha="right" if len(categories) > 4 else "center")
+        ax.set_ylabel(ylabel)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.set_title(title, fontsize=11)
+        ax.grid(True, axis="y", alpha=0.3)
+        if len(groups) > 1:
+            ax.legend(fontsize=8, loc="best")
+    return fig
+
+
+def scatters(panels: list[tuple[str, np.ndarray]], title: str, ncols: int = 2):
+    """2-D projections, one axes per (title, points [N, 2]), coloured by row (token id).
+
+    Points are rasterized so that the SVG of a 50k-row vocabulary stays small."""
+    with styled():
+        fig, axes = _grid(len(panels), ncols, width=4.2, height=3.8)
+        for ax, (name, xy) in zip(axes, panels):
+            xy = np.asarray(xy, dtype=float)
+            if xy.ndim != 2 or xy.shape[0] == 0:
+                ax.set_title(f"{name}\n(no points)", fontsize=9)
+                continue
+            if xy.shape[1] < 2:
+                xy = np.c_[xy, np.zeros(len(xy))]
+            ax.scatter(xy[:, 0], xy[:, 1], c=np.arange(len(xy)), s=1, cmap="viridis", rasterized=True)
+            ax.axhline(0, color="grey", lw=0.5)
+            ax.axvline(0, color="grey", lw=0.5)
+            ax.set_title(name, fontsize=9)
+            ax.tick_params(labelsize=7)
+        fig.suptitle(title, fontsize=12)
+    return fig

@@ -1,0 +1,61 @@
+"""The report's correlation section (paper Table 1): entries of correlation.json files among the
+inputs, or computed here from `--scores` with the correlate command's defaults."""
+
+from __future__ import annotations
+
+from isojax.report.document import Item, Section, Table
+
+# Shown first when present: the paper's Table 1 metric, then InterSim / IntraSim of the last layers.
+_PREFERRED = [("embed_out.isotropy", None), ("inter_sim", "final_ln"), ("intra_sim", "final_ln"),
+              ("inter_sim", "block_L"), ("intra_sim", "block_L")]
+_MAX_PIVOTS = 6
+
+
+def _f(x, spec=".3f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _pivot(entries: list[dict]) -> Table:
+    """Rows: tasks; columns: per group Pearson, Spearman, Kendall (the layout of Table 1)."""
+    groups = list(dict.fromkeys(e["group"] for e in entries))
+    tasks = list(dict.fromkeys(e["task"] for e in sorted(entries, key=lambda e: e["task"])))
+    cells = {(e["group"], e["task"]): e for e in entries}
+    rows = []
+    for task in tasks:
+        row = [task]
+        for g in groups:
+            e = cells.get((g, task))
+            row += ["", "", ""] if e is None else [_f(e["pearson"]["r"]), _f(e["spearman"]["rho"]),
+                                                   _f(e["kendall"]["tau"])]
+        rows.append(row)
+    columns = ["task"] + [f"{g} {s}" for g in groups for s in ("r", "ρ", "τ")]
+    return Table(columns, rows)
+
+
+def _full(entries: list[dict]) -> Table:
+    rows = [[e.get("by"), e.get("group"), e.get("task"), e["metric"], e.get("layer_name") or e.get("layer") or "",
+             e.get("n"), _f(e["pearson"]["r"]), _f(e["pearson"]["p"], ".2g"), _f(e["spearman"]["rho"]),
+             _f(e["spearman"]["p"], ".2g"), _f(e["kendall"]["tau"]), _f(e["kendall"]["p"], ".2g")]
+            for e in entries]
+    return Table(["by", "group", "task", "metric", "layer", "n", "pearson r", "p", "spearman ρ", "p", "kendall τ",
+                  "p"], rows)
+
+
+def section(entries: list[dict], sources: list[str]) -> Section:
+    sec = Section("correlation", "Correlation with downstream scores",
+                  "Pearson r, Spearman ρ and Kendall τ-b between a metric and a downstream score across "
+                  "checkpoints of each model (paper §5.4, Table 1; step0 left out as there) or across models. "
+                  f"From: {', '.join(sources)}.")
+    if not entries:
+        sec.note = ("No correlation.json among the inputs and no --scores given: section left out "
+                    "(python -m isojax.correlate writes one).")
+        return sec
+    keys = list(dict.fromkeys((e["metric"], e.get("layer"), e.get("by")) for e in entries))
+    preferred = [k for m, layer in _PREFERRED for k in keys if k[:2] == (m, layer)]
+    for metric, layer, by in (preferred + [k for k in keys if k not in preferred])[:_MAX_PIVOTS]:
+        chosen = [e for e in entries if (e["metric"], e.get("layer"), e.get("by")) == (metric, layer, by)]
+        what = metric + (f" at {layer}" if layer else "")
+        sec.items.append(Item(f"{what} vs downstream scores, by {by}: r, ρ, τ per "
+                              f"{'model' if by == 'checkpoint' else 'revision'}.", _pivot(chosen)))
+    sec.items.append(Item(f"All {len(entries)} correlations with p-values.", _full(entries), fold=True))
+    return sec

@@ -1,0 +1,157 @@
+"""Report sections from weights results (weights.json, arrays.npz): I(W) of the embedding and
+unembedding across sizes and training (Figs 5-7), the final LayerNorm's norms (Figs 8-9) and
+2-D SVD projections of the unembedding (Fig 10)."""
+
+from __future__ import annotations
+
+import math
+import zipfile
+
+import numpy as np
+
+from isojax.errors import UserError
+from isojax.plots import paper
+from isojax.report.collect import Results, Run, finals, trainings, weights_value
+from isojax.report.document import Figures, Item, Section, Table
+from isojax.report.states import run_label
+
+_ISO = [("isotropy", "I(W)"), ("isotropy_centered", "I(W − mean)"), ("isotropy_pc_removed", "I, top PCs removed")]
+_ISO_TABLE = ["isotropy", "isotropy_centered", "isotropy_pc_removed", "isotropy_scaled_centered", "mean_norm",
+              "mean_vector_norm"]
+_LN_TABLE = ["avgnorm_g", "avgnorm_b", "b_over_g", "gao_sum", "b_parallel_norm", "b_perp_norm"]
+
+
+def _finite(runs: list[Run], dotted: str) -> list[Run]:
+    return [r for r in runs if math.isfinite(weights_value(r, dotted))]
+
+
+def isotropy(res: Results, figs: Figures) -> Section:
+    sec = Section("isotropy", "Isotropy I(W) of the embedding and unembedding",
+                  "I(W) = min Z(c) / max Z(c), Z(c) = Σᵢ exp⟨c, Wᵢ⟩ over the eigenvectors c of WᵀW and their "
+                  "negations (1 = isotropic); centered: the same for W minus its mean row; paper §4.2.")
+    runs = finals(res.weights)
+    for matrix, no in (("embed_out", "5"), ("embed_in", "6")):
+        rs = _finite(runs, f"{matrix}.isotropy")
+        if not rs:
+            continue
+        fig = paper.bars([run_label(r) for r in rs],
+                         [(label, [weights_value(r, f"{matrix}.{k}") for r in rs]) for k, label in _ISO],
+                         "I(W)", f"Isotropy of {matrix}, final checkpoints", ylim=(0, 1.08))
+        rows = [[r.label, r.revision] + [weights_value(r, f"{matrix}.{k}") for k in _ISO_TABLE] for r in rs]
+        sec.items.append(figs.add(fig, f"isotropy_{matrix}_sizes",
+                                  f"I(W) of {matrix} uncentered, centered and with the top principal components "
+                                  f"removed, per model (paper Fig. {no}).",
+                                  Table(["model", "revision"] + _ISO_TABLE, rows)))
+    series = {m: _finite(rs, "embed_out.isotropy") for m, rs in trainings(res.weights).items()}
+    series = {m: rs for m, rs in series.items() if len(rs) >= 2}
+    if series:
+        lines, rows = [], []
+        for i, rs in enumerate(series.values()):
+            steps = [r.step for r in rs]
+            for matrix, dash in (("embed_out", "-"), ("embed_in", "--")):
+                lines.append(paper.Line(f"{rs[0].label} {matrix}", steps,
+                                        [weights_value(r, f"{matrix}.isotropy") for r in rs],
+                                        {"color": f"C{i}", "linestyle": dash}))
+            rows += [[r.label, r.revision, r.step] + [weights_value(r, k) for k in
+                     ("embed_out.isotropy", "embed_out.isotropy_centered", "embed_in.isotropy")] for r in rs]
+        fig = paper.lines([paper.Panel("", lines)], "training step", "I(W)", "Isotropy during training",
+                          ncols=1, width=7.5)
+        sec.items.append(figs.add(fig, "isotropy_training", "I(W) of the unembedding (solid) and embedding (dashed) "
+                                  "across training checkpoints (paper Fig. 7).",
+                                  Table(["model", "revision", "step", "embed_out.isotropy",
+                                         "embed_out.isotropy_centered", "embed_in.isotropy"], rows)))
+    tensor_rows = [[r.label, r.revision, name] + [m.get(k) for k in _ISO_TABLE] for r in res.weights
+                   for name, m in sorted((r.data.get("tensors") or {}).items()) if isinstance(m, dict)]
+    if tensor_rows:
+        sec.items.append(Item("Tensors measured with `--tensor`.",
+                              Table(["model", "revision", "tensor"] + _ISO_TABLE, tensor_rows)))
+    if not sec.items:
+        sec.note = "No weights results (weights.json) with embed_in / embed_out: section left out."
+    return sec
+
+
+def layer_norm(res: Results, figs: Figures) -> Section:
+    sec = Section("layernorm", "The final LayerNorm", "avgnorm(v) = ‖v‖/√d of the final LayerNorm's gain g and "
+                  "bias b; b_over_g = ‖b‖/‖g‖, gao_sum = Σ bᵢ/gᵢ (Gao et al.'s condition); paper §4.3.")
+    rs = _finite(finals(res.weights), "final_ln.avgnorm_g")
+    if rs:
+        fig = paper.bars([run_label(r) for r in rs], [(k, [weights_value(r, f"final_ln.{k}") for r in rs])
+                                                      for k in ("avgnorm_g", "avgnorm_b")],
+                         "avgnorm", "Final LayerNorm g and b, final checkpoints")
+        rows = [[r.label, r.revision] + [weights_value(r, f"final_ln.{k}") for k in _LN_TABLE] for r in rs]
+        sec.items.append(figs.add(fig, "layernorm_sizes", "avgnorm of g and b per model (paper Fig. 8).",
+                                  Table(["model", "revision"] + _LN_TABLE, rows)))
+    series = {m: _finite(rs, "final_ln.avgnorm_g") for m, rs in trainings(res.weights).items()}
+    series = {m: rs for m, rs in series.items() if len(rs) >= 2}
+    if series:
+        lines, rows = [], []
+        for i, rs in enumerate(series.values()):
+            steps = [r.step for r in rs]
+            lines += [paper.Line(f"{rs[0].label} g", steps, [weights_value(r, "final_ln.avgnorm_g") for r in rs],
+                                 {"color": f"C{i}"}),
+                      paper.Line(f"{rs[0].label} b", steps, [weights_value(r, "final_ln.avgnorm_b") for r in rs],
+                                 {"color": f"C{i}", "linestyle": "--"})]
+            rows += [[r.label, r.revision, r.step] + [weights_value(r, f"final_ln.{k}") for k in
+                     ("avgnorm_g", "avgnorm_b", "b_over_g")] for r in rs]
+        fig = paper.lines([paper.Panel("", lines)], "training step", "avgnorm", "Final LayerNorm during training",
+                          ncols=1, width=7.5)
+        sec.items.append(figs.add(fig, "layernorm_training", "avgnorm of g (solid) and b (dashed) across training "
+                                  "checkpoints (paper Fig. 9).",
+                                  Table(["model", "revision", "step", "avgnorm_g", "avgnorm_b", "b_over_g"], rows)))
+    if not sec.items:
+        sec.note = "No weights results with final LayerNorm statistics: section left out."
+    return sec
+
+
+def _proj(run: Run, key: str):
+    path = run.folder / "arrays.npz"
+    if not path.exists():
+        return None
+    try:
+        with np.load(path) as arrays:
+            return np.asarray(arrays[key]) if key in arrays.files else None
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise UserError(f"{path}: unreadable ({e})") from None
+
+
+def _svd_figure(figs: Figures, runs: list[Run], name: str, title: str, caption: str, ncols: int):
+    panels, rows, cells = [], [], []
+    for variant in ("", "_centered"):
+        for r in runs:
+            xy = _proj(r, f"embed_out_proj2d{variant}")
+            cells.append((r, variant, xy))
+    cells = [c for c in cells if c[2] is not None]
+    if not cells:
+        return None
+    if ncols == 2:  # one model per row: uncentered beside centered
+        cells.sort(key=lambda c: (runs.index(c[0]), c[1]))
+    for r, variant, xy in cells:
+        kind = "centered" if variant else "uncentered"
+        panels.append((f"{run_label(r)} — {kind}", xy))
+        xy2 = np.asarray(xy, dtype=float).reshape(len(xy), -1)
+        rows.append([r.label, r.revision, kind, len(xy2)] + [float(v) for v in xy2.mean(0)[:2]]
+                    + [float(v) for v in xy2.std(0)[:2]])
+    fig = paper.scatters(panels, title, ncols=ncols)
+    return figs.add(fig, name, caption, Table(["model", "revision", "variant", "rows", "mean x", "mean y", "std x",
+                                               "std y"], rows))
+
+
+def svd(res: Results, figs: Figures) -> Section:
+    sec = Section("svd", "2-D SVD projections of the unembedding",
+                  "Rows of embed_out projected on its first two singular directions, coloured by token id; "
+                  "centered: after subtracting the mean row; paper §4.4.")
+    item = _svd_figure(figs, finals(res.weights), "svd2d_embed_out", "embed_out, final checkpoints",
+                       "2-D SVD projections of the unembedding of each model (paper Fig. 10).", 2)
+    if item:
+        sec.items.append(item)
+    for model, rs in trainings(res.weights).items():
+        picks = sorted({round(i * (len(rs) - 1) / 5) for i in range(6)}) if len(rs) > 6 else range(len(rs))
+        chosen = [rs[i] for i in picks]
+        item = _svd_figure(figs, chosen, f"svd2d_embed_out_training_{rs[0].label}", f"{rs[0].label}: embed_out "
+                           "during training", f"2-D SVD projections of {rs[0].label}'s unembedding across training "
+                           "(top: uncentered, bottom: centered).", len(chosen))
+        if item:
+            sec.items.append(item)
+    if not sec.items:
+        sec.note = "No weights results with arrays.npz projections: section left out."
+    return sec
