@@ -1,0 +1,145 @@
+"""Time isojax.intrinsic (accelerator) against scikit-dimension (CPU) on low-dimensional data.
+
+    PYTHONPATH=. python bench/bench_intrinsic.py                       # 100k x 2048, twonn + mle
+    PYTHONPATH=. python bench/bench_intrinsic.py --n 5000 --d 256      # small, runs on CPU
+    PYTHONPATH=. python bench/bench_intrinsic.py --skdim-n 20000       # skdim on 20k rows only
+
+Data: a `--latent`-dim standard Gaussian through a random linear map to D dims plus Gaussian
+noise (`--noise` per coordinate), float32. isojax times exclude compilation (shown apart:
+first call minus the best of `--repeat` calls). skdim (optional; without it only isojax
+columns) is timed on the first `--skdim-n` rows; by default on a 10k pilot first, then on
+all N rows if that is predicted to take under `--skdim-budget` seconds, else on as many rows
+as fit the budget. When skdim ran on fewer than N rows, its full-N time is extrapolated as
+O(N^2) (its neighbour search is brute force above 15 dims) and a second row gives both at
+that subsample. Writes the table to $OUT/bench_intrinsic.txt when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from isojax import intrinsic
+
+try:
+    import skdim
+except ImportError:  # isojax columns only
+    skdim = None
+
+
+def make_points(n: int, d: int, latent: int, noise: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((n, latent), dtype=np.float32)
+    w = rng.standard_normal((latent, d), dtype=np.float32) / np.sqrt(latent)
+    return z @ w + noise * rng.standard_normal((n, d), dtype=np.float32)
+
+
+def isojax_fn(name: str, k: int):
+    return {"twonn": lambda x: intrinsic.twonn(x),
+            "mle": lambda x: intrinsic.mle(x, k=k),
+            "mom": lambda x: intrinsic.mom(x, k=k)}[name]
+
+
+def skdim_fn(name: str, k: int):
+    return {"twonn": lambda x: skdim.id.TwoNN().fit(x).dimension_,
+            "mle": lambda x: skdim.id.MLE().fit(x, n_neighbors=k).dimension_,
+            "mom": lambda x: skdim.id.MOM().fit(x, n_neighbors=k).dimension_}[name]
+
+
+def time_isojax(fn, x, repeat: int):
+    t = time.perf_counter()
+    value = fn(x)
+    first = time.perf_counter() - t
+    runs = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        value = fn(x)
+        runs.append(time.perf_counter() - t)
+    return min(runs), max(first - min(runs), 0.0), value
+
+
+def time_skdim(fn, x):
+    t = time.perf_counter()
+    value = fn(x)
+    return time.perf_counter() - t, float(value)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=100_000, help="points")
+    ap.add_argument("--d", type=int, default=2048, help="ambient dimension")
+    ap.add_argument("--latent", type=int, default=16, help="dimension of the Gaussian latent")
+    ap.add_argument("--noise", type=float, default=0.01, help="noise std per coordinate")
+    ap.add_argument("--estimators", default="twonn,mle", help="comma-separated: twonn, mle, mom")
+    ap.add_argument("--k", type=int, default=20, help="neighbours for mle and mom")
+    ap.add_argument("--skdim-n", type=int, default=None,
+                    help="time skdim on the first SKDIM_N rows (default: as many as fit --skdim-budget)")
+    ap.add_argument("--skdim-budget", type=float, default=180.0,
+                    help="seconds one skdim estimate may take when --skdim-n is not given")
+    ap.add_argument("--no-skdim", action="store_true", help="isojax columns only")
+    ap.add_argument("--repeat", type=int, default=2, help="timed isojax calls after the first")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    names = [s.strip() for s in args.estimators.split(",") if s.strip()]
+    use_skdim = skdim is not None and not args.no_skdim
+
+    x_np = make_points(args.n, args.d, args.latent, args.noise, args.seed)
+    x_dev = jax.device_put(jnp.asarray(x_np))
+    dev = jax.devices()[0]
+    lines = [f"# isojax.intrinsic vs scikit-dimension {skdim.__version__ if skdim else '(not installed)'}; "
+             f"device {dev.platform}:{dev.device_kind}, jax {jax.__version__}, {os.cpu_count()} CPUs; "
+             f"data: {args.latent}-dim Gaussian -> random linear map to {args.d} dims + noise "
+             f"{args.noise}, float32; k = {args.k}, discard_fraction = 0.1; compile = first call "
+             "minus best call (0 where an earlier row compiled the same search)",
+             "| estimator | N x D | isojax s | compile s | skdim s | skdim timing | speedup "
+             "| isojax | skdim | rel. diff |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+
+    def row(name, n, t_iso, t_comp, est_iso, t_sk=None, how="", est_sk=None):
+        sk = f"{t_sk:.2f}" if t_sk is not None else "-"
+        speed = f"{t_sk / t_iso:.0f}x" if t_sk is not None else "-"
+        sk_est = f"{est_sk:.4f}" if est_sk is not None else "-"
+        diff = f"{abs(est_iso / est_sk - 1):.1e}" if est_sk is not None else "-"
+        line = (f"| {name} | {n} x {args.d} | {t_iso:.3f} | {t_comp:.1f} | {sk} | {how or '-'} | {speed} "
+                f"| {est_iso:.4f} | {sk_est} | {diff} |")
+        lines.append(line)
+        print(line, flush=True)
+
+    for name in names:
+        t_iso, t_comp, est = time_isojax(isojax_fn(name, args.k), x_dev, args.repeat)
+        if not use_skdim:
+            row(name, args.n, t_iso, t_comp, est)
+            continue
+        fn = skdim_fn(name, args.k)
+        if args.skdim_n:
+            skdim_n = min(args.skdim_n, args.n)
+            t_sk, est_sk = time_skdim(fn, x_np[:skdim_n])
+        else:  # a pilot, then the most rows that fit the budget by O(N^2)
+            skdim_n = min(10_000, args.n)
+            t_sk, est_sk = time_skdim(fn, x_np[:skdim_n])
+            fit_n = min(args.n, int(skdim_n * (args.skdim_budget / t_sk) ** 0.5))
+            if fit_n > 1.2 * skdim_n:
+                skdim_n = fit_n
+                t_sk, est_sk = time_skdim(fn, x_np[:skdim_n])
+        if skdim_n == args.n:
+            row(name, args.n, t_iso, t_comp, est, t_sk, "measured", est_sk)
+            continue
+        scale = (args.n / skdim_n) ** 2
+        row(name, args.n, t_iso, t_comp, est, t_sk * scale, f"O(N^2) from {skdim_n}")
+        t_iso_s, t_comp_s, est_s = time_isojax(isojax_fn(name, args.k), x_dev[:skdim_n], args.repeat)
+        row(name, skdim_n, t_iso_s, t_comp_s, est_s, t_sk, "measured", est_sk)
+
+    if os.environ.get("OUT"):
+        pathlib.Path(os.environ["OUT"], "bench_intrinsic.txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
