@@ -37,9 +37,8 @@ def expected_shapes(cfg: GPTNeoXConfig) -> dict[str, tuple]:
     return shapes
 
 
-def hf_to_params(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNeoXConfig,
-                 dtype=np.float32) -> dict:
-    """Build the parameter tree from a tensor reader `read(name) -> np.ndarray`."""
+def hf_tensors(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNeoXConfig) -> dict[str, np.ndarray]:
+    """Every tensor a GPT-NeoX of this config needs, as stored (checked for presence and shape)."""
     shapes = expected_shapes(cfg)
     have = set(names)
     if "embed_out.weight" not in have and "lm_head.weight" in have:  # the in-memory name in transformers 5
@@ -55,16 +54,22 @@ def hf_to_params(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNe
     if extra:
         raise UserError(f"checkpoint has tensor(s) this GPT-NeoX config does not expect, e.g. {extra[0]} "
                         "(config and weights mismatched?)")
+    tensors = {}
+    for name, shape in shapes.items():
+        tensors[name] = arr = read(name)
+        if tuple(arr.shape) != shape:
+            raise UserError(f"tensor {name} has shape {tuple(arr.shape)}, config expects {shape}")
+    return tensors
 
-    def get(name):
-        arr = read(name)
-        if tuple(arr.shape) != shapes[name]:
-            raise UserError(f"tensor {name} has shape {tuple(arr.shape)}, config expects {shapes[name]}")
-        return np.asarray(arr, dtype=dtype)
+
+def tensors_to_params(tensors: dict, cfg: GPTNeoXConfig, xp=np) -> dict:
+    """Hugging Face tensors -> the parameter tree (layers stacked, kernels [in, out]), with
+    `xp` = numpy on the host or jax.numpy (inside jit: the stacking and transposes run on the
+    device, where they cost nothing next to the host's strided copies)."""
 
     def stacked(suffix, transpose=False):
-        arrs = [get(f"gpt_neox.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
-        return np.stack([a.T if transpose else a for a in arrs])
+        arrs = [tensors[f"gpt_neox.layers.{i}.{suffix}"] for i in range(cfg.num_layers)]
+        return xp.stack([a.T if transpose else a for a in arrs])
 
     attention, block = {}, {}
     for name in LAYER_LINEARS:
@@ -75,9 +80,15 @@ def hf_to_params(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNe
     for name in LAYER_NORMS:
         block[name] = {"scale": stacked(name + ".weight"), "bias": stacked(name + ".bias")}
     return {
-        "embed_in": get("gpt_neox.embed_in.weight"),
-        "embed_out": np.ascontiguousarray(get("embed_out.weight").T),
-        "final_layer_norm": {"scale": get("gpt_neox.final_layer_norm.weight"),
-                             "bias": get("gpt_neox.final_layer_norm.bias")},
+        "embed_in": tensors["gpt_neox.embed_in.weight"],
+        "embed_out": xp.ascontiguousarray(tensors["embed_out.weight"].T) if xp is np else tensors["embed_out.weight"].T,
+        "final_layer_norm": {"scale": tensors["gpt_neox.final_layer_norm.weight"],
+                             "bias": tensors["gpt_neox.final_layer_norm.bias"]},
         "layers": {"block": block},
     }
+
+
+def hf_to_params(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNeoXConfig,
+                 dtype=np.float32) -> dict:
+    """The parameter tree in numpy `dtype` from a tensor reader `read(name) -> np.ndarray`."""
+    return tensors_to_params({k: np.asarray(v, dtype) for k, v in hf_tensors(read, names, cfg).items()}, cfg)

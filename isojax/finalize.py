@@ -1,12 +1,21 @@
 """Float64 read-out of stats.Accumulators into the metrics of DESIGN.md.
 
-Everything here runs in numpy float64 on the host: each double-float pair is summed as
-float64(hi) + float64(lo), groups are combined with Chan's pairwise formula, and spectra
-come from np.linalg.eigvalsh of the float64 covariance.
+Each double-float pair is summed as float64(hi) + float64(lo). Vectors (counts, sums) are read
+out in numpy on the host. The second moments, the bulk of the work, are read out where they lie,
+one state at a time by one jitted float64 function (jax.enable_x64): groups combined with Chan's
+pairwise formula, the uncentered Gram rebuilt, and the eigenvalues of all three covariances
+taken on the default device in float64: a Householder reduction to tridiagonal form (cuSOLVER
+sytrd on a GPU, LAPACK on the CPU) and bisection on the tridiagonal matrix. eigvalsh would also
+build the eigenvectors (jax's eigvalsh is eigh): three times the time on the CPU, for the same
+eigenvalues (to ~1e-14 of the largest; tests/test_stats.py compares with numpy's eigvalsh).
 """
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.scipy.linalg import eigh_tridiagonal
 
 from isojax.stats import _COUNT_BITS, Accumulators
 
@@ -20,10 +29,6 @@ def _mean_cos(sq_norm_of_sum, n):
     n = np.asarray(n, np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(n >= 2, (sq_norm_of_sum - n) / (n * n - n), np.nan)
-
-
-def _eig_desc(m_DxD):
-    return np.linalg.eigvalsh((m_DxD + m_DxD.T) / 2)[::-1]
 
 
 def _ratio_top(eig_D):
@@ -43,30 +48,55 @@ def _effective_rank(eig_D):
 
 def _combine_m2(n_G, sum_GxD, m2_GxDxD):
     """Chan's merge of per-group (n, Sum x, M2) into the whole population's M2."""
-    n = n_G.sum()
-    mean_D = sum_GxD.sum(0) / max(n, 1)
-    dev_GxD = sum_GxD / np.maximum(n_G, 1)[:, None] - mean_D
-    return m2_GxDxD.sum(0) + np.einsum("g,gd,ge->de", n_G.astype(np.float64), dev_GxD, dev_GxD)
+    mean_D = sum_GxD.sum(0) / jnp.maximum(n_G.sum(), 1)
+    dev_GxD = sum_GxD / jnp.maximum(n_G, 1)[:, None] - mean_D
+    return m2_GxDxD.sum(0) + jnp.einsum("g,gd,ge->de", n_G, dev_GxD, dev_GxD)
 
 
-def _moments(n, sum_D, unit_sum_D, norm_sum, m2_DxD, unit_m2_DxD):
-    """State-level metrics of one population; m2 may be None (no spectra kept for it)."""
+def _eigvals_desc(mats_KxDxD):
+    """Eigenvalues, descending, of K symmetric matrices (lower triangles read)."""
+    _, diag_KxD, off_KxD, _ = jax.lax.linalg.tridiagonal(mats_KxDxD, lower=True)
+    return jax.vmap(lambda d, e: eigh_tridiagonal(d, e, eigvals_only=True))(diag_KxD, off_KxD)[:, ::-1]
+
+
+def _covariance_eigs(n, sum_D, m2_DxD, unit_m2_DxD):
+    """[3, D] eigenvalues, descending, of the covariance, the second moment (the uncentered Gram
+    M2 + sum sum^T / n, exact in float64) and the unit vectors' covariance; and Sum |x|^2 / n."""
+    gram_DxD = m2_DxD + jnp.outer(sum_D, sum_D) / jnp.maximum(n, 1)
+    mats = jnp.stack([m2_DxD, gram_DxD, unit_m2_DxD]) / jnp.maximum(n, 1)
+    return _eigvals_desc((mats + mats.swapaxes(1, 2)) / 2), jnp.trace(gram_DxD) / jnp.maximum(n, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("per_group",))
+def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool):
+    """One state's spectra, all groups together and (per_group) each group; call under
+    jax.enable_x64. m2, unit_m2: stats.DF of [H, D, D] float32 pairs."""
+    m2_HxDxD = m2.hi.astype(jnp.float64) + m2.lo.astype(jnp.float64)
+    unit_m2_HxDxD = unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)
+    if per_group:
+        whole = (_combine_m2(n_G, sum_GxD, m2_HxDxD), _combine_m2(n_G, unit_sum_GxD, unit_m2_HxDxD))
+    else:
+        whole = (m2_HxDxD[0], unit_m2_HxDxD[0])
+    eigs = _covariance_eigs(n_G.sum(), sum_GxD.sum(0), *whole)
+    groups = jax.vmap(_covariance_eigs)(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) if per_group else None
+    return eigs, groups
+
+
+def _moments(n, sum_D, unit_sum_D, norm_sum, eigs=None):
+    """State-level metrics of one population; eigs: ([3, D] eigenvalues, Sum |x|^2 / n) from
+    _covariance_eigs, or None (no second moments kept for it)."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
            "norm_of_mean": float(np.linalg.norm(sum_D) / n) if n else float("nan")}
-    spectra = None
-    if m2_DxD is not None and n:
-        gram_DxD = m2_DxD + np.outer(sum_D, sum_D) / n  # exact Sum x x^T, rebuilt in float64
-        centered_D, uncentered_D = _eig_desc(m2_DxD / n), _eig_desc(gram_DxD / n)
-        unit_D = _eig_desc(unit_m2_DxD / n)
+    if eigs is not None and n:
+        (centered_D, uncentered_D, unit_D), mean_sq_norm = eigs
         out.update(anisotropy=_ratio_top(centered_D),
                    anisotropy_uncentered=_ratio_top(uncentered_D),
                    unit_anisotropy=_ratio_top(unit_D),
                    effective_rank=_effective_rank(centered_D),
-                   mean_sq_norm=float(np.trace(gram_DxD) / n))
-        spectra = (centered_D, uncentered_D, unit_D)
-    return out, spectra
+                   mean_sq_norm=float(mean_sq_norm))
+    return out
 
 
 def _bands(count_V, intra_V):
@@ -104,8 +134,10 @@ def finalize(acc: Accumulators, state_names: list[str],
     per-source results without per-token fields. Spectra are eigenvalues of the covariance
     (Sum (x-mean)(x-mean)^T / n), of the second moment (Sum x x^T / n), and of the
     covariance of unit vectors, each in descending order. `token`: (count_V, intra_sim_SxV)
-    when already read out (runner.Runner.token_readout); else taken from acc."""
-    acc = jax.device_get(acc)
+    when already read out (runner.Runner.token_readout); else taken from acc. The second
+    moments may be device arrays (runner.Runner.merged_layers): they are read out there."""
+    m2_HxSxDxD, unit_m2_HxSxDxD = acc.m2_HxSxDxD, acc.unit_m2_HxSxDxD
+    acc = jax.device_get(acc.replace(m2_HxSxDxD=None, unit_m2_HxSxDxD=None))
     n_GxS = (np.asarray(acc.count_hi_GxS, np.int64) << _COUNT_BITS) + np.asarray(
         acc.count_lo_GxS, np.int64)
     num_groups, num_states = n_GxS.shape
@@ -115,8 +147,8 @@ def finalize(acc: Accumulators, state_names: list[str],
         raise ValueError(f"{len(group_names)} group names for {num_groups} groups")
     sum_GxSxD, unit_sum_GxSxD = _f64(acc.sum_GxSxD), _f64(acc.unit_sum_GxSxD)
     norm_GxS = _f64(acc.norm_sum_GxS)
-    m2_HxSxDxD, unit_m2_HxSxDxD = _f64(acc.m2_HxSxDxD), _f64(acc.unit_m2_HxSxDxD)
-    per_group_m2 = m2_HxSxDxD.shape[0] == num_groups and num_groups > 1
+    per_group_m2 = m2_HxSxDxD.hi.shape[0] == num_groups and num_groups > 1
+    group_eigs = per_group_m2 or num_groups == 1  # groups with their own second moments
     csum_GxSxC = _f64(acc.centered_sum_GxSxC)
     centered = csum_GxSxC.shape[-1] > 0
     if token is None:
@@ -124,17 +156,21 @@ def finalize(acc: Accumulators, state_names: list[str],
     token_stats = token is not None
 
     layers, spectra = [], {"centered_SxD": [], "uncentered_SxD": [], "unit_SxD": []}
+    eigs_GxS = [[None] * num_states for _ in range(num_groups)]
     for s, name in enumerate(state_names):
         n_G = n_GxS[:, s]
-        if per_group_m2:
-            m2 = _combine_m2(n_G, sum_GxSxD[:, s], m2_HxSxDxD[:, s])
-            unit_m2 = _combine_m2(n_G, unit_sum_GxSxD[:, s], unit_m2_HxSxDxD[:, s])
-        else:
-            m2, unit_m2 = m2_HxSxDxD[0, s], unit_m2_HxSxDxD[0, s]
-        out, spec = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0),
-                             norm_GxS[:, s].sum(), m2, unit_m2)
+        with jax.enable_x64(True):
+            whole, groups = jax.device_get(_state_spectra(
+                n_G.astype(np.float64), sum_GxSxD[:, s], unit_sum_GxSxD[:, s],
+                jax.tree.map(lambda x: x[:, s], m2_HxSxDxD), jax.tree.map(lambda x: x[:, s], unit_m2_HxSxDxD),
+                per_group=per_group_m2))
+        for g in range(num_groups):
+            if group_eigs:
+                eigs_GxS[g][s] = (groups[0][g], groups[1][g]) if per_group_m2 else whole
+        out = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
+                       whole if n_G.sum() else None)
         layer = {"name": name, **out}
-        for key, eig in zip(spectra, spec or (None,) * 3):
+        for key, eig in zip(spectra, whole[0] if n_G.sum() else (None,) * 3):
             spectra[key].append(eig)
         if centered:
             csum_D = csum_GxSxC[:, s].sum(0)
@@ -162,10 +198,8 @@ def finalize(acc: Accumulators, state_names: list[str],
         for g, gname in enumerate(group_names):
             glayers = []
             for s, name in enumerate(state_names):
-                m2 = m2_HxSxDxD[g, s] if per_group_m2 or num_groups == 1 else None
-                unit_m2 = unit_m2_HxSxDxD[g, s] if m2 is not None else None
-                out, _ = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s],
-                                  norm_GxS[g, s], m2, unit_m2)
+                out = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s], norm_GxS[g, s],
+                               eigs_GxS[g][s])
                 if centered:
                     c = csum_GxSxC[g, s]
                     out["centered_inter_sim"] = float(_mean_cos(c @ c, n_GxS[g, s]))

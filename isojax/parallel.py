@@ -18,6 +18,8 @@ devices (`local_rows`); global arrays are assembled from process-local data.
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import jax
 import numpy as np
@@ -41,6 +43,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise UserError("--coordinator, --num-processes and --process-id go together")
     if explicit and not 0 <= process_id < num_processes:
         raise UserError(f"--process-id must be in [0, {num_processes})")
+    if explicit and process_id != 0:  # the distributed client aborts the process when it times out
+        _wait_for_coordinator(coordinator, timeout_s)
     if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU stand-in for a pod
     try:
@@ -52,6 +56,23 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     except Exception as e:  # unreachable coordinator, no cluster found, ...
         raise UserError(f"could not join the distributed run ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
             from None
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Until the coordinator (process 0) listens at HOST:PORT; else a short error."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--coordinator {address!r}: expected HOST:PORT")
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            if time.time() >= deadline:
+                raise UserError(f"coordinator {address} unreachable after {timeout_s:.0f} s ({e.strerror or e}); "
+                                "start process 0 first, or check the address and --coordinator-timeout") from None
+            time.sleep(0.5)
 
 
 def parse_mesh(spec: str | None) -> dict[str, int]:
@@ -92,9 +113,11 @@ def make_mesh(sizes: dict[str, int] | None = None, devices=None) -> Mesh:
         model = n // data if data and n % data == 0 else 1
     if data is None:
         data = n // model if n % model == 0 else 0
+    if "data" in sizes and "model" in sizes and data * model < n and jax.process_count() == 1:
+        devices, n = devices[:data * model], data * model  # both sizes given: the first data x model devices
     if data * model != n:
         raise UserError(f"mesh data={data},model={model} does not divide the {n} devices "
-                        f"(data x model must equal {n})")
+                        f"(data x model must equal {n}, or name both to use fewer devices on one host)")
     return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
 
 

@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,29 +60,41 @@ def write_token_sums(path: Path, state_sums, num_states: int) -> None:
         store[s].write(first if s == 0 else state_sums(s)).result()
 
 
+def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str], token_sums) -> None:
+    (stage / "metrics.json").write_text(json.dumps(_clean(metrics), indent=1) + "\n")
+    write_layers_csv(stage / "layers.csv", _clean(metrics["layers"]))
+    spectra = final.get("spectra", {})
+    np.savez(stage / "spectra.npz", state_names=np.array(state_names), **{k: np.asarray(v) for k, v in spectra.items()})
+    token = final.get("token")
+    if token is not None:
+        write_zarr(stage / "tokens.zarr" / "count", np.asarray(token["count_V"], np.int64))
+        write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
+        if token_sums is not None:
+            write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
+
+
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
-                  token_sums=None, plots: bool = True) -> list[str]:
+                  token_sums=None, plots: bool = True, timings=None) -> list[str]:
     """Stage every file, then move them into `out` (replacing older results of the same names).
-    `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None."""
+    `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None.
+    `timings` (api.Timings): gets the seconds of "write" and "plots"; the manifest, written last,
+    gets them and the wall time."""
+    if timings is None:
+        from isojax.api import Timings
+        timings = Timings()
     out.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
     try:
-        (stage / "metrics.json").write_text(json.dumps(_clean(metrics), indent=1) + "\n")
-        write_layers_csv(stage / "layers.csv", _clean(metrics["layers"]))
-        spectra = final.get("spectra", {})
-        np.savez(stage / "spectra.npz", state_names=np.array(state_names),
-                 **{k: np.asarray(v) for k, v in spectra.items()})
-        token = final.get("token")
-        if token is not None:
-            write_zarr(stage / "tokens.zarr" / "count", np.asarray(token["count_V"], np.int64))
-            write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
-            if token_sums is not None:
-                write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
+        with timings("write"):
+            _write_data(stage, metrics, final, state_names, token_sums)
         if plots:
             from isojax.plots import plot_metrics
-            plot_dir = stage / "plots"
-            plot_dir.mkdir()
-            manifest["plots"] = [str(p.relative_to(stage)) for p in plot_metrics(metrics, plot_dir)]
+            with timings("plots"):
+                plot_dir = stage / "plots"
+                plot_dir.mkdir()
+                manifest["plots"] = [str(p.relative_to(stage)) for p in plot_metrics(metrics, plot_dir)]
+        manifest["timings"] = dict(timings)
+        manifest["seconds_wall"] = time.time() - timings.start
         (stage / "manifest.json").write_text(json.dumps(_clean(manifest), indent=1) + "\n")
         written = sorted(p.name for p in stage.iterdir())
         for name in sorted(set(written) | RESULT_NAMES):  # older results this run did not produce go too

@@ -97,19 +97,24 @@ class Runner:
         """Bytes of accumulators on each device."""
         return per_device_accumulator_bytes(self.cfg, self.num_devices, **self.init_kwargs)
 
-    def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int) -> None:
+    def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int) -> jax.Array:
         """Consume one batch (asynchronous). Arrays: this process's rows (parallel.local_rows) of
-        a batch whose row count is a multiple of the device count."""
+        a batch whose row count is a multiple of the device count. Returns a scalar that is
+        ready when the devices have finished the step."""
         total = len(tokens_BxT) * self.num_devices // len(self.mesh.local_devices)
         rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
                 for a in (tokens_BxT, segment_ids_BxT, positions_BxT)]
-        self.acc = self._step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
+        self.acc, finished = self._step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
+        return finished
 
     def merged_layers(self) -> stats.Accumulators:
-        """The layer part merged over devices, as numpy (token fields left empty)."""
-        merged = _compiled_merge(self.mesh, self.specs, self.cfg.num_states)(_layer_part(self.acc))
-        first = lambda x: np.asarray(x.addressable_shards[0].data)[0]
-        merged = _map_fields(merged, LAYER_FIELDS, first)
+        """The layer part merged over devices (token fields left empty): numpy, but for the
+        second moments, which stay on a local device for finalize to read out there."""
+        merged = _layer_part(self.acc)
+        if self.num_devices > 1:
+            merged = _compiled_merge(self.mesh, self.specs, self.cfg.num_states)(merged)
+        merged = _map_fields(merged, LAYER_FIELDS, lambda x: x.addressable_shards[0].data[0])
+        merged = _map_fields(merged, [f for f in LAYER_FIELDS if "m2" not in f], np.asarray)
         return merged.replace(tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
             *(np.zeros((self.cfg.num_states, 0, self.cfg.hidden_size), np.float32),) * 2))
 
@@ -193,7 +198,8 @@ def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered
                                in_specs=(specs, P(), P(ALL), P(ALL), P(ALL), P(ALL), P(), P()),
                                out_specs=specs, check_vma=False)
         observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, group, centers_SxD)
-        return module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
+        acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
+        return acc, acc.count_lo_GxS[:, 0, 0]  # one number per device, ready when its step is
 
     return jax.jit(step, donate_argnums=(1,))
 

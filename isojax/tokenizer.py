@@ -1,25 +1,17 @@
 """The model's tokenizer: the checkpoint's own `tokenizer.json`, else its hub repository's
-(huggingface_hub cache first, then network), else -- random weights only -- a byte-level
-stand-in, announced loudly. Returns (tokenizers.Tokenizer, description)."""
+(huggingface_hub cache first, then network), else -- announced -- GPT-NeoX-20B's tokenizer,
+which Pythia uses and isojax ships (isojax/data/gpt-neox-20b-tokenizer.json, Apache-2.0).
+Returns (tokenizers.Tokenizer, description)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from isojax.config import GPTNeoXConfig
 from isojax.errors import UserError
-
-
-def byte_level_tokenizer() -> Tokenizer:
-    """One token per UTF-8 byte (ids 0..255), GPT-2 style byte alphabet."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
 
 
 def _from_hub(repo: str) -> Path | None:
@@ -34,22 +26,24 @@ def _from_hub(repo: str) -> Path | None:
         return None
 
 
+BUNDLED = Path(__file__).resolve().parent / "data" / "gpt-neox-20b-tokenizer.json"
+
+
 def load_tokenizer(directory: Path | None, cfg: GPTNeoXConfig, hub_repo: str | None = None):
     path = Path(directory) / "tokenizer.json" if directory is not None else None
     if path is None or not path.is_file():
         path = _from_hub(hub_repo) if hub_repo else None
-    if path is not None and path.is_file():
-        try:
-            tok, desc = Tokenizer.from_file(str(path)), str(path)
-        except Exception as e:
-            raise UserError(f"{path}: unreadable tokenizer ({e})") from None
-    elif directory is None:  # random weights: any tokenizer serves, but say so
-        print("isojax: WARNING: no GPT-NeoX tokenizer available offline; using a byte-level tokenizer "
-              "(one token per byte) with the random weights", file=sys.stderr)
-        tok, desc = byte_level_tokenizer(), "byte-level (offline stand-in)"
-    else:
-        raise UserError(f"{directory}: no tokenizer.json (put the model's tokenizer.json beside its weights)")
+    if path is None or not path.is_file():
+        # GPT-NeoX-20B's tokenizer (Pythia's; Apache-2.0), shipped with isojax
+        print(f"isojax: WARNING: the model's own tokenizer is not available{' offline' if directory is None else ''}; "
+              "using the GPT-NeoX-20B tokenizer shipped with isojax (Pythia's)", file=sys.stderr)
+        path = BUNDLED
+    try:
+        tok, desc = Tokenizer.from_file(str(path)), str(path) if path != BUNDLED else "gpt-neox-20b (bundled)"
+    except Exception as e:
+        raise UserError(f"{path}: unreadable tokenizer ({e})") from None
     if tok.get_vocab_size() > cfg.vocab_size:
         raise UserError(f"tokenizer vocabulary ({tok.get_vocab_size()}) is larger than the model's "
-                        f"({cfg.vocab_size}): token ids would index past the embedding")
+                        f"({cfg.vocab_size}): token ids would index past the embedding"
+                        + ("; put the model's own tokenizer.json beside its weights" if path == BUNDLED else ""))
     return tok, desc

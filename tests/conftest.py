@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA compilation cache for the whole session, subprocesses included: tests that compile
+# the same step shapes (most end-to-end runs) compile once.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"isojax-tests-xla-{os.getuid()}"))
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TOKENIZER_JSON = SHARED_DATA / "gpt-neox-20b-tokenizer.json"

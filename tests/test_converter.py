@@ -67,7 +67,8 @@ def test_converter_cli_bad_input_exits_cleanly(tmp_path):
 
 
 def test_hub_names_resolve_through_cache(tiny_checkpoint, tmp_path, monkeypatch):
-    """A preset name + revision goes to huggingface_hub (stand-in here), is converted once, then cached."""
+    """A preset name + revision goes to huggingface_hub (stand-in here) and its snapshot is read
+    directly: no converted copy is written."""
     src, model = tiny_checkpoint
     calls = []
 
@@ -81,7 +82,24 @@ def test_hub_names_resolve_through_cache(tiny_checkpoint, tmp_path, monkeypatch)
     ids = np.arange(15)
     first = load_model("pythia-70m-deduped", revision="step1000")
     assert calls == [("EleutherAI/pythia-70m-deduped", "step1000")]
-    second = load_model("pythia-70m-deduped", revision="step1000")
-    assert len(calls) == 1  # the converted Orbax checkpoint was reused
+    assert first.source["name"] == "EleutherAI/pythia-70m-deduped"
     assert first.source["revision"] == "step1000" and first.weights == "pretrained"
-    assert max_rel_error(second.hidden_states(ids), hf_states(model, ids)) < 1e-5
+    assert max_rel_error(first.hidden_states(ids), hf_states(model, ids)) < 1e-5
+    assert not (tmp_path / "cache").exists()
+
+
+def test_checksum_reads_samples_of_the_files(tiny_checkpoint, tmp_path):
+    """The checkpoint checksum changes with any weight file's contents (here one byte in the
+    middle of the data), not only with its size or header."""
+    import shutil
+
+    src, _ = tiny_checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    first = load_model(copy).source["checksum"]
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert load_model(copy).source["checksum"] != first
+    assert load_model(src).source["checksum"] == first  # same files, same checksum

@@ -15,6 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states
+from isojax.api import CPU_DEFAULT_MAX_TOKENS
 from isojax.extract import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,9 +162,17 @@ def test_default_run_offline(tmp_path):
     assert "RANDOM WEIGHTS" in proc.stderr
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["weights"] == "random" and metrics["model"] == "random:pythia-70m"
-    assert len(metrics["layers"]) == 8 and metrics["tokens"] >= 50_000
+    assert len(metrics["layers"]) == 8 and metrics["tokens"] >= CPU_DEFAULT_MAX_TOKENS
     assert all(-1 <= layer["inter_sim"] <= 1 for layer in metrics["layers"])
     assert {"similarity.png", "anisotropy.png", "norms.png"} <= {p.name for p in (tmp_path / "out" / "plots").iterdir()}
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["tokenizer"] == "gpt-neox-20b (bundled)"  # real GPT-NeoX tokens, not bytes
+    assert metrics["layers"][0]["intra_tokens"] > 1000
+    # every second accounted for: the phases add up to the wall time
+    timings = manifest["timings"]
+    assert set(timings) == {"load", "convert", "tokenize", "compile", "loop", "merge", "finalize", "write", "plots"}
+    assert abs(sum(timings.values()) - manifest["seconds_wall"]) < 0.05 * manifest["seconds_wall"] + 0.5
+    assert "wall" in proc.stderr.splitlines()[-1] and "device loop" in proc.stderr.splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +199,10 @@ def test_bad_inputs_exit_cleanly(tmp_path, small_vocab_checkpoint):
         (["--model", truncated], "model.safetensors"),
         (["--model", small_vocab_checkpoint], "larger than the model"),
         (["--model", "random:gpt-neox-20b"], "do not fit"),                  # refused before allocating
+        (["--model", "random:gpt-neox-20b", "--data", tmp_path / "nope.txt"], "nope.txt"),  # inputs first
+        (["--model", "random:pythia-70m", "--attention", "cudnn", "--dtype", "float32"], "cudnn"),
+        (["--model", "random:pythia-70m", "--mesh", "data=3"], "does not divide"),
+        (["--max-tokens", "0"], "positive integer"),
     ]
     for args, needle in cases:
         proc = run_cli(*args, "--out", tmp_path / "o", env=env)

@@ -1,37 +1,139 @@
-"""Data parallelism: 2 devices (forced host devices) give the metrics of 1 device."""
+"""Scale-out on CPU: 1, 2, 3, 4 and 8 devices, parameters split over 'model', and two processes
+joined by jax.distributed give the metrics of one device; bad meshes and coordinators are
+refused cleanly."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
+
+import pytest
 
 from conftest import build_hf_checkpoint
 from test_extract import write_pile_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
+KEYS = ("inter_sim", "intra_sim", "intra_sim_weighted", "anisotropy", "anisotropy_uncentered", "unit_anisotropy",
+        "mean_norm", "norm_of_mean", "mean_sq_norm")
+MESHES = [{"data": 1, "model": 1}, {"data": 2, "model": 1}, {"data": 3, "model": 1}, {"data": 4, "model": 1},
+          {"data": 8, "model": 1}, {"data": 2, "model": 2}]
 
 
-def test_two_devices_equal_one(tmp_path):
-    build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
-    write_pile_jsonl(tmp_path / "pile.jsonl", 80, seed=7)
-    results = []
-    for devices in (1, 2):
-        env = {**os.environ, "ISOJAX_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-        out = tmp_path / f"out{devices}"
-        proc = subprocess.run([sys.executable, "-m", "isojax.extract", "--model", str(tmp_path / "ckpt"), "--data",
-                               str(tmp_path / "pile.jsonl"), "--unit", "document", "--seq-len", "64",
-                               "--batch-tokens", "256", "--no-plots", "--out", str(out)],
-                              cwd=REPO, env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert f"devices: {devices} x" in proc.stderr
-        results.append(json.loads((out / "metrics.json").read_text()))
-    one, two = results
-    assert one["tokens"] == two["tokens"] and one["sources"].keys() == two["sources"].keys()
-    for a, b in zip(one["layers"], two["layers"]):
-        assert a["count"] == b["count"] and a["intra_tokens"] == b["intra_tokens"]
-        for key in ("inter_sim", "intra_sim", "intra_sim_weighted", "anisotropy", "mean_norm"):
-            assert abs(a[key] - b[key]) < 1e-7 * max(1.0, abs(a[key])), key  # merge order only
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parallel")
+    build_hf_checkpoint(tmp / "ckpt", vocab_size=50304, hidden_size=32, num_layers=2, num_heads=2)
+    write_pile_jsonl(tmp / "pile.jsonl", 120, seed=7)
+    return tmp
+
+
+def _env(tmp: Path, devices: int) -> dict:
+    return {**os.environ, "ISOJAX_CACHE": str(tmp / "cache"), "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def _assert_same(one: dict, other: dict, what: str) -> None:
+    assert one["tokens"] == other["tokens"] and one["sequences"] == other["sequences"], what
+    assert one["sources"].keys() == other["sources"].keys(), what
+    for a, b in zip(one["layers"], other["layers"]):
+        assert a["count"] == b["count"] and a["intra_tokens"] == b["intra_tokens"], (what, a["name"])
+        for key in KEYS:  # the same numbers up to the order of float32 additions
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (what, a["name"], key, a[key], b[key])
+        # the effective rank sums square roots of every eigenvalue, float32 noise of tiny ones included
+        assert abs(a["effective_rank"] - b["effective_rank"]) <= 1e-4 * a["effective_rank"], (what, a["name"])
+    for name in one["sources"]:
+        for a, b in zip(one["sources"][name]["layers"], other["sources"][name]["layers"]):
+            assert abs(a["inter_sim"] - b["inter_sim"]) <= 1e-6 and abs(a["anisotropy"] - b["anisotropy"]) <= 1e-6
+
+
+def test_every_device_count_and_mesh_gives_the_same_metrics(setup):
+    """One process with 8 host devices measures the same corpus on meshes of 1, 2, 3 (the
+    all-gather merge), 4 and 8 devices (the butterfly merge) and data=2 x model=2 (parameters
+    split over 'model'); 24 rows per batch divide every count."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        import isojax
+        out = []
+        for mesh in {MESHES!r}:
+            r = isojax.measure({str(setup / "ckpt")!r}, [{str(setup / "pile.jsonl")!r}], unit="document", seq_len=64,
+                               batch_tokens=24 * 64, mesh=mesh, progress=False)
+            out.append({{"mesh": mesh, "metrics": r.metrics, "devices": r.manifest["device"]["count"]}})
+        json.dump(out, sys.stdout)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(setup, 8), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout)
+    assert [r["devices"] for r in runs] == [1, 2, 3, 4, 8, 4]
+    for run in runs[1:]:
+        _assert_same(runs[0]["metrics"], run["metrics"], str(run["mesh"]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(setup, tmp_path):
+    """Two processes on localhost (2 host devices each, CPU collectives through jax.distributed)
+    against one process on one device; only process 0 writes results."""
+    common = ["--model", setup / "ckpt", "--data", setup / "pile.jsonl", "--unit", "document", "--seq-len", "64",
+              "--batch-tokens", "1536", "--no-plots"]
+    single = subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "one")],
+                            cwd=REPO, env=_env(setup, 1), capture_output=True, text=True)
+    assert single.returncode == 0, single.stderr[-2000:]
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "two"),
+                               "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              cwd=REPO, env=_env(setup, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "devices: 4 x cpu, processes: 2" in outs[0][1]
+    one = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    _assert_same(one, two, "2 processes")
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["device"]["processes"] == 2 and manifest["device"]["count"] == 4
+
+
+def test_bad_meshes_and_coordinators_exit_cleanly(setup, tmp_path):
+    cases = [
+        (["--mesh", "data=3"], 2, "does not divide"),
+        (["--mesh", "data=2,model=2"], 2, "does not divide"),
+        (["--mesh", "model=x"], 2, "expected data=N,model=M"),
+        (["--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "1", "--coordinator-timeout", "2"], 1,
+         "unreachable"),
+        (["--coordinator", "localhost:1", "--num-processes", "2"], 1, "go together"),
+    ]
+    for args, devices, needle in cases:
+        proc = subprocess.run([sys.executable, "-m", "isojax.extract", "--model", str(setup / "ckpt"), "--data",
+                               str(setup / "pile.jsonl"), *args, "--out", str(tmp_path / "o")], cwd=REPO,
+                              env=_env(setup, devices), capture_output=True, text=True)
+        assert proc.returncode == 2, (args, proc.stderr[-1500:])
+        assert "Traceback" not in proc.stderr and needle in proc.stderr, (args, proc.stderr[-1500:])
+
+
+def test_resume_refuses_another_device_count(setup, tmp_path):
+    """A checkpoint written on 2 devices is not resumed on 1: its layout depends on the count."""
+    script = textwrap.dedent(f"""
+        import isojax
+        isojax.measure({str(setup / "ckpt")!r}, [{str(setup / "pile.jsonl")!r}], unit="document", seq_len=64,
+                       batch_tokens=256, checkpoint_dir={str(tmp_path / "o" / "checkpoint")!r},
+                       checkpoint_every_tokens=300, progress=False)
+    """)
+    first = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(setup, 2), capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert any((tmp_path / "o" / "checkpoint").iterdir())
+    again = subprocess.run([sys.executable, "-m", "isojax.extract", "--model", str(setup / "ckpt"), "--data",
+                            str(setup / "pile.jsonl"), "--unit", "document", "--seq-len", "64", "--batch-tokens", "256",
+                            "--out", str(tmp_path / "o"), "--resume"], cwd=REPO, env=_env(setup, 1),
+                           capture_output=True, text=True)
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    assert "other settings (devices" in again.stderr

@@ -1,0 +1,172 @@
+"""End to end on one GPU, as a user runs it: wall time of `python -m isojax.extract` (first run,
+cached run, cached run with checkpoints) against the Hugging Face peer's end to end (its load,
+sentence split, tokenization, loop and finalize), on the same corpus, checkpoint and card.
+
+The setup of issue 12: random weights of pythia-1.4b's shapes saved as float16 safetensors in a
+local Hugging Face directory with the real tokenizer; ~10M tokens of Python sources (the
+interpreter's own standard library) as .jsonl.gz, sentence unit.
+
+    python bench/bench_end_to_end.py --shape pythia-1.4b --chars 34e6 --workdir /tmp/e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+
+def build_corpus(path: Path, chars: float) -> int:
+    """Python sources of the standard library as JSON lines, one file per document."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    with gzip.open(path, "wt") as f:
+        for src in sorted(lib.rglob("*.py")):
+            try:
+                text = src.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue
+            f.write(json.dumps({"text": text, "meta": {"pile_set_name": "python"}}) + "\n")
+            total += len(text)
+            if total >= chars:
+                break
+    return total
+
+
+def build_checkpoint(directory: Path, shape: str) -> None:
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
+
+    from isojax.config import preset
+    cfg = preset(shape)
+    hf = GPTNeoXConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                       num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
+                       rotary_pct=cfg.rotary_pct, max_position_embeddings=cfg.max_position_embeddings,
+                       use_parallel_residual=True, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = GPTNeoXForCausalLM(hf).half()
+    model.save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_file=str(REPO / "isojax" / "data" / "gpt-neox-20b-tokenizer.json")
+                            ).save_pretrained(directory)
+    del model
+    torch.cuda.empty_cache()
+
+
+def run_isojax(args: list[str], env: dict) -> dict:
+    t = time.time()
+    p = subprocess.run([sys.executable, "-m", "isojax.extract", *args], cwd=REPO, env=env, capture_output=True,
+                       text=True)
+    wall = time.time() - t
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr[-3000:])
+    out = Path(args[args.index("--out") + 1])
+    manifest = json.loads((out / "manifest.json").read_text())
+    last = [ln for ln in p.stderr.splitlines() if ln.startswith("isojax:")]
+    return {"process_s": wall, "wall_s": manifest["seconds_wall"], "tokens": manifest["tokens"],
+            "timings": manifest["timings"], "log": last[-4:]}
+
+
+def run_peer(model_dir: Path, corpus: Path, batch_tokens: int) -> dict:
+    """The peer, end to end: load, split sentences (the same splitter), tokenize, loop, finalize."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+    import peer_hf
+    from isojax.data.units import text_units
+    t0 = time.time()
+    model = GPTNeoXForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).gpt_neox.to("cuda").eval()
+    t_load = time.time() - t0
+    t = time.time()
+    with gzip.open(corpus, "rt") as f:
+        sentences = [u for line in f for u in text_units(json.loads(line)["text"], "sentence")]
+    t_split = time.time() - t
+    t = time.time()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(sentences, add_special_tokens=False)["input_ids"]
+    ids = [x[i:i + 512] for x in ids for i in range(0, len(x), 512) if x]
+    lengths = np.array([len(x) for x in ids])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat = np.fromiter((t for x in ids for t in x), np.int32, int(offsets[-1]))
+    t_tok = time.time() - t
+    t = time.time()
+    cfg = model.config
+    shape = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.vocab_size, cfg.intermediate_size)
+    res = peer_hf.run_peer(shape, flat, offsets, batch_tokens=batch_tokens, sort_by_length=True, gram=False,
+                           model=model, finalize=True, warmup_batches=0)
+    t_loop = time.time() - t
+    return {"wall_s": time.time() - t0, "load_s": t_load, "split_s": t_split, "tokenize_s": t_tok,
+            "loop_and_finalize_s": t_loop, "tokens": int(offsets[-1]), "loop_tokens_per_s": res["tokens_per_s"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="pythia-1.4b")
+    ap.add_argument("--chars", type=float, default=34e6, help="characters of Python source (~10M tokens)")
+    ap.add_argument("--workdir", default="/tmp/e2e")
+    ap.add_argument("--checkpoint-every", type=int, default=2_000_000)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-batch-tokens", type=int, default=16384)
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus, model_dir = work / "python.jsonl.gz", work / "model"
+    if not corpus.exists():
+        print(f"corpus: {build_corpus(corpus, args.chars):,} characters", flush=True)
+    if not model_dir.exists():
+        build_checkpoint(model_dir, args.shape)
+    env = {**os.environ, "ISOJAX_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
+    common = ["--model", str(model_dir), "--data", str(corpus)]
+    rows = {}
+    rows["isojax first run"] = run_isojax(common + ["--out", str(work / "o1"), "--overwrite"], env)
+    print(json.dumps(rows["isojax first run"]), flush=True)
+    rows["isojax cached"] = run_isojax(common + ["--out", str(work / "o2"), "--overwrite"], env)
+    print(json.dumps(rows["isojax cached"]), flush=True)
+    rows["isojax cached + checkpoints"] = run_isojax(common + ["--out", str(work / "o3"), "--overwrite",
+                                                               "--checkpoint-every-tokens", str(args.checkpoint_every)],
+                                                     env)
+    print(json.dumps(rows["isojax cached + checkpoints"]), flush=True)
+    peer = None if args.no_peer else run_peer(model_dir, corpus, args.peer_batch_tokens)
+    if peer:
+        print(json.dumps(peer), flush=True)
+
+    import jax
+    lines = [f"card: {jax.devices()[0].device_kind}; jax {jax.__version__}; {args.shape}, random float16 weights; "
+             f"{rows['isojax cached']['tokens']:,} tokens of Python sources, sentences"]
+    lines.append(f"{'run':<30}{'wall s':>8}{'compile':>9}{'loop':>8}{'wall/(c+l)':>11}  other phases (s)")
+    for name, r in rows.items():
+        t = r["timings"]
+        cl = t["compile"] + t["loop"]
+        other = ", ".join(f"{k} {v:.1f}" for k, v in t.items() if k not in ("compile", "loop") and v >= 0.05)
+        lines.append(f"{name:<30}{r['wall_s']:>8.1f}{t['compile']:>9.1f}{t['loop']:>8.1f}{r['wall_s'] / cl:>11.2f}  {other}")
+    with_ck, without = rows["isojax cached + checkpoints"]["timings"], rows["isojax cached"]["timings"]
+    n_ck = rows["isojax cached"]["tokens"] // args.checkpoint_every
+    per_ck = (with_ck["loop"] - without["loop"]) / max(n_ck, 1)
+    rate = rows["isojax cached"]["tokens"] / without["loop"]
+    lines.append(f"checkpoints: {n_ck} in the loop, {per_ck:+.2f} s each; at a 20M-token interval "
+                 f"{per_ck / (20e6 / rate):+.1%} of the loop")
+    if peer:
+        lines.append(f"{'HF peer, end to end':<30}{peer['wall_s']:>8.1f}  load {peer['load_s']:.1f}, split "
+                     f"{peer['split_s']:.1f}, tokenize {peer['tokenize_s']:.1f}, loop+finalize "
+                     f"{peer['loop_and_finalize_s']:.1f} ({peer['loop_tokens_per_s']:,.0f} tok/s)")
+    table = "\n".join(lines)
+    print(table)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_end_to_end.txt").write_text(table + "\n")
+        Path(os.environ["OUT"], "bench_end_to_end.json").write_text(json.dumps({"isojax": rows, "peer": peer}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""`isojax.measure(model, data, **options) -> Results`: the whole extract job as a library call.
+
+    results = isojax.measure("pythia-160m", ["enron.jsonl.zst"], revision="step143000", max_tokens=10**7)
+    results.layers[-1]["inter_sim"]        # metrics.json's layers
+    results.save("out/160m")              # metrics.json, layers.csv, tokens.zarr, spectra.npz, plots/
+    results.plot("plots/")
+
+`python -m isojax.extract` is a thin command line over it. Every process of a multi-host run
+calls measure (the devices need them all); only process 0 should save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from isojax.errors import UserError
+from isojax.loop import consume, log, resume
+
+DEFAULT_MODEL = "pythia-70m"
+CPU_DEFAULT_MAX_TOKENS = 16_384  # the offline demo on 2 CPU cores: well under 30 s end to end
+TIMED = ("load", "convert", "tokenize", "compile", "loop", "merge", "finalize", "write", "plots")
+
+
+class Timings(dict):
+    """Seconds per phase of a run (manifest "timings"); `with timings("loop"): ...` adds to one."""
+
+    def __init__(self):
+        super().__init__({k: 0.0 for k in TIMED})
+        self.start = time.time()
+
+    def __call__(self, phase: str):
+        timings = self
+
+        class _Phase:
+            def __enter__(self):
+                self.t = time.time()
+
+            def __exit__(self, *exc):
+                timings[phase] += time.time() - self.t
+
+        return _Phase()
+
+
+@dataclasses.dataclass
+class Results:
+    """What a run measured. metrics: metrics.json's document; manifest: provenance and timings;
+    final: finalize's output (layers, groups, spectra, per-token arrays)."""
+
+    metrics: dict
+    manifest: dict
+    final: dict
+    state_names: list[str]
+    timings: Timings
+    token_sums: object = None  # s -> [V, D] float64 per-token unit sums (save_token_sums=True)
+
+    @property
+    def layers(self) -> list[dict]:
+        return self.metrics["layers"]
+
+    @property
+    def intra_sim_SxV(self) -> np.ndarray | None:
+        """Per-token IntraSim of every state (NaN where a token was seen fewer than 2 times)."""
+        token = self.final.get("token")
+        return None if token is None else token["intra_sim_SxV"]
+
+    @property
+    def token_count_V(self) -> np.ndarray | None:
+        token = self.final.get("token")
+        return None if token is None else token["count_V"]
+
+    @property
+    def spectra(self) -> dict:
+        return self.final.get("spectra", {})
+
+    def save(self, out, *, overwrite: bool = False, plots: bool = True) -> Path:
+        """Write the results into `out` (staged, then moved in): refused where results are
+        already, unless overwrite."""
+        from isojax.results import write_results
+        out = Path(out)
+        if (out / "metrics.json").exists() and not overwrite:
+            raise UserError(f"{out} already holds results (metrics.json); pass overwrite to replace them")
+        self.manifest["timings"] = self.timings
+        write_results(out, self.metrics, self.manifest, self.final, self.state_names, self.token_sums,
+                      plots=plots, timings=self.timings)
+        self.manifest["seconds_wall"] = time.time() - self.timings.start
+        return out
+
+    def plot(self, out_dir) -> list[Path]:
+        from isojax.plots import plot_metrics
+        return plot_metrics(self.metrics, Path(out_dir))
+
+
+def use_compilation_cache() -> None:
+    """Keep compiled steps under the isojax cache (ISOJAX_CACHE/xla): a second run of the same
+    model and batch shape skips XLA's compile. JAX_COMPILATION_CACHE_DIR, if set, wins."""
+    import jax
+
+    from isojax.loading import cache_root
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def peek_config(name: str):
+    """The model's config without loading weights, where that is cheap (presets, local dirs)."""
+    from isojax.config import base_preset, preset, read_hf_config
+    if name.startswith("random:") or base_preset(name):
+        return preset(name.removeprefix("random:"))
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return read_hf_config(path)
+    return None
+
+
+def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int):
+    """(accumulator bytes, weight bytes) on each of n devices with parameters split model_axis ways."""
+    from isojax.runner import MAX_GROUP_SPECTRA, per_device_accumulator_bytes
+    need = per_device_accumulator_bytes(cfg, n, num_groups=num_groups, token_stats=token_stats,
+                                        group_spectra=num_groups <= MAX_GROUP_SPECTRA)
+    return need, (2 if dtype == "bfloat16" else 4) * cfg.param_count() // model_axis
+
+
+def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, verbose: bool = False) -> None:
+    """Refuse (a short message) what cannot fit the devices; log the per-device figure."""
+    from isojax.runner import device_memory_bytes, host_memory_bytes
+    limit = device_memory_bytes() or host_memory_bytes()
+    need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"])
+    if verbose:
+        log(f"accumulators need {need / 1e9:.2f} GB per device, weights {weights / 1e9:.2f} GB "
+            f"(device memory {limit / 1e9:.1f} GB; mesh data={mesh.shape['data']},model={mesh.shape['model']})")
+    if need + weights > 0.9 * limit:
+        raise UserError(f"accumulators ({need / 1e9:.1f} GB) and weights ({weights / 1e9:.1f} GB) per device do not "
+                        f"fit the device's {limit / 1e9:.1f} GB on {mesh.size} device(s); use more devices, a "
+                        "larger 'model' axis (--mesh), --no-token-stats (per-token IntraSim needs (L+2) x V x D x 8 "
+                        "bytes, split over the devices) or a smaller model")
+
+
+def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None):
+    """The mesh of `sizes` (both named: the first data x model devices; one named: all devices),
+    else all devices on 'data' with the smallest 'model' axis that makes parameters and
+    accumulators fit."""
+    import jax
+
+    from isojax import parallel
+    from isojax.runner import device_memory_bytes, host_memory_bytes
+    sizes = dict(sizes or {})
+    n = jax.device_count()
+    if cfg is not None and not sizes:
+        limit = 0.9 * (device_memory_bytes() or host_memory_bytes())
+        fits = lambda m: sum(memory_per_device(cfg, token_stats, dtype, 1, n, m)) <= limit
+        sizes["model"] = next((m for m in range(1, n + 1) if n % m == 0 and fits(m)), 1)
+    mesh = parallel.make_mesh(sizes)
+    if cfg is not None:
+        check_fits(cfg, token_stats, dtype, 1, mesh)
+    return mesh
+
+
+def load(model, revision, dtype: str, attention: str, mesh):
+    from isojax.loading import LoadedModel, load_model, place
+    if isinstance(model, LoadedModel):
+        model.params = place(model.params, dtype, mesh)
+        model.dtype, model.attention_impl = dtype, attention
+        return model
+    if model is not None:
+        return load_model(model, revision=revision, dtype=dtype, attention_impl=attention, mesh=mesh)
+    try:
+        return load_model(DEFAULT_MODEL, revision=revision, dtype=dtype, attention_impl=attention, mesh=mesh)
+    except UserError as e:  # offline and not cached
+        log(f"could not load {DEFAULT_MODEL} ({e})")
+        log("*" * 72)
+        log(f"WARNING: RANDOM WEIGHTS of {DEFAULT_MODEL}'s shapes: the results describe an untrained model")
+        log("*" * 72)
+        return load_model(f"random:{DEFAULT_MODEL}", dtype=dtype, attention_impl=attention, mesh=mesh)
+
+
+def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None):
+    """A Runner whose activations stay split by rows over every device."""
+    from isojax import parallel
+    from isojax.runner import Runner
+    module = model.module
+    if mesh.size > 1:
+        module = module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
+    return Runner(module, model.params, mesh, token_stats=token_stats, num_groups=num_groups, centers_SxD=centers_SxD)
+
+
+def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sources=None, dtype=None,
+            seq_len=None, batch_tokens=None, max_tokens=None, token_stats: bool = True, centered: bool = False,
+            save_token_sums: bool = False, attention: str = "auto", mesh=None, checkpoint_dir=None,
+            checkpoint_every_tokens=None, resume_run: bool = False, progress: bool = True) -> Results:
+    """Measure every hidden state of `model` over `data` (README "A real run").
+
+    model: preset, random:<preset>, directory, hub id or a LoadedModel; None: pythia-70m
+    (random weights of its shapes offline). data: paths or hub: specs; None: CPython's bundled
+    documentation (on CPU the first CPU_DEFAULT_MAX_TOKENS tokens unless max_tokens). mesh:
+    {"data": N, "model": M} or None (chosen from the devices' memory)."""
+    import jax
+
+    from isojax import checkpointing, parallel
+    from isojax.data import load_corpus, pack_batches, plan_stats, tokenize_corpus
+    from isojax.finalize import finalize
+    from isojax.loading import cache_root
+    from isojax.manifest import build_manifest, build_metrics
+
+    timings = Timings()
+    use_compilation_cache()
+    on_accel = jax.default_backend() != "cpu"
+    dtype = dtype or ("bfloat16" if on_accel else "float32")
+    if attention == "cudnn" and dtype != "bfloat16":
+        raise UserError("attention cudnn needs dtype bfloat16 (cuDNN's fused attention has no float32 kernel)")
+    if attention == "auto":
+        attention = "cudnn" if (jax.default_backend() == "gpu" and dtype == "bfloat16") else "xla"
+    for name, value in (("max_tokens", max_tokens), ("batch_tokens", batch_tokens), ("seq_len", seq_len),
+                        ("checkpoint_every_tokens", checkpoint_every_tokens)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            raise UserError(f"{name} must be a positive integer, not {value!r}")
+    corpus = load_corpus(data, unit=unit, sources=sources)  # checks every path before any weights load
+    with timings("load"):
+        name = model if isinstance(model, str) or model is None else None
+        early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
+        mesh = choose_mesh(early, token_stats, dtype, mesh)  # refuses what cannot fit before allocating
+        loaded = load(model, revision, dtype, attention, mesh)
+    cfg = loaded.config
+    n_dev = mesh.size
+    log(f"model {loaded.source['name']} ({loaded.weights} weights, {cfg.num_layers} layers, d={cfg.hidden_size}), "
+        f"{dtype}, devices: {n_dev} x {mesh.devices.flat[0].device_kind}, processes: {jax.process_count()}")
+    row_len = seq_len or (512 if unit == "sentence" else cfg.max_position_embeddings)
+    if row_len > cfg.max_position_embeddings:
+        raise UserError(f"seq_len must be in [1, {cfg.max_position_embeddings}] (the model's context)")
+    if attention == "cudnn" and row_len % 64:
+        loaded.attention_impl = "xla"  # cuDNN attention was only measured on rows of multiples of 64
+    # Small models are bound by per-kernel overheads: larger batches (bench/RESULTS.md). The
+    # default is per device, so that each device keeps its batch as devices are added.
+    batch_tokens = batch_tokens or n_dev * ((262144 if cfg.hidden_size <= 1024 else 65536) if on_accel else 8192)
+    rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
+    with timings("tokenize"):
+        cache = tokenize_corpus(corpus, loaded.tokenizer, cache_dir=cache_root() / "tokens", max_len=row_len,
+                                progress=progress)
+        plan = plan_stats(cache, rows=rows, row_len=row_len)
+    log(f"corpus {corpus.describe()}: {cache.n_tokens:,} tokens in {cache.n_sequences:,} {unit}s, "
+        f"sources: {', '.join(cache.source_names)}; rows {rows} x {row_len}, padding {plan.padding_fraction:.1%}, "
+        f"attention {loaded.attention_impl}")
+    num_groups = len(cache.source_names)
+    check_fits(cfg, token_stats, dtype, num_groups, mesh, verbose=True)
+    runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups)
+    if max_tokens is None and data is None and not on_accel:
+        max_tokens = CPU_DEFAULT_MAX_TOKENS
+        log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (max_tokens to change)")
+    settings = {"model_checksum": loaded.source["checksum"], "corpus": cache.fingerprint, "rows": rows,
+                "row_len": row_len, "dtype": dtype, "token_stats": token_stats, "max_tokens": max_tokens,
+                "devices": n_dev, "processes": jax.process_count(), "mesh": dict(mesh.shape)}
+    cursor, done = None, {"tokens": 0, "sequences": 0, "batches": 0}
+    if resume_run:
+        cursor, done = resume(runner, Path(checkpoint_dir), settings, done)
+    elif checkpoint_dir is not None and Path(checkpoint_dir).exists() and parallel.is_main_process():
+        shutil.rmtree(checkpoint_dir)
+    total = min(plan.tokens, max_tokens or plan.tokens)
+    local = parallel.local_rows(mesh, rows) if jax.process_count() > 1 else None
+    checkpointer = checkpointing.Checkpointer(Path(checkpoint_dir)) if checkpoint_every_tokens else None
+    with timings("loop"):
+        try:
+            done, first = consume(
+                runner, pack_batches(cache, rows=rows, row_len=row_len, start_cursor=cursor, row_subset=local),
+                done, total, max_tokens=max_tokens, checkpoint_every=checkpoint_every_tokens, progress=progress,
+                save_checkpoint=lambda d, c: checkpointer.save(d["batches"], runner.acc,
+                                                                {"settings": settings, "cursor": c, "done": d}))
+        finally:
+            if checkpointer is not None:
+                checkpointer.close()
+    timings["loop"] -= first
+    timings["compile"] += first
+    with timings("merge"):
+        acc = runner.merged_layers()
+        token = runner.token_readout()
+    has_sources = num_groups > 1 or bool(sources)
+    with timings("finalize"):
+        final = finalize(acc, cfg.state_names, cache.source_names if has_sources else None, token=token)
+    if centered:
+        final = centered_pass(final, acc, loaded, runner, cache, rows, row_len, local, timings, progress)
+    metrics = build_metrics(loaded, unit, done, final, has_sources)
+    loop_s = timings["loop"] + timings["compile"]
+    manifest = build_manifest(loaded, cache, corpus, done, plan, loop_s, time.time() - timings.start, settings)
+    sums = runner.token_sums if save_token_sums and token_stats else None
+    return Results(metrics, manifest, final, cfg.state_names, timings, sums)
+
+
+def centered_pass(final, acc, model, runner, cache, rows, row_len, local, timings, progress):
+    """Second pass: cosines of x - mean(x), the mean taken from the first pass (float64)."""
+    from isojax.data import pack_batches
+    from isojax.finalize import finalize
+    sums = (np.asarray(acc.sum_GxSxD.hi, np.float64) + np.asarray(acc.sum_GxSxD.lo, np.float64)).sum(0)
+    counts = np.array([layer["count"] for layer in final["layers"]], np.float64)
+    log("second pass for centered InterSim")
+    model.params = runner.params
+    second = make_runner(model, runner.mesh, token_stats=False, num_groups=len(cache.source_names),
+                         centers_SxD=sums / counts[:, None])
+    with timings("loop"):
+        consume(second, pack_batches(cache, rows=rows, row_len=row_len, row_subset=local),
+                {"tokens": 0, "sequences": 0, "batches": 0}, final["layers"][0]["count"], progress=progress,
+                desc="centered")
+    with timings("finalize"):
+        again = finalize(second.merged_layers(), model.config.state_names)
+    for layer, other in zip(final["layers"], again["layers"]):
+        layer["centered_inter_sim"] = other["centered_inter_sim"]
+    return final
