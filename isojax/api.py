@@ -19,10 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from isojax.errors import UserError
+from isojax.finalize import sample_metrics
 from isojax.loop import consume, log, resume
 
 DEFAULT_MODEL = "pythia-70m"
 CPU_DEFAULT_MAX_TOKENS = 16_384  # the offline demo on 2 CPU cores: well under 30 s end to end
+SAMPLE_BYTES = 2e9  # the default sample (batch anisotropy) takes at most this much per device
 TIMED = ("load", "convert", "tokenize", "compile", "loop", "merge", "finalize", "write", "plots")
 
 
@@ -117,19 +119,25 @@ def peek_config(name: str):
     return None
 
 
-def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int):
+def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int,
+                      sample_size: int = 0):
     """(accumulator bytes, weight bytes) on each of n devices with parameters split model_axis ways."""
+    import jax.numpy as jnp
+
     from isojax.runner import MAX_GROUP_SPECTRA, per_device_accumulator_bytes
     need = per_device_accumulator_bytes(cfg, n, num_groups=num_groups, token_stats=token_stats,
-                                        group_spectra=num_groups <= MAX_GROUP_SPECTRA)
+                                        group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
+                                        sample_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
     return need, (2 if dtype == "bfloat16" else 4) * cfg.param_count() // model_axis
 
 
-def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, verbose: bool = False) -> None:
+def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, verbose: bool = False,
+               sample_size: int = 0) -> None:
     """Refuse (a short message) what cannot fit the devices; log the per-device figure."""
     from isojax.runner import device_memory_bytes, host_memory_bytes
     limit = device_memory_bytes() or host_memory_bytes()
-    need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"])
+    need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
+                                      sample_size)
     if verbose:
         log(f"accumulators need {need / 1e9:.2f} GB per device, weights {weights / 1e9:.2f} GB "
             f"(device memory {limit / 1e9:.1f} GB; mesh data={mesh.shape['data']},model={mesh.shape['model']})")
@@ -178,26 +186,39 @@ def load(model, revision, dtype: str, attention: str, mesh):
         return load_model(f"random:{DEFAULT_MODEL}", dtype=dtype, attention_impl=attention, mesh=mesh)
 
 
-def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None):
+def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None, sample_size: int = 0):
     """A Runner whose activations stay split by rows over every device."""
     from isojax import parallel
     from isojax.runner import Runner
     module = model.module
     if mesh.size > 1:
         module = module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
-    return Runner(module, model.params, mesh, token_stats=token_stats, num_groups=num_groups, centers_SxD=centers_SxD)
+    return Runner(module, model.params, mesh, token_stats=token_stats, num_groups=num_groups, centers_SxD=centers_SxD,
+                  sample_size=sample_size)
+
+
+def default_sample_size(cfg, dtype: str) -> int:
+    """16,384 tokens (4 batches of 4096), fewer for models whose states would take more than
+    SAMPLE_BYTES per device; a multiple of 4096, at least 4096."""
+    from isojax.finalize import BATCH
+    per_token = cfg.num_states * cfg.hidden_size * (2 if dtype == "bfloat16" else 4)
+    return max(BATCH, min(4 * BATCH, int(SAMPLE_BYTES / per_token) // BATCH * BATCH))
 
 
 def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sources=None, dtype=None,
             seq_len=None, batch_tokens=None, max_tokens=None, token_stats: bool = True, centered: bool = False,
             save_token_sums: bool = False, attention: str = "auto", mesh=None, checkpoint_dir=None,
-            checkpoint_every_tokens=None, resume_run: bool = False, progress: bool = True) -> Results:
+            checkpoint_every_tokens=None, resume_run: bool = False, progress: bool = True,
+            sample_states: int | None = None, intrinsic_k: int = 20) -> Results:
     """Measure every hidden state of `model` over `data` (README "A real run").
 
     model: preset, random:<preset>, directory, hub id or a LoadedModel; None: pythia-70m
     (random weights of its shapes offline). data: paths or hub: specs; None: CPython's bundled
     documentation (on CPU the first CPU_DEFAULT_MAX_TOKENS tokens unless max_tokens). mesh:
-    {"data": N, "model": M} or None (chosen from the devices' memory)."""
+    {"data": N, "model": M} or None (chosen from the devices' memory). sample_states: keep a
+    uniform sample of K tokens' states (sample.py) for intrinsic dimension (k = intrinsic_k
+    neighbours) and batch anisotropy, written to samples.zarr; None: a default sample, for batch
+    anisotropy only; 0: none."""
     import jax
 
     from isojax import checkpointing, parallel
@@ -215,7 +236,7 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     if attention == "auto":
         attention = "cudnn" if (jax.default_backend() == "gpu" and dtype == "bfloat16") else "xla"
     for name, value in (("max_tokens", max_tokens), ("batch_tokens", batch_tokens), ("seq_len", seq_len),
-                        ("checkpoint_every_tokens", checkpoint_every_tokens)):
+                        ("checkpoint_every_tokens", checkpoint_every_tokens), ("intrinsic_k", intrinsic_k)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise UserError(f"{name} must be a positive integer, not {value!r}")
     corpus = load_corpus(data, unit=unit, sources=sources)  # checks every path before any weights load
@@ -245,14 +266,23 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
         f"sources: {', '.join(cache.source_names)}; rows {rows} x {row_len}, padding {plan.padding_fraction:.1%}, "
         f"attention {loaded.attention_impl}")
     num_groups = len(cache.source_names)
-    check_fits(cfg, token_stats, dtype, num_groups, mesh, verbose=True)
-    runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups)
     if max_tokens is None and data is None and not on_accel:
         max_tokens = CPU_DEFAULT_MAX_TOKENS
         log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (max_tokens to change)")
+    available = min(plan.tokens, max_tokens or plan.tokens)
+    intrinsic = bool(sample_states)
+    if sample_states is None:
+        sample_states = min(default_sample_size(cfg, dtype), available)
+    elif sample_states > available:
+        raise UserError(f"sample_states {sample_states:,} is more than the {available:,} tokens this run sees")
+    elif intrinsic and sample_states <= intrinsic_k + 1:
+        raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
+    check_fits(cfg, token_stats, dtype, num_groups, mesh, verbose=True, sample_size=sample_states)
+    runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
     settings = {"model_checksum": loaded.source["checksum"], "corpus": cache.fingerprint, "rows": rows,
                 "row_len": row_len, "dtype": dtype, "token_stats": token_stats, "max_tokens": max_tokens,
-                "devices": n_dev, "processes": jax.process_count(), "mesh": dict(mesh.shape)}
+                "devices": n_dev, "processes": jax.process_count(), "mesh": dict(mesh.shape),
+                "sample_states": sample_states}
     cursor, done = None, {"tokens": 0, "sequences": 0, "batches": 0}
     if resume_run:
         cursor, done = resume(runner, Path(checkpoint_dir), settings, done)
@@ -276,9 +306,17 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     with timings("merge"):
         acc = runner.merged_layers()
         token = runner.token_readout()
+        sampled = runner.sample()
     has_sources = num_groups > 1 or bool(sources)
     with timings("finalize"):
         final = finalize(acc, cfg.state_names, cache.source_names if has_sources else None, token=token)
+        if sampled is not None:
+            count, states = sampled
+            for layer, extra in zip(final["layers"], sample_metrics(states, count, cfg.state_names, intrinsic,
+                                                                    k=intrinsic_k)):
+                layer.update(extra)
+            if intrinsic:
+                final["sample"] = states
     if centered:
         final = centered_pass(final, acc, loaded, runner, cache, rows, row_len, local, timings, progress)
     metrics = build_metrics(loaded, unit, done, final, has_sources)

@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also compute centered InterSim (cosines of x - mean): a second pass over the data")
     ap.add_argument("--save-token-sums", action="store_true",
                     help="also write the per-token unit-vector sums [L+2, V, D] (float64) to OUT/tokens.zarr")
+    ap.add_argument("--sample-states", type=positive_int, default=None, metavar="K",
+                    help="keep a uniform sample of K tokens (all their states; seeded by token identity, so the "
+                         "same on any batch size or device count) for the intrinsic dimension per layer (TwoNN, "
+                         "MLE, MoM) and anisotropy over batches of 4096; written to OUT/samples.zarr. Without "
+                         "it a default sample (16,384 tokens or fewer) gives the batch anisotropy only")
+    ap.add_argument("--intrinsic-k", type=positive_int, default=20, metavar="k",
+                    help="neighbours for the MLE and MoM intrinsic dimension (default: 20)")
+    ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
                     help="attention kernel: auto = cudnn for bfloat16 on GPU, else xla")
@@ -112,7 +120,8 @@ def run(args) -> Path:
                       max_tokens=args.max_tokens, token_stats=not args.no_token_stats, centered=args.centered,
                       save_token_sums=args.save_token_sums, attention=args.attention,
                       mesh=parallel.parse_mesh(args.mesh) or None, checkpoint_dir=out / "checkpoint",
-                      checkpoint_every_tokens=args.checkpoint_every_tokens, resume_run=args.resume)
+                      checkpoint_every_tokens=args.checkpoint_every_tokens, resume_run=args.resume,
+                      sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k)
     if parallel.is_main_process():
         results.save(out, overwrite=True, plots=not args.no_plots)
         shutil.rmtree(out / "checkpoint", ignore_errors=True)

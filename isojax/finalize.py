@@ -11,12 +11,14 @@ eigenvalues (to ~1e-14 of the largest; tests/test_stats.py compares with numpy's
 """
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import eigh_tridiagonal
 
+from isojax.errors import UserError
 from isojax.stats import _COUNT_BITS, Accumulators
 
 
@@ -153,6 +155,8 @@ def finalize(acc: Accumulators, state_names: list[str],
     centered = csum_GxSxC.shape[-1] > 0
     if token is None:
         token = token_readout(acc)
+    if token is not None:  # a mean cosine is at most 1; rounding can pass it by ~1e-8 (identical vectors)
+        token = (token[0], np.minimum(token[1], 1.0))
     token_stats = token is not None
 
     layers, spectra = [], {"centered_SxD": [], "uncentered_SxD": [], "unit_SxD": []}
@@ -206,3 +210,79 @@ def finalize(acc: Accumulators, state_names: list[str],
                 glayers.append({"name": name, **out})
             result["groups"][gname] = {"tokens": int(n_GxS[g, 0]), "layers": glayers}
     return result
+
+
+BATCH = 4096  # tokens per batch of The Shape of Learning's anisotropy
+LANCZOS_STEPS = 64
+
+
+def _top_eigenvalue(a_DxD):
+    """Largest eigenvalue of a symmetric PSD matrix: Lanczos with full reorthogonalization in
+    float64, min(D, 64) steps from a fixed start (exact to ~1e-12 relative on the tests'
+    spectra; a full eigendecomposition per batch would cost 60 ms each on an H100)."""
+    d = a_DxD.shape[0]
+    m = min(d, LANCZOS_STEPS)
+    q = jnp.ones(d, a_DxD.dtype) / jnp.sqrt(d) + 1e-3 * jnp.sin(jnp.arange(d, dtype=a_DxD.dtype))
+    q = q / jnp.linalg.norm(q)
+
+    def step(j, carry):
+        Q_DxM, alpha_M, beta_M = carry
+        w = a_DxD @ Q_DxM[:, j]
+        alpha = w @ Q_DxM[:, j]
+        w = w - Q_DxM @ (Q_DxM.T @ w)  # full reorthogonalization (twice is enough)
+        w = w - Q_DxM @ (Q_DxM.T @ w)
+        beta = jnp.linalg.norm(w)
+        nxt = jnp.where(beta > 1e-300, w / jnp.maximum(beta, 1e-300), 0.0)
+        Q_DxM = Q_DxM.at[:, j + 1].set(nxt, mode="drop") if m > 1 else Q_DxM
+        return Q_DxM, alpha_M.at[j].set(alpha), beta_M.at[j].set(beta)
+
+    Q = jnp.zeros((d, m), a_DxD.dtype).at[:, 0].set(q)
+    _, alpha, beta = jax.lax.fori_loop(0, m, step, (Q, jnp.zeros(m, a_DxD.dtype), jnp.zeros(m, a_DxD.dtype)))
+    return eigh_tridiagonal(alpha, beta[:-1], eigvals_only=True)[-1]
+
+
+@jax.jit
+def _batch_anisotropy(x_BxNxD):
+    """[B, 2]: (centered, uncentered) sigma_1^2 / sum sigma^2 of each batch of N states."""
+    x = x_BxNxD.astype(jnp.float64)
+
+    def one(x_NxD):
+        out = []
+        for centered in (True, False):
+            y = x_NxD - x_NxD.mean(0) if centered else x_NxD
+            gram = y.T @ y if y.shape[1] <= y.shape[0] else y @ y.T  # the smaller square
+            out.append(_top_eigenvalue(gram) / jnp.trace(gram))
+        return jnp.stack(out)
+
+    return jax.lax.map(one, x)
+
+
+def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, k: int = 20,
+                   discard_fraction: float = 0.1) -> list[dict]:
+    """Per state, from the uniform sample (sample.py): anisotropy over batches of BATCH sampled
+    tokens (mean and std, ddof=1, of sigma_1^2 / sum sigma^2, centered and uncentered; The Shape
+    of Learning section 2.2: shuffled, then batched) and, if `intrinsic`, the intrinsic dimension
+    (isojax.intrinsic). states(s) -> [count, D] in key order (random)."""
+    from isojax import intrinsic as ids
+    out = []
+    batches = count // BATCH
+    for s, _ in enumerate(state_names):
+        x = states(s)
+        m: dict = {"sample_tokens": count, "anisotropy_batches": batches}
+        if batches:
+            with jax.enable_x64(True):
+                ratios = np.asarray(_batch_anisotropy(x[:batches * BATCH].reshape(batches, BATCH, -1)))
+            for j, key in enumerate(("anisotropy_batch", "anisotropy_uncentered_batch")):
+                m[f"{key}_mean"] = float(ratios[:, j].mean())
+                m[f"{key}_std"] = float(ratios[:, j].std(ddof=1)) if batches > 1 else None
+        else:
+            m.update(anisotropy_batch_mean=None, anisotropy_batch_std=None,
+                     anisotropy_uncentered_batch_mean=None, anisotropy_uncentered_batch_std=None)
+        if intrinsic:
+            try:
+                m["intrinsic_dimension"] = ids.intrinsic_dimensions(x, k=k, discard_fraction=discard_fraction)
+            except UserError as e:  # e.g. the embedding layer of a small vocabulary: duplicates only
+                print(f"isojax: intrinsic dimension of {state_names[s]} undefined: {e}", file=sys.stderr)
+                m["intrinsic_dimension"] = {"twonn": None, "mle": None, "mom": None}
+        out.append(m)
+    return out

@@ -45,7 +45,7 @@ def consume(runner, batches, done: dict, total: int, *, max_tokens=None, checkpo
                 break
             t = time.time()
             pending.append((runner.step(batch.tokens_BxT, batch.segment_ids_BxT, batch.positions_BxT,
-                                        batch.group), batch.n_tokens))
+                                        batch.group, batch.sequences_BxT), batch.n_tokens))
             if first_step is None:
                 finish(0)
                 first_step = time.time() - t

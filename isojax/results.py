@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 
-RESULT_NAMES = {"metrics.json", "layers.csv", "spectra.npz", "tokens.zarr", "plots", "manifest.json"}
+RESULT_NAMES = {"metrics.json", "layers.csv", "spectra.npz", "tokens.zarr", "samples.zarr", "plots", "manifest.json"}
 
 
 def _clean(x):
@@ -33,12 +33,23 @@ def _clean(x):
 
 
 def write_layers_csv(path: Path, layers: list[dict]) -> None:
-    keys = [k for k, v in layers[0].items() if not isinstance(v, (list, dict))]
+    """One row per state: its scalar metrics, dicts of scalars flattened (intrinsic_dimension ->
+    intrinsic_dimension_twonn, ...); lists (IntraSim by band) stay in metrics.json."""
+    def flat(layer: dict) -> dict:
+        row = {}
+        for k, v in layer.items():
+            if isinstance(v, dict):
+                row.update({f"{k}_{sub}": x for sub, x in v.items() if not isinstance(x, (list, dict))})
+            elif not isinstance(v, list):
+                row[k] = v
+        return row
+    rows = [flat(layer) for layer in layers]
+    keys = list(dict.fromkeys(k for row in rows for k in row))
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys)
-        for layer in layers:
-            w.writerow(["" if layer.get(k) is None else layer.get(k) for k in keys])
+        for row in rows:
+            w.writerow(["" if row.get(k) is None else row.get(k) for k in keys])
 
 
 def _open_zarr(path: Path, dtype: str, shape: tuple):
@@ -71,6 +82,12 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
         write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
         if token_sums is not None:
             write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
+    states = final.get("sample")
+    if states is not None:  # the uniform sample, [S, K, D] float32, one state at a time
+        first = states(0)
+        store = _open_zarr(stage / "samples.zarr" / "states", "float32", (len(state_names), *first.shape))
+        for s in range(len(state_names)):
+            store[s].write(first if s == 0 else states(s)).result()
 
 
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],

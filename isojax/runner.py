@@ -11,6 +11,8 @@ Global layout of the accumulators (a stats.Accumulators of global arrays):
   layer part  counts, sums, Grams, centered sums: [n, ...], one partial per device (axis 0 split)
   token part  tok_count [S, V'], tok_sum [S, V', D]: split over V' = V rounded up to a multiple
               of n; global row k * V'/n + j holds token id j * n + k (parallel.py).
+  sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (sample.py),
+              merged on the host at the end (`sample`).
 `merged_layers` merges the partials on the devices (a butterfly of ppermutes, one state at a
 time); `token_readout` turns the per-token sums into IntraSim on the devices, in float64.
 """
@@ -27,6 +29,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from isojax import parallel, stats
+from isojax import sample as sample_lib
 from isojax.model import GPTNeoX
 from isojax.options import StatsOptions
 from isojax.parallel import ALL
@@ -35,6 +38,8 @@ MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
                 "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC")
 TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
+SAMPLE_FIELDS = ("sample_keys_Kx2", "sample_SxKxD")  # per device, like the layer part; merged bottom-K
+PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS
 
 
 def _map_fields(acc: stats.Accumulators, fields, fn) -> stats.Accumulators:
@@ -62,7 +67,7 @@ class Runner:
     """Params, accumulators and the compiled step of one model on one mesh."""
 
     def __init__(self, module: GPTNeoX, params, mesh=None, *, token_stats: bool = True, num_groups: int = 1,
-                 centers_SxD=None, options: StatsOptions | None = None):
+                 centers_SxD=None, options: StatsOptions | None = None, sample_size: int = 0):
         cfg = module.cfg
         self.module, self.cfg = module, cfg
         self.mesh = mesh if mesh is not None else parallel.make_mesh()
@@ -76,7 +81,8 @@ class Runner:
             parallel.replicated(self.mesh))
         # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
         self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=self.centered,
-                                group_spectra=num_groups <= MAX_GROUP_SPECTRA)
+                                group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
+                                sample_dtype=module.dtype)
         self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
         shapes = jax.eval_shape(self._init_global)
         self.specs = accumulator_specs(shapes)
@@ -88,7 +94,7 @@ class Runner:
 
     def _init_global(self) -> stats.Accumulators:
         acc = stats.init_accumulators(self.cfg.num_states, self.cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
-        return _map_fields(acc, LAYER_FIELDS, lambda x: jnp.broadcast_to(x[None], (self.num_devices, *x.shape)))
+        return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (self.num_devices, *x.shape)))
 
     def fresh_accumulators(self) -> stats.Accumulators:
         return jax.jit(self._init_global, out_shardings=self.shardings)()
@@ -97,13 +103,18 @@ class Runner:
         """Bytes of accumulators on each device."""
         return per_device_accumulator_bytes(self.cfg, self.num_devices, **self.init_kwargs)
 
-    def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int) -> jax.Array:
+    def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int, sequences_BxT=None) -> jax.Array:
         """Consume one batch (asynchronous). Arrays: this process's rows (parallel.local_rows) of
-        a batch whose row count is a multiple of the device count. Returns a scalar that is
+        a batch whose row count is a multiple of the device count; sequences_BxT (the tokens'
+        sequence indices, packing.Batch) only when keeping a sample. Returns an array that is
         ready when the devices have finished the step."""
         total = len(tokens_BxT) * self.num_devices // len(self.mesh.local_devices)
+        if sequences_BxT is None:
+            if self.init_kwargs["sample_size"]:
+                raise ValueError("a Runner that keeps a sample needs the batch's sequence indices")
+            sequences_BxT = np.zeros_like(tokens_BxT)
         rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
-                for a in (tokens_BxT, segment_ids_BxT, positions_BxT)]
+                for a in (tokens_BxT, segment_ids_BxT, positions_BxT, sequences_BxT)]
         self.acc, finished = self._step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
         return finished
 
@@ -139,17 +150,26 @@ class Runner:
     def load(self, acc) -> None:
         self.acc = acc
 
+    def sample(self):
+        """(number of sampled tokens K', states(s) -> [K', D] float32 in key order: shuffled)
+        of the merged sample over every device and process; None without a sample."""
+        if not self.init_kwargs["sample_size"]:
+            return None
+        keys = _gather(self.acc.sample_keys_Kx2)  # [n, K, 2]
+        part, slot = sample_lib.merge_host(keys)
 
-def per_device_accumulator_bytes(cfg, n: int, *, num_groups=1, token_stats=True, centered=False,
-                                 group_spectra=True) -> int:
-    """Bytes on each of n devices: one layer part plus 1/n of the per-token part (rounded up)."""
-    kw = dict(num_groups=num_groups, centered=centered, group_spectra=group_spectra)
-    layer = stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, 0, token_stats=False, **kw)
-    if not token_stats:
-        return layer
-    rows = vocab_rows(cfg.vocab_size, n) // n
-    return layer + stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, **kw) - \
-        stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, 0, token_stats=False, **kw)
+        def states(s: int) -> np.ndarray:
+            x = _gather(_state_sample(self.acc.sample_SxKxD, jnp.int32(s)))  # [n, K, D]
+            return x[part, slot].astype(np.float32)
+
+        return len(part), states
+
+
+def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, **kw) -> int:
+    """Bytes on each of n devices: one layer part and sample, plus 1/n of the per-token part
+    (rounded up). kw: stats.init_accumulators' num_groups, centered, group_spectra, sample_*."""
+    rows = vocab_rows(cfg.vocab_size, n) // n if token_stats else 0
+    return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, token_stats=token_stats, **kw)
 
 
 def _gather(x: jax.Array) -> np.ndarray:
@@ -160,44 +180,61 @@ def _gather(x: jax.Array) -> np.ndarray:
 
 
 @jax.jit
+def _state_sample(sample_nxSxKxD, s):
+    return lax.dynamic_index_in_dim(sample_nxSxKxD, s, 1, keepdims=False)
+
+
+@jax.jit
 def _state_sums(tok: stats.DF, s):
     return tok.hi[s].astype(jnp.float64) + tok.lo[s].astype(jnp.float64)
 
 
 def _layer_part(acc: stats.Accumulators) -> stats.Accumulators:
-    """acc with empty token fields (what the merge and checkpoints of the layer part carry)."""
+    """acc with empty token and sample fields (what the merge of the layer part carries)."""
     return acc.replace(tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
-        lambda x: x[:, :0], acc.tok_sum_SxVxD))
+        lambda x: x[:, :0], acc.tok_sum_SxVxD), sample_keys_Kx2=acc.sample_keys_Kx2[:, :0],
+        sample_SxKxD=acc.sample_SxKxD[:, :, :0])
 
 
 def _device_view(acc):
-    return _map_fields(acc, LAYER_FIELDS, lambda x: x[0])
+    return _map_fields(acc, PER_DEVICE, lambda x: x[0])
 
 
 def _stacked(acc):
-    return _map_fields(acc, LAYER_FIELDS, lambda x: x[None])
+    return _map_fields(acc, PER_DEVICE, lambda x: x[None])
 
 
 def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered: bool):
     d, n = module.cfg.hidden_size, mesh.size
 
-    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, group, centers_SxD):
+    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, plan, group, centers_SxD):
         center_D = lax.dynamic_index_in_dim(centers_SxD, s, 0, keepdims=False) if centered else None
         acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), tokens_BxT.reshape(-1),
-                                 seg_BxT.reshape(-1) != 0, group, center_D, index=index, opts=options)
+                                 seg_BxT.reshape(-1) != 0, group, center_D, index=index, opts=options,
+                                 sample_plan=plan)
         return _stacked(acc)
 
-    def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, group, centers_SxD):
-        rows = acc.tok_count_SxV.shape[1]  # the padded vocabulary (0 without token stats)
-        index = None
-        if rows:  # each device sorts its rows' ids once per batch, for all states
-            index = jax.shard_map(
-                lambda t, g: stats.index_tokens(t.reshape(-1), g.reshape(-1) != 0, rows, n),
-                mesh=mesh, in_specs=(P(ALL), P(ALL)), out_specs=P(ALL))(tokens_BxT, seg_BxT)
+    def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
+        """Once per batch and device: the sort of the ids (for all states) and the sample's plan."""
+        acc, valid_N = _device_view(acc), seg_BxT.reshape(-1) != 0
+        rows = acc.tok_count_SxV.shape[1] * n  # the padded vocabulary (0 without token stats)
+        index = stats.index_tokens(tokens_BxT.reshape(-1), valid_N, rows, n) if rows else None
+        plan = None
+        if acc.sample_keys_Kx2.shape[0]:
+            keys_Nx2 = sample_lib.token_keys(seq_BxT.reshape(-1), pos_BxT.reshape(-1), valid_N)
+            keys, plan = sample_lib.plan(acc.sample_keys_Kx2, keys_Nx2)
+            acc = acc.replace(sample_keys_Kx2=keys)
+        return _stacked(acc), index, plan
+
+    def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, group, centers_SxD):
+        acc, index, plan = jax.shard_map(local_batch, mesh=mesh, in_specs=(specs, P(ALL), P(ALL), P(ALL), P(ALL)),
+                                         out_specs=(specs, P(ALL), P(ALL)), check_vma=False)(
+            acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT)
         update = jax.shard_map(local_update, mesh=mesh,
-                               in_specs=(specs, P(), P(ALL), P(ALL), P(ALL), P(ALL), P(), P()),
+                               in_specs=(specs, P(), P(ALL), P(ALL), P(ALL), P(ALL), P(ALL), P(), P()),
                                out_specs=specs, check_vma=False)
-        observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, group, centers_SxD)
+        observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, plan, group,
+                                                 centers_SxD)
         acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
         return acc, acc.count_lo_GxS[:, 0, 0]  # one number per device, ready when its step is
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from isojax import sample
 from isojax.options import StatsOptions
 
 DEFAULT_OPTIONS = StatsOptions()
@@ -67,6 +68,8 @@ class Accumulators:
     centered_sum_GxSxC: DF  # Sum (x-c)/|x-c| for centered InterSim; C = D or 0
     tok_count_SxV: jax.Array  # int32 occurrences per token; V = 0 without token stats
     tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
+    sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (sample.py); K = 0: no sample
+    sample_SxKxD: jax.Array  # their states, in the forward's dtype
 
 
 def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra):
@@ -79,10 +82,11 @@ def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_
 
 def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: int = 1,
                       token_stats: bool = True, centered: bool = False,
-                      group_spectra: bool = True) -> Accumulators:
+                      group_spectra: bool = True, sample_size: int = 0,
+                      sample_dtype=jnp.float32) -> Accumulators:
     """Zeroed accumulators. group_spectra=False shares one pair of [S, D, D] second moments
     among all groups (groups then report no anisotropy), which saves 4*S*D*D*4 bytes per
-    group beyond the first."""
+    group beyond the first. sample_size K: a uniform sample of K tokens' states (sample.py)."""
     sh = _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra)
     return Accumulators(
         count_lo_GxS=jnp.zeros(sh["count"], jnp.int32),
@@ -92,17 +96,19 @@ def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: i
         m2_HxSxDxD=_df_zeros(sh["m2"]), unit_m2_HxSxDxD=_df_zeros(sh["m2"]),
         centered_sum_GxSxC=_df_zeros(sh["centered"]),
         tok_count_SxV=jnp.zeros(sh["tok_count"], jnp.int32),
-        tok_sum_SxVxD=_df_zeros(sh["tok_sum"]))
+        tok_sum_SxVxD=_df_zeros(sh["tok_sum"]),
+        sample_keys_Kx2=jnp.full((sample_size, 2), sample.EMPTY, jnp.uint32),
+        sample_SxKxD=jnp.zeros((num_states, sample_size, d), sample_dtype))
 
 
 def accumulator_bytes(num_states, d, vocab_size, *, num_groups=1, token_stats=True,
-                      centered=False, group_spectra=True) -> int:
+                      centered=False, group_spectra=True, sample_size=0, sample_dtype=jnp.float32) -> int:
     """Device bytes of init_accumulators(...), without allocating. Every float sum is two
     float32 arrays (hi, lo), so the per-token part is 2 * S * V * D * 4 bytes: 21.4 GB for
     pythia-1.4b (S = 26, V = 50304, D = 2048)."""
     shaped = jax.eval_shape(lambda: init_accumulators(
         num_states, d, vocab_size, num_groups=num_groups, token_stats=token_stats,
-        centered=centered, group_spectra=group_spectra))
+        centered=centered, group_spectra=group_spectra, sample_size=sample_size, sample_dtype=sample_dtype))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shaped))
 
 
@@ -215,15 +221,19 @@ def _df_slot_add(df: DF, idx, v):
 
 
 def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, center_D=None,
-                 *, index: TokenIndex | None = None, opts: StatsOptions = DEFAULT_OPTIONS) -> Accumulators:
+                 *, index: TokenIndex | None = None, opts: StatsOptions = DEFAULT_OPTIONS,
+                 sample_plan: sample.Plan | None = None) -> Accumulators:
     """Add state s of one batch. s, group: (traced) int32 scalars; padding rows
     (valid_N False) contribute nothing, whatever they hold. `index` (from index_tokens)
-    lets a caller sort the ids once per batch instead of once per state. With
+    lets a caller sort the ids once per batch instead of once per state; `sample_plan` (from
+    sample.plan, once per batch) says which rows enter the sample. With
     opts.token_shards > 1 this runs inside shard_map: the per-token accumulators hold this
     device's share of the vocabulary and the batch's per-token sums are exchanged."""
     s, group = jnp.asarray(s, jnp.int32), jnp.asarray(group, jnp.int32)
     token_ids_N, valid_N = jnp.asarray(token_ids_N), jnp.asarray(valid_N)
     gram_dtype = jnp.bfloat16 if x_NxD.dtype == jnp.bfloat16 else jnp.float32
+    if sample_plan is not None:
+        acc = acc.replace(sample_SxKxD=sample.insert(acc.sample_SxKxD, s, x_NxD, sample_plan))
     x_NxD = jnp.where(valid_N[:, None], x_NxD.astype(jnp.float32), 0.0)
     n_b = jnp.sum(valid_N.astype(jnp.int32))
     n_bf = n_b.astype(jnp.float32)
@@ -375,17 +385,22 @@ def _update_token_shards(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts
 
 
 def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
-           centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS) -> Accumulators:
-    """Add all S states of one batch (ids sorted once, a fori_loop over states)."""
+           centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS, token_keys_Nx2=None) -> Accumulators:
+    """Add all S states of one batch (ids sorted once, a fori_loop over states). token_keys:
+    the tokens' sample keys (sample.token_keys), needed when the accumulators keep a sample."""
     vocab_size = acc.tok_count_SxV.shape[1] * opts.token_shards
     states_SxNxD, token_ids_N, valid_N = map(jnp.asarray, (states_SxNxD, token_ids_N, valid_N))
     centers_SxD = None if centers_SxD is None else jnp.asarray(centers_SxD)
     index = index_tokens(token_ids_N, valid_N, max(vocab_size, 1), opts.token_shards)
+    plan = None
+    if acc.sample_keys_Kx2.shape[0]:
+        keys, plan = sample.plan(acc.sample_keys_Kx2, jnp.asarray(token_keys_Nx2))
+        acc = acc.replace(sample_keys_Kx2=keys)
 
     def body(s, acc):
         center_D = None if centers_SxD is None else centers_SxD[s]
         return update_state(acc, s, states_SxNxD[s], token_ids_N, valid_N, group, center_D,
-                            index=index, opts=opts)
+                            index=index, opts=opts, sample_plan=plan)
 
     return lax.fori_loop(0, states_SxNxD.shape[0], body, acc)
 
@@ -429,4 +444,6 @@ def merge(a: Accumulators, b: Accumulators) -> Accumulators:
                                  b.unit_sum_GxSxD),
         centered_sum_GxSxC=df_merge(a.centered_sum_GxSxC, b.centered_sum_GxSxC),
         tok_count_SxV=a.tok_count_SxV + b.tok_count_SxV,
-        tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD))
+        tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD),
+        **dict(zip(("sample_keys_Kx2", "sample_SxKxD"), sample.merge(
+            a.sample_keys_Kx2, a.sample_SxKxD, b.sample_keys_Kx2, b.sample_SxKxD))))

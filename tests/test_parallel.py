@@ -61,7 +61,7 @@ def test_every_device_count_and_mesh_gives_the_same_metrics(setup):
         out = []
         for mesh in {MESHES!r}:
             r = isojax.measure({str(setup / "ckpt")!r}, [{str(setup / "pile.jsonl")!r}], unit="document", seq_len=64,
-                               batch_tokens=24 * 64, mesh=mesh, progress=False)
+                               batch_tokens=24 * 64, mesh=mesh, progress=False, sample_states=1000)
             out.append({{"mesh": mesh, "metrics": r.metrics, "devices": r.manifest["device"]["count"]}})
         json.dump(out, sys.stdout)
     """)
@@ -71,6 +71,14 @@ def test_every_device_count_and_mesh_gives_the_same_metrics(setup):
     assert [r["devices"] for r in runs] == [1, 2, 3, 4, 8, 4]
     for run in runs[1:]:
         _assert_same(runs[0]["metrics"], run["metrics"], str(run["mesh"]))
+        # the same 1000 sampled tokens on every mesh (keys follow token identity): the same
+        # intrinsic dimension and batch anisotropy up to float32 rounding of their states
+        for a, b in zip(runs[0]["metrics"]["layers"], run["metrics"]["layers"]):
+            for key, value in a["intrinsic_dimension"].items():
+                other = b["intrinsic_dimension"][key]
+                assert value is None and other is None or abs(value - other) <= 1e-4 * value, (run["mesh"], a["name"])
+            assert abs(a["anisotropy_batch_mean"] - b["anisotropy_batch_mean"]) <= 1e-6 if a["anisotropy_batches"] else \
+                a["anisotropy_batch_mean"] is None
 
 
 def _free_port() -> int:

@@ -4,6 +4,8 @@ Row layout (B = rows, T = row_len):
   tokens_BxT       token ids; 0 in padding
   segment_ids_BxT  0 = padding, 1, 2, ... = the sequences of a row, left to right
   positions_BxT    0, 1, ... restarting in every segment; 0 in padding
+  sequences_BxT    the index in the token cache of each token's sequence (its identity, with
+                   its position: sample.py); 0 in padding
 
 Order is a pure function of (cache, B, T): sequences are read in corpus order; each source
 fills its own open batch, first-fit over its B rows (a sequence goes into the first row with
@@ -37,6 +39,7 @@ class Batch:
     tokens_BxT: np.ndarray  # int32
     segment_ids_BxT: np.ndarray  # int32
     positions_BxT: np.ndarray  # int32
+    sequences_BxT: np.ndarray  # int32
     group: int  # source id: index into TokenCache.source_names
     n_tokens: int  # real (non-padding) tokens
     n_sequences: int
@@ -103,7 +106,7 @@ def _materialize(cache: TokenCache, row_list: list[np.ndarray], rows: int, row_l
         row_list = [row_list[r] if r < len(row_list) else every[:0] for r in subset]
         rows = len(subset)
     shape = (rows, row_len)
-    tokens, segments, positions = (np.zeros(rows * row_len, np.int32) for _ in range(3))
+    tokens, segments, positions, sequences = (np.zeros(rows * row_len, np.int32) for _ in range(4))
     counts = np.array([len(r) for r in row_list], np.int64)
     if counts.sum():
         seqs = np.concatenate(row_list)
@@ -122,7 +125,9 @@ def _materialize(cache: TokenCache, row_list: list[np.ndarray], rows: int, row_l
         tokens[dst] = cache.tokens[starts[owner] + within]
         segments[dst] = segment[owner]
         positions[dst] = within
-    return tokens.reshape(shape), segments.reshape(shape), positions.reshape(shape), n_tok, n_seq
+        sequences[dst] = seqs[owner]
+    return (tokens.reshape(shape), segments.reshape(shape), positions.reshape(shape), sequences.reshape(shape),
+            n_tok, n_seq)
 
 
 def _cursor(cache: TokenCache, rows: int, row_len: int, next_batch: int) -> dict:
@@ -134,8 +139,8 @@ def _batches(cache: TokenCache, rows: int, row_len: int, skip: int, subset) -> I
     for k, (group, row_list) in enumerate(_plan(cache, rows, row_len)):
         if k < skip:
             continue
-        tokens, segments, positions, n_tok, n_seq = _materialize(cache, row_list, rows, row_len, subset)
-        yield Batch(tokens, segments, positions, group, n_tok, n_seq, _cursor(cache, rows, row_len, k + 1))
+        tokens, segments, positions, sequences, n_tok, n_seq = _materialize(cache, row_list, rows, row_len, subset)
+        yield Batch(tokens, segments, positions, sequences, group, n_tok, n_seq, _cursor(cache, rows, row_len, k + 1))
 
 
 def _check(cache: TokenCache, rows: int, row_len: int, start_cursor) -> int:

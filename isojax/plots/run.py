@@ -116,7 +116,15 @@ def plot_metrics(metrics: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
         written.append(_plot(metrics, names, [
             ("anisotropy (centered)", _series(layers, "anisotropy"), {"color": "C2"}),
             ("anisotropy (uncentered)", _series(layers, "anisotropy_uncentered"), {"color": "C3", "linestyle": "--"}),
+            ("centered, mean over batches of 4096", _series(layers, "anisotropy_batch_mean"),
+             {"color": "C2", "linestyle": ":"}),
         ], "σ₁² / Σσ²", "Anisotropy", out_dir / "anisotropy.png"))
+        ids = [layer.get("intrinsic_dimension") or {} for layer in layers]
+        written.append(_plot(metrics, names, [
+            (label, np.array([_value(i, key) for i in ids], dtype=float), {"color": f"C{c}"})
+            for c, (key, label) in enumerate((("twonn", "TwoNN"), ("mle", "MLE (k neighbours)"),
+                                              ("mom", "method of moments")))
+        ], "intrinsic dimension", "Intrinsic dimension (sampled states)", out_dir / "intrinsic_dimension.png"))
         written.append(_plot(metrics, names, [
             ("mean ‖h‖", _series(layers, "mean_norm"), {"color": "C4"}),
             ("‖mean h‖", _series(layers, "norm_of_mean"), {"color": "C5", "linestyle": "--"}),
