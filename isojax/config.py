@@ -186,3 +186,8 @@ def hub_id(name: str) -> str:
     org = json.loads((CONFIGS_DIR / f"{base}.json").read_text())["hub_id"].split("/")[0]
     return f"{org}/{name}"
 
+
+
+def paper_steps() -> list[str]:
+    """The 21 evenly spaced Pythia checkpoints of Machina & Mercer: step0 and floor(i*143/20)*1000."""
+    return ["step0"] + [f"step{(i * 143 // 20) * 1000}" for i in range(1, 21)]

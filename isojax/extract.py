@@ -27,10 +27,17 @@ def positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m isojax.extract", description=__doc__)
-    ap.add_argument("--model", default=None, help="preset (pythia-1.4b, pythia-410m-deduped, ...), random:<preset> "
-                    f"(random weights), a local checkpoint directory, or a hub id; default {DEFAULT_MODEL}, "
-                    "falling back to random:pythia-70m when offline")
-    ap.add_argument("--revision", default=None, help="hub revision (training checkpoint), e.g. step143000")
+    ap.add_argument("--model", action="append", default=None,
+                    help="preset (pythia-1.4b, pythia-410m-deduped, ...), random:<preset> (random weights), a local "
+                         f"checkpoint directory, or a hub id; default {DEFAULT_MODEL}, falling back to "
+                         "random:pythia-70m when offline. Repeat it to sweep over models (OUT/<model>/<revision>/)")
+    rev = ap.add_mutually_exclusive_group()
+    rev.add_argument("--revision", default=None, help="hub revision (training checkpoint), e.g. step143000")
+    rev.add_argument("--revisions", default=None, metavar="R1,R2,...",
+                     help="sweep these revisions of every --model: OUT/<model>/<revision>/ and OUT/sweep.csv; a "
+                          "local directory with one subfolder per revision stands in for a hub repository")
+    rev.add_argument("--paper-steps", action="store_true",
+                     help="sweep the paper's 21 checkpoints: step0 and floor(i*143/20)*1000 for i = 1..20")
     ap.add_argument("--data", action="append", default=None, metavar="PATH",
                     help="corpus: .txt, .jsonl[.gz|.zst], .parquet, a folder of shards, or hub:NAME[:CONFIG]:SPLIT; "
                     "repeatable; default: the documentation topics bundled with CPython")
@@ -111,17 +118,29 @@ def run(args) -> Path:
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
                         timeout_s=args.coordinator_timeout)
     from isojax.api import measure
+    from isojax.config import paper_steps
     from isojax.loop import log
 
     out = Path(args.out)
+    options = dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
+                   batch_tokens=args.batch_tokens, max_tokens=args.max_tokens, token_stats=not args.no_token_stats,
+                   centered=args.centered, save_token_sums=args.save_token_sums, attention=args.attention,
+                   mesh=parallel.parse_mesh(args.mesh) or None, checkpoint_every_tokens=args.checkpoint_every_tokens,
+                   sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k)
+    models = args.model or [None]
+    if args.paper_steps or args.revisions or len(models) > 1:
+        from isojax.sweep import run_sweep
+        revisions = paper_steps() if args.paper_steps else \
+            [r.strip() for r in (args.revisions or "").split(",") if r.strip()] or [args.revision]
+        if None in models:
+            raise UserError("a sweep needs --model")
+        run_sweep(models, revisions, out, resume=args.resume, overwrite=args.overwrite, plots=not args.no_plots,
+                  measure_kwargs=options)
+        log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
+        return out
     check_out(out, args)
-    results = measure(args.model, args.data, revision=args.revision, unit=args.unit, sources=args.source,
-                      dtype=args.dtype, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
-                      max_tokens=args.max_tokens, token_stats=not args.no_token_stats, centered=args.centered,
-                      save_token_sums=args.save_token_sums, attention=args.attention,
-                      mesh=parallel.parse_mesh(args.mesh) or None, checkpoint_dir=out / "checkpoint",
-                      checkpoint_every_tokens=args.checkpoint_every_tokens, resume_run=args.resume,
-                      sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k)
+    results = measure(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
+                      resume_run=args.resume, **options)
     if parallel.is_main_process():
         results.save(out, overwrite=True, plots=not args.no_plots)
         shutil.rmtree(out / "checkpoint", ignore_errors=True)

@@ -32,24 +32,30 @@ def _clean(x):
     return x
 
 
-def write_layers_csv(path: Path, layers: list[dict]) -> None:
-    """One row per state: its scalar metrics, dicts of scalars flattened (intrinsic_dimension ->
-    intrinsic_dimension_twonn, ...); lists (IntraSim by band) stay in metrics.json."""
-    def flat(layer: dict) -> dict:
-        row = {}
-        for k, v in layer.items():
-            if isinstance(v, dict):
-                row.update({f"{k}_{sub}": x for sub, x in v.items() if not isinstance(x, (list, dict))})
-            elif not isinstance(v, list):
-                row[k] = v
-        return row
-    rows = [flat(layer) for layer in layers]
+def flat_layer(layer: dict) -> dict:
+    """A layer's scalar metrics, dicts of scalars flattened (intrinsic_dimension ->
+    intrinsic_dimension_twonn, ...); lists (IntraSim by band) are left to metrics.json."""
+    row = {}
+    for k, v in layer.items():
+        if isinstance(v, dict):
+            row.update({f"{k}_{sub}": x for sub, x in v.items() if not isinstance(x, (list, dict))})
+        elif not isinstance(v, list):
+            row[k] = v
+    return row
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
     keys = list(dict.fromkeys(k for row in rows for k in row))
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys)
         for row in rows:
             w.writerow(["" if row.get(k) is None else row.get(k) for k in keys])
+
+
+def write_layers_csv(path: Path, layers: list[dict]) -> None:
+    """One row per state (flat_layer)."""
+    write_csv(path, [flat_layer(layer) for layer in layers])
 
 
 def _open_zarr(path: Path, dtype: str, shape: tuple):

@@ -25,6 +25,7 @@ import numpy as np
 
 from isojax import hf_files, isotropy, matrix_files
 from isojax.errors import UserError, run_command
+from isojax.config import paper_steps
 
 EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
 LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
@@ -32,11 +33,6 @@ MATRIX_METRICS = ["isotropy", "isotropy_one_sided", "isotropy_centered", "isotro
                   "isotropy_scaled_centered", "mean_norm", "mean_vector_norm"]
 LN_METRICS = [("avgnorm_g", "avgnorm_b"), ("b_over_g",), ("gao_sum",),
               ("b_parallel_norm", "b_perp_norm")]
-
-
-def paper_steps() -> list[str]:
-    """The 21 evenly spaced Pythia checkpoints of the paper: step0 and floor(i*143/20)*1000."""
-    return ["step0"] + [f"step{(i * 143 // 20) * 1000}" for i in range(1, 21)]
 
 
 class RandomWeights:

@@ -1,0 +1,145 @@
+"""Runs over training checkpoints and model sizes: `extract --model A --model B --revisions R1,R2`
+or `--paper-steps`.
+
+Every (model, revision) is one isojax.measure into OUT/<model>/<revision>/ (model: a local
+directory's name, else the name with '/' as '--'; revision: `main` when none), then OUT/sweep.csv gathers every finished step, one row
+per (model, revision, layer). The corpus is tokenized once (Pythia models share a tokenizer, so
+they share the token cache); while the devices measure one checkpoint a background thread
+fetches the next one into Hugging Face's cache. A step whose folder holds metrics.json is done:
+a killed sweep, run again with the same arguments and --resume, skips the finished steps and
+resumes the unfinished one from its checkpoint.
+
+Offline stand-ins for the hub: a local directory with one subfolder per revision
+(DIR/step1000/, DIR/step2000/, each a Hugging Face checkpoint) is read as a repository:
+`--model DIR --revisions step1000,step2000`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+from pathlib import Path
+
+from isojax import parallel
+from isojax.config import paper_steps  # noqa: F401  (the CLI's --paper-steps)
+from isojax.errors import UserError
+from isojax.loop import log
+
+
+def slug(name: str) -> str:
+    """A model's folder name: a local directory's own name, else the name with '/' as '--'."""
+    path = Path(name).expanduser()
+    return path.name if path.is_dir() else str(name).replace("/", "--")
+
+
+def step_of(revision: str | None) -> int | None:
+    m = re.fullmatch(r"step(\d+)", revision or "")
+    return int(m.group(1)) if m else None
+
+
+def local_revision(model: str, revision: str | None) -> Path | None:
+    """DIR/REVISION of a local stand-in repository (None: not a local directory)."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return None
+    if revision is None:
+        return path
+    if not (path / revision).is_dir():
+        raise UserError(f"revision {revision!r} not found: {path} has no subfolder {revision}")
+    return path / revision
+
+
+def check_revisions(model: str, revisions: list[str | None]) -> None:
+    """Refuse unknown revisions before anything runs (hub: its branches and tags, when the hub
+    is reachable; local stand-ins: their subfolders)."""
+    if Path(model).expanduser().is_dir():
+        for r in revisions:
+            local_revision(model, r)
+        return
+    from isojax.config import base_preset, hub_id
+    from isojax.network import hub_reachable
+    wanted = [r for r in revisions if r is not None and not re.fullmatch(r"[0-9a-f]{40}", r)]
+    if not wanted or model.startswith("random:") or not hub_reachable():
+        return
+    import huggingface_hub
+    repo = hub_id(model) if base_preset(model) else model
+    try:
+        refs = huggingface_hub.HfApi().list_repo_refs(repo)
+    except Exception as e:  # repo not found, network trouble: loading will say precisely
+        log(f"could not list the revisions of {repo} ({type(e).__name__}); checking them one by one")
+        return
+    known = {b.name for b in refs.branches} | {t.name for t in refs.tags}
+    missing = [r for r in wanted if r not in known]
+    if missing:
+        raise UserError(f"{repo} has no revision {', '.join(missing[:5])} (it has {len(known)} branches and tags, "
+                        f"e.g. {', '.join(sorted(known)[:3])})")
+
+
+def _prefetch(model: str, revision: str | None) -> None:
+    """Download a hub checkpoint into the cache (in a background thread; errors surface later)."""
+    if model.startswith("random:") or Path(model).expanduser().is_dir():
+        return
+    try:
+        from isojax.config import base_preset, hub_id
+        from isojax.hf_files import resolve_checkpoint
+        resolve_checkpoint(hub_id(model) if base_preset(model) else model, revision)
+    except Exception:
+        pass
+
+
+def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resume: bool, overwrite: bool,
+              plots: bool, measure_kwargs: dict) -> Path:
+    from isojax.api import measure
+    jobs = [(m, r) for m in models for r in revisions]
+    for m in models:
+        check_revisions(m, revisions)
+    out.mkdir(parents=True, exist_ok=True)
+    fetch = None
+    for i, (model, revision) in enumerate(jobs):
+        step_dir = out / slug(model) / (revision or "main")
+        done = (step_dir / "metrics.json").exists()
+        if done and not overwrite:
+            if not resume:
+                raise UserError(f"{step_dir} already holds results; pass --resume to continue the sweep "
+                                "or --overwrite to replace it")
+            log(f"[{i + 1}/{len(jobs)}] {model} @ {revision or 'main'}: done earlier")
+            continue
+        if fetch is not None:
+            fetch.join()
+        if i + 1 < len(jobs):
+            fetch = threading.Thread(target=_prefetch, args=jobs[i + 1], daemon=True, name="isojax-prefetch")
+            fetch.start()
+        log(f"[{i + 1}/{len(jobs)}] {model} @ {revision or 'main'}")
+        local = local_revision(model, revision)
+        spec = str(local) if local is not None else model
+        ckpt = step_dir / "checkpoint"
+        results = measure(spec, revision=None if local is not None else revision, checkpoint_dir=ckpt,
+                          resume_run=resume and ckpt.exists(), **measure_kwargs)
+        if local is not None:  # a stand-in repository: report the step as the hub's would be
+            results.metrics.update(model=slug(model), revision=revision)
+            results.manifest.update(model=slug(model), revision=revision)
+        if parallel.is_main_process():
+            results.save(step_dir, overwrite=True, plots=plots)
+            shutil.rmtree(ckpt, ignore_errors=True)
+        del results
+    if parallel.is_main_process():
+        write_sweep_csv(out, jobs)
+    return out
+
+
+def write_sweep_csv(out: Path, jobs) -> Path:
+    """OUT/sweep.csv: model, revision, step, tokens, layer and every scalar layer metric, for
+    every finished step of the sweep."""
+    import json
+
+    from isojax.results import flat_layer, write_csv
+    rows = []
+    for model, revision in jobs:
+        f = out / slug(model) / (revision or "main") / "metrics.json"
+        if f.exists():
+            metrics = json.loads(f.read_text())
+            rows += [{"model": metrics["model"], "revision": revision or "main", "step": step_of(revision),
+                      "tokens": metrics["tokens"], **flat_layer(layer)} for layer in metrics["layers"]]
+    write_csv(out / "sweep.csv", rows)
+    return out / "sweep.csv"
