@@ -233,8 +233,10 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     dtype = dtype or ("bfloat16" if on_accel else "float32")
     if attention == "cudnn" and dtype != "bfloat16":
         raise UserError("attention cudnn needs dtype bfloat16 (cuDNN's fused attention has no float32 kernel)")
-    if attention == "auto":
-        attention = "cudnn" if (jax.default_backend() == "gpu" and dtype == "bfloat16") else "xla"
+    backend = jax.default_backend()
+    auto_attention = attention == "auto"
+    if auto_attention:  # cuDNN on GPUs (bf16), Pallas flash attention on TPUs, else plain
+        attention = {"gpu": "cudnn" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(backend, "xla")
     for name, value in (("max_tokens", max_tokens), ("batch_tokens", batch_tokens), ("seq_len", seq_len),
                         ("checkpoint_every_tokens", checkpoint_every_tokens), ("intrinsic_k", intrinsic_k)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
@@ -252,8 +254,11 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     row_len = seq_len or (512 if unit == "sentence" else cfg.max_position_embeddings)
     if row_len > cfg.max_position_embeddings:
         raise UserError(f"seq_len must be in [1, {cfg.max_position_embeddings}] (the model's context)")
-    if attention == "cudnn" and row_len % 64:
-        loaded.attention_impl = "xla"  # cuDNN attention was only measured on rows of multiples of 64
+    if attention == "cudnn" and row_len % 64 or attention == "pallas" and row_len % 128:
+        if not auto_attention:
+            raise UserError(f"attention {attention} needs rows of a multiple of {64 if attention == 'cudnn' else 128} "
+                            f"tokens (seq_len {row_len})")
+        loaded.attention_impl = "xla"
     # Small models are bound by per-kernel overheads: larger batches (bench/RESULTS.md). The
     # default is per device, so that each device keeps its batch as devices are added.
     batch_tokens = batch_tokens or n_dev * ((262144 if cfg.hidden_size <= 1024 else 65536) if on_accel else 8192)

@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="neighbours for the MLE and MoM intrinsic dimension (default: 20)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
-                    help="attention kernel: auto = cudnn for bfloat16 on GPU, else xla")
+    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "pallas"],
+                    help="attention kernel: auto (default) = cudnn for bfloat16 on GPUs, pallas (flash attention "
+                         "with segment ids) on TPUs, else xla (plain, the exact reference)")
     scale = ap.add_argument_group("devices and hosts")
     scale.add_argument("--mesh", default=None, metavar="data=N,model=M",
                        help="device mesh: batch rows are split over all devices; parameters are "

@@ -123,6 +123,20 @@ def attention_xla(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_Bx1xTxT, precision):
     return jnp.einsum("bhqs,bshk->bqhk", probs, v_BxTxHxK, precision=precision)
 
 
+def attention_pallas_tpu(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT):
+    """Pallas flash attention for TPUs (jax.experimental.pallas.ops.tpu) with segment ids:
+    causal within each packed sequence, no [B, H, T, T] scores in memory; T a multiple of 128.
+    Tested on CPU in Pallas' TPU interpret mode against attention_xla (tests/test_model.py)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+    seg = fa.SegmentIds(q=segment_ids_BxT, kv=segment_ids_BxT)
+    t = q_BxTxHxK.shape[1]
+    blocks = fa.BlockSizes(block_q=min(512, t), block_k_major=min(512, t), block_k=min(512, t), block_b=1)
+    out_BxHxTxK = fa.flash_attention(*(x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)),
+                                     segment_ids=seg, causal=True, sm_scale=q_BxTxHxK.shape[-1] ** -0.5,
+                                     block_sizes=blocks)
+    return out_BxHxTxK.transpose(0, 2, 1, 3)
+
+
 def _dense(parent: nn.Module, features: int, name: str) -> nn.Dense:
     return nn.Dense(features, dtype=parent.dtype, param_dtype=parent.param_dtype, precision=parent.precision,
                     name=name, parent=parent)
@@ -136,7 +150,7 @@ class Attention(nn.Module):
     options: ForwardOptions
 
     @nn.compact
-    def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
+    def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
         b, t, d = x_BxTxD.shape
         h, k = self.cfg.num_heads, self.cfg.head_dim
         dense = functools.partial(_dense, self)
@@ -148,6 +162,8 @@ class Attention(nn.Module):
         attention = self.options.attention
         if attention == "xla":
             out_BxTxHxK = attention_xla(q, kk, v, mask_Bx1xTxT, self.precision)
+        elif attention == "pallas":
+            out_BxTxHxK = attention_pallas_tpu(q, kk, v, segment_ids_BxT)
         else:  # "cudnn" or "auto": jax's fused attention with the same boolean mask; the mask
             # is causal already, and saying so lets cuDNN skip the blocks above the diagonal
             impl = None if attention == "auto" else attention
@@ -164,7 +180,7 @@ class Block(nn.Module):
     options: ForwardOptions
 
     @nn.compact
-    def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
+    def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
         cfg = self.cfg
         ln = lambda name: LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name=name)
         dense = functools.partial(_dense, self)
@@ -175,7 +191,8 @@ class Block(nn.Module):
             return dense(cfg.hidden_size, "dense_4h_to_h")(u_BxTxF)
 
         attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.options,
-                         name="attention")(ln("input_layernorm")(x_BxTxD), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
+                         name="attention")(ln("input_layernorm")(x_BxTxD), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT,
+                                           segment_ids_BxT)
         if cfg.use_parallel_residual:
             return mlp(ln("post_attention_layernorm")(x_BxTxD)) + attn + x_BxTxD
         h = attn + x_BxTxD
@@ -193,10 +210,10 @@ class ObservedBlock(nn.Module):
     observe: Observer
 
     @nn.compact
-    def __call__(self, carry, s, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT):
+    def __call__(self, carry, s, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
         x_BxTxD, obs = carry
         x_BxTxD = Block(self.cfg, self.dtype, self.param_dtype, self.precision, self.options,
-                        name="block")(x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
+                        name="block")(x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
         x_BxTxD = self.options.constrain(x_BxTxD)
         return (x_BxTxD, self.observe(obs, s, x_BxTxD)), None
 
@@ -228,12 +245,13 @@ class GPTNeoX(nn.Module):
         x_BxTxD = self.options.constrain(jnp.take(embed_VxD, tokens_BxT, axis=0).astype(self.dtype))
         obs = observe(obs, 0, x_BxTxD)
         cos_BxTxR, sin_BxTxR = rotary_tables(positions_BxT, cfg)
-        mask_Bx1xTxT = segment_mask(segment_ids_BxT)
+        # the pallas kernel takes the segment ids themselves: no [B, 1, T, T] mask is built
+        mask_Bx1xTxT = None if self.options.attention == "pallas" else segment_mask(segment_ids_BxT)
         layers = nn.scan(ObservedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers)
+                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers)
         (x_BxTxD, obs), _ = layers(cfg, self.dtype, self.param_dtype, self.precision, self.options,
                                    observe, name="layers")(
-            (x_BxTxD, obs), jnp.arange(1, cfg.num_layers + 1), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT)
+            (x_BxTxD, obs), jnp.arange(1, cfg.num_layers + 1), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
         h_BxTxD = LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name="final_layer_norm")(x_BxTxD)
         return observe(obs, cfg.num_layers + 1, h_BxTxD)
 

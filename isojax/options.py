@@ -19,8 +19,8 @@ class StatsOptions:
     # How one batch's id-sorted rows are summed per token: "scan" (a segmented associative scan:
     # no float atomics, error <= log2(N) ulps, but XLA's GPU compiler took minutes over its
     # log2(N) levels), "scatter" (segment_sum, a float32 scatter-add: one pass; hot tokens
-    # contend and the error grows with a token's count in the batch), or "auto": scan on CPU,
-    # scatter on accelerators (bench/RESULTS.md).
+    # contend and the error grows with a token's count in the batch), or "auto": scatter on GPUs
+    # (bench/RESULTS.md), scan elsewhere (TPUs serialize scatter-adds; not measured on a TPU).
     segment_sum: str = "auto"
     # Column block width of the batch Gram: for D >= 2 * gram_block (and a multiple of it) only
     # the blocks on and above the diagonal are multiplied.
@@ -51,7 +51,7 @@ class StatsOptions:
     def segment_sum_mode(self) -> str:
         if self.segment_sum != "auto":
             return self.segment_sum
-        return "scan" if jax.default_backend() == "cpu" else "scatter"
+        return "scatter" if jax.default_backend() == "gpu" else "scan"
 
     def gram_dot_precision(self):
         if self.gram_precision == "bf16x6":
@@ -65,7 +65,8 @@ class ForwardOptions:
     tolerances README "bfloat16" documents)."""
 
     # "xla" (plain attention, the exact reference), "cudnn" (jax.nn.dot_product_attention's
-    # cuDNN kernel, bf16/fp16 only) or "auto" (jax picks)
+    # cuDNN kernel, bf16/fp16 only), "pallas" (Pallas flash attention for TPUs, with segment ids;
+    # rows a multiple of 128) or "auto" (jax picks)
     attention: str = "xla"
     # Exact GELU of bf16 activations in float32 with a cheap rational erf (model.gelu); False:
     # jax's erf (bench/breakdown.py measures the difference)
@@ -78,8 +79,8 @@ class ForwardOptions:
     activation_sharding: Any = None
 
     def __post_init__(self):
-        if self.attention not in ("xla", "cudnn", "auto"):
-            raise ValueError(f"attention must be xla, cudnn or auto, not {self.attention!r}")
+        if self.attention not in ("xla", "cudnn", "pallas", "auto"):
+            raise ValueError(f"attention must be xla, cudnn, pallas or auto, not {self.attention!r}")
 
     def constrain(self, x):
         if self.activation_sharding is None:

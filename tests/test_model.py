@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -133,3 +134,31 @@ def test_fast_gelu_of_bfloat16_against_the_float64_gelu():
     assert (got[pos] != want[pos]).mean() < 1e-3
     plain = np.asarray(jax.nn.gelu(jnp.asarray(u), approximate=False)).astype(np.float64)
     assert (got != want).mean() < 0.25 * (plain != want).mean()  # measured: 7.7% vs 41%
+
+
+def test_pallas_tpu_attention_with_segment_ids_in_interpret_mode():
+    """The TPU path (Pallas flash attention with segment ids) gives the states of the plain XLA
+    attention on packed rows, run in Pallas' TPU interpret mode on the CPU."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from isojax.config import GPTNeoXConfig
+    from isojax.loading import random_params
+    from isojax.model import GPTNeoX, collect_states
+    from isojax.options import ForwardOptions
+
+    cfg = GPTNeoXConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+                        rotary_pct=0.25, max_position_embeddings=256)
+    params = random_params(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 300, (2, 128)).astype(np.int32)
+    seg = np.repeat(np.arange(1, 5), 32)[None].repeat(2, 0).astype(np.int32)
+    seg[1, 100:] = 0  # padding at the end of the second row
+    pos = np.tile(np.arange(32), 4)[None].repeat(2, 0).astype(np.int32)
+    buf = jnp.zeros((cfg.num_states, 2, 128, 64))
+    states = {}
+    for attention in ("xla", "pallas"):
+        module = GPTNeoX(cfg, options=ForwardOptions(attention=attention))
+        with pltpu.force_tpu_interpret_mode():
+            states[attention] = np.asarray(module.apply({"params": params}, tokens, seg, pos, buf, collect_states))
+    real = seg > 0
+    assert max_rel_error(states["pallas"][:, real], states["xla"][:, real]) < 1e-5
