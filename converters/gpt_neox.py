@@ -8,11 +8,13 @@ shape; anything else is refused with a message naming the tensor.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from isojax.config import GPTNeoXConfig
+from isojax.config import GPTNeoXConfig, read_hf_config
 from isojax.errors import UserError
 
 LAYER_LINEARS = ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
@@ -92,3 +94,28 @@ def hf_to_params(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNe
                  dtype=np.float32) -> dict:
     """The parameter tree in numpy `dtype` from a tensor reader `read(name) -> np.ndarray`."""
     return tensors_to_params({k: np.asarray(v, dtype) for k, v in hf_tensors(read, names, cfg).items()}, cfg)
+
+
+def read_hf_tensors(path: Path):
+    """Hugging Face checkpoint dir -> (config, its tensors as stored (bfloat16 read as float32),
+    checksum of the weight files)."""
+    from isojax.hf_files import CheckpointReader
+    cfg = read_hf_config(path, name=path.name)
+    reader = CheckpointReader(path)
+    return cfg, hf_tensors(reader.read, reader.names(), cfg), files_checksum(reader.files())
+
+
+def files_checksum(files, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
+    """sha256 of each file's name and size, its first 1 MiB (a safetensors header and more) and
+    `samples` evenly spaced blocks: any two checkpoints of one model differ in all of these, and a
+    full hash of pythia-1.4b's weights took 15 s."""
+    h = hashlib.sha256()
+    for f in sorted(Path(p) for p in files):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            for k in range(samples):
+                fh.seek(size * k // samples)
+                h.update(fh.read(sample_bytes))
+    return "sha256:" + h.hexdigest()[:32]

@@ -47,3 +47,25 @@ def load_converted(path: Path, dtype=jnp.float32):
         raise UserError(f"{path}: damaged or incomplete Orbax checkpoint ({type(e).__name__}: {e})") from None
     return cfg, jax.tree.map(jnp.asarray, params_np), meta
 
+
+
+def convert_dir(src: Path, dst: Path, source: dict | None = None, overwrite: bool = False) -> Path:
+    """Hugging Face dir -> Orbax checkpoint (float32) + isojax.json + tokenizer files, written
+    completely or not at all."""
+    import shutil
+
+    import numpy as np
+
+    from converters.gpt_neox import read_hf_tensors, tensors_to_params
+    from isojax.atomic import staged_dir
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise UserError(f"{dst} exists; pass --overwrite to replace it")
+    cfg, tensors, checksum = read_hf_tensors(Path(src))
+    params = tensors_to_params({k: np.asarray(v, np.float32) for k, v in tensors.items()}, cfg)
+    with staged_dir(dst) as tmp:  # with overwrite: the old checkpoint goes once the new one is complete
+        for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(src) / fname).is_file():
+                shutil.copy2(Path(src) / fname, tmp / fname)
+        save_converted(tmp, cfg, params, checksum, source or {"name": str(src), "revision": None})
+    return dst

@@ -19,7 +19,7 @@ import numpy as np
 from jax.scipy.linalg import eigh_tridiagonal
 
 from isojax.errors import UserError
-from isojax.stats import _COUNT_BITS, Accumulators
+from isojax.stats import _COUNT_BITS, Accumulators, chan_term
 
 
 def _f64(df):
@@ -49,10 +49,12 @@ def _effective_rank(eig_D):
 
 
 def _combine_m2(n_G, sum_GxD, m2_GxDxD):
-    """Chan's merge of per-group (n, Sum x, M2) into the whole population's M2."""
-    mean_D = sum_GxD.sum(0) / jnp.maximum(n_G.sum(), 1)
-    dev_GxD = sum_GxD / jnp.maximum(n_G, 1)[:, None] - mean_D
-    return m2_GxDxD.sum(0) + jnp.einsum("g,gd,ge->de", n_G, dev_GxD, dev_GxD)
+    """Per-group (n, Sum x, M2) merged into the whole population's M2, group by group."""
+    n, s, m2 = n_G[0], sum_GxD[0], m2_GxDxD[0]
+    for g in range(1, n_G.shape[0]):
+        m2 = m2 + m2_GxDxD[g] + chan_term(n, s, n_G[g], sum_GxD[g])
+        n, s = n + n_G[g], s + sum_GxD[g]
+    return m2
 
 
 def _eigvals_desc(mats_KxDxD):

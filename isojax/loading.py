@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from converters.orbax_io import is_converted, load_converted, save_converted
-from isojax.config import GPTNeoXConfig, base_preset, hub_id, preset, read_hf_config
+from converters.gpt_neox import read_hf_tensors, tensors_to_params
+from converters.orbax_io import is_converted, load_converted
+from isojax.config import GPTNeoXConfig, base_preset, hub_id, preset
 from isojax.errors import UserError
 from isojax.model import GPTNeoX, collect_states, single_row
 from isojax.options import ForwardOptions
@@ -153,63 +150,8 @@ def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str, 
                   "revision": meta.get("source", {}).get("revision", revision),
                   "path": str(path), "checksum": meta["checksum"]}
     else:
-        from converters.gpt_neox import tensors_to_params
         cfg, tensors, checksum = read_hf_tensors(path)
         params = place(tensors, dtype, mesh, build=lambda t: tensors_to_params(t, cfg, jnp))
         del tensors
         source = {"name": name, "revision": revision, "path": str(path), "checksum": checksum}
     return LoadedModel(cfg, params, "pretrained", source, dtype, attention_impl, tokenizer_dir=path)
-
-
-def read_hf_tensors(path: Path):
-    """Hugging Face checkpoint dir -> (config, its tensors as stored (bfloat16 read as float32),
-    checksum of the weight files)."""
-    from converters.gpt_neox import hf_tensors
-    from isojax.hf_files import CheckpointReader
-    cfg = read_hf_config(path, name=path.name)
-    reader = CheckpointReader(path)
-    return cfg, hf_tensors(reader.read, reader.names(), cfg), files_checksum(reader.files())
-
-
-def read_hf_dir(path: Path):
-    """Hugging Face checkpoint dir -> (config, float32 numpy params, checksum of the weight files)."""
-    from converters.gpt_neox import tensors_to_params
-    cfg, tensors, checksum = read_hf_tensors(path)
-    return cfg, tensors_to_params({k: np.asarray(v, np.float32) for k, v in tensors.items()}, cfg), checksum
-
-
-def files_checksum(files, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
-    """sha256 of each file's name and size, its first 1 MiB (a safetensors header and more) and
-    `samples` evenly spaced blocks: any two checkpoints of one model differ in all of these."""
-    h = hashlib.sha256()
-    for f in sorted(Path(p) for p in files):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            for k in range(samples):
-                fh.seek(size * k // samples)
-                h.update(fh.read(sample_bytes))
-    return "sha256:" + h.hexdigest()[:32]
-
-
-def convert_dir(src: Path, dst: Path, source: dict | None = None, overwrite: bool = False) -> Path:
-    """Hugging Face dir -> Orbax checkpoint + isojax.json + tokenizer files, written atomically."""
-    dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise UserError(f"{dst} exists; pass --overwrite to replace it")
-    cfg, params, checksum = read_hf_dir(Path(src))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent))
-    try:
-        for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (Path(src) / fname).is_file():
-                shutil.copy2(Path(src) / fname, tmp / fname)
-        save_converted(tmp, cfg, params, checksum, source or {"name": str(src), "revision": None})
-        if dst.exists():  # only with overwrite: the new checkpoint is complete before the old one goes
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
-

@@ -197,12 +197,20 @@ def _centered_moments(x_NxD, valid_N, gram_dtype, opts: StatsOptions):
     return sum_D, m2_DxD
 
 
-def _merge_m2(m2: DF, idx, n_a, sum_a_D, n_b, sum_b_D, m2_b_DxD):
-    """Chan et al.: M2 = M2_a + M2_b + n_a n_b / n (mean_b - mean_a)(mean_b - mean_a)^T."""
+def chan_term(n_a, sum_a_D, n_b, sum_b_D):
+    """What Chan, Golub & LeVeque add to M2_a + M2_b when two populations merge:
+    n_a n_b / n (mean_b - mean_a)(mean_b - mean_a)^T. Leading axes broadcast ([..., D] sums,
+    [...] counts -> [..., D, D]); the one place isojax writes the formula (stats.merge, the
+    batch update and finalize's groups use it)."""
     n = n_a + n_b
-    delta_D = sum_b_D / jnp.maximum(n_b, 1.0) - sum_a_D / jnp.maximum(n_a, 1.0)
-    inc_DxD = m2_b_DxD + (n_a * n_b / jnp.maximum(n, 1.0)) * jnp.outer(delta_D, delta_D)
-    hi, lo = _df_add(m2.hi[idx], m2.lo[idx], inc_DxD)
+    delta = sum_b_D / jnp.maximum(n_b, 1.0)[..., None] - sum_a_D / jnp.maximum(n_a, 1.0)[..., None]
+    w = n_a * n_b / jnp.maximum(n, 1.0)
+    return w[..., None, None] * delta[..., :, None] * delta[..., None, :]
+
+
+def _merge_m2(m2: DF, idx, n_a, sum_a_D, n_b, sum_b_D, m2_b_DxD):
+    """M2 = M2_a + M2_b + chan_term, into the double-float slot idx."""
+    hi, lo = _df_add(m2.hi[idx], m2.lo[idx], m2_b_DxD + chan_term(n_a, sum_a_D, n_b, sum_b_D))
     return DF(m2.hi.at[idx].set(hi), m2.lo.at[idx].set(lo))
 
 
@@ -425,11 +433,8 @@ def merge(a: Accumulators, b: Accumulators) -> Accumulators:
             na, nb = n_a_GxS.sum(0, keepdims=True), n_b_GxS.sum(0, keepdims=True)
             sa = (sum_a.hi + sum_a.lo).sum(0, keepdims=True)
             sb = (sum_b.hi + sum_b.lo).sum(0, keepdims=True)
-        n = na + nb
-        delta = sb / jnp.maximum(nb, 1.0)[..., None] - sa / jnp.maximum(na, 1.0)[..., None]
-        w = (na * nb / jnp.maximum(n, 1.0))[..., None, None]
         merged = df_merge(m2_a, m2_b)
-        hi, lo = _df_add(merged.hi, merged.lo, w * delta[..., :, None] * delta[..., None, :])
+        hi, lo = _df_add(merged.hi, merged.lo, chan_term(na, sa, nb, sb))
         return DF(hi, lo)
 
     lo = a.count_lo_GxS + b.count_lo_GxS  # < 2**31 since each limb < 2**30

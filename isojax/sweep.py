@@ -22,7 +22,6 @@ import threading
 from pathlib import Path
 
 from isojax import parallel
-from isojax.config import paper_steps  # noqa: F401  (the CLI's --paper-steps)
 from isojax.errors import UserError
 from isojax.loop import log
 

@@ -17,13 +17,13 @@ import json
 import math
 import pathlib
 import re
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 
 from isojax import hf_files, isotropy, matrix_files
+from isojax.atomic import staged_dir
+from isojax.plots import weights as weight_plots
 from isojax.errors import UserError, run_command
 from isojax.config import paper_steps
 
@@ -140,7 +140,7 @@ def _measure(W, where: str, key: str, title: tuple[str, str], arrays: dict, out:
                    f"{key}/singular_values_centered": rep.singular_values_centered,
                    f"{key}/proj2d": rep.proj2d, f"{key}/proj2d_centered": rep.proj2d_centered})
     if plots:
-        _matrix_plots(rep, key, out, *title)
+        weight_plots.matrix_plots(rep, key, out, *title)
     return dict(rep.metrics)
 
 
@@ -266,25 +266,13 @@ def run(args) -> None:
         for t in args.tensor:
             if not t:
                 raise UserError("--tensor needs a tensor name")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         if args.matrix:
             analyze_matrices(args.matrix, tmp, not args.no_plots)
         elif revisions is None:
             analyze_checkpoint(args.model, args.revision, args.tensor, tmp, not args.no_plots)
         else:
             _sweep(args, revisions, tmp)
-        if out.exists():
-            old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(old / out.name)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _sweep(args, revisions: list[str], tmp: pathlib.Path) -> None:
@@ -304,74 +292,8 @@ def _sweep(args, revisions: list[str], tmp: pathlib.Path) -> None:
         w.writerows([{k: "" if r.get(k) is None else r.get(k) for k in cols} for r in rows])
     if not args.no_plots:
         groups = list(args.tensor) if args.tensor else ["embed_in", "embed_out"]
-        _sweep_plots(rows, groups, [] if args.tensor else LN_METRICS, tmp, model_label(args.model))
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _title(what: str, label: str, sub: str = "") -> str:
-    """'<what> — <model label>' (as isojax.plots), then the tensor on a second line."""
-    return f"{what} — {label}" + (f"\n{sub}" if sub else "")
-
-
-def _matrix_plots(rep: isotropy.MatrixReport, key: str, out: pathlib.Path, label: str,
-                  sub: str) -> None:
-    """Normalized singular values (Bis et al. Fig. 2b) and 2-D SVD projections (Fig. 10)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    k = np.arange(1, len(rep.singular_values) + 1)
-    ax.plot(k, rep.singular_values, label="uncentered")
-    ax.plot(k, rep.singular_values_centered, label="centered")
-    ax.set(yscale="log", xlabel="index k", ylabel="sigma_k / sigma_1",
-           title=_title("normalized singular values", label, sub))
-    ax.title.set_fontsize(10)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / f"{key}_singular_values.png", dpi=120)
-    plt.close(fig)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5), layout="constrained")
-    ids = np.arange(len(rep.proj2d))
-    for ax, p, name in ((axes[0], rep.proj2d, "uncentered"), (axes[1], rep.proj2d_centered, "centered")):
-        if p.shape[1] < 2:
-            p = np.c_[p, np.zeros(len(p))]
-        sc = ax.scatter(p[:, 0], p[:, 1], c=ids, s=1, cmap="viridis", rasterized=True)
-        ax.set(xlabel="singular direction 1", ylabel="singular direction 2", title=name)
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.axvline(0, color="grey", lw=0.5)
-    fig.colorbar(sc, ax=axes, label="token id (row)")
-    fig.suptitle(_title("2-D SVD projection", label, sub))
-    fig.savefig(out / f"{key}_svd2d.png", dpi=120)
-    plt.close(fig)
-
-
-def _sweep_plots(rows: list[dict], groups: list[str], ln_metrics, out: pathlib.Path, label: str):
-    """One PNG per metric across revisions (Machina & Mercer Fig. 7 and 9)."""
-    plt = _pyplot()
-    steps = [r["step"] for r in rows]
-    by_step = all(s is not None for s in steps)
-    x = steps if by_step else list(range(len(rows)))
-    series = [(m, [f"{g}.{m}" for g in groups]) for m in MATRIX_METRICS]
-    series += [("final_ln_" + "_".join(ms), [f"final_ln.{m}" for m in ms]) for ms in ln_metrics]
-    for name, cols in series:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for c in cols:
-            y = [np.nan if r.get(c) is None else r[c] for r in rows]
-            ax.plot(x, y, marker="o", ms=3, label=c)
-        ax.set(xlabel="training step" if by_step else "revision", ylabel=name,
-               title=_title(name, label))
-        if not by_step:
-            ax.set_xticks(x, [r["revision"] for r in rows], rotation=45, ha="right")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"sweep_{_safe(name)}.png", dpi=120)
-        plt.close(fig)
+        weight_plots.sweep_plots(rows, groups, MATRIX_METRICS, [] if args.tensor else LN_METRICS, tmp,
+                                 model_label(args.model))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -89,7 +89,8 @@ def test_random_weights_in_title(tmp_path, monkeypatch, weights, expect):
 
 def test_empty_metrics(tmp_path):
     assert plots.plot_metrics({"model": "x", "layers": []}, tmp_path) == []
-    assert np.isnan(plots._value({}, "inter_sim"))
+    from isojax.plots.run import _value
+    assert np.isnan(_value({}, "inter_sim"))
 
 
 def test_user_rc_does_not_change_the_figures(tmp_path):

@@ -323,7 +323,7 @@ def test_random_preset_offline(monkeypatch, tmp_path):
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
     titles = []  # the plot titles, without drawing 2 x 50k points
-    monkeypatch.setattr(weights, "_matrix_plots", lambda rep, key, out, label, sub: titles.append((label, sub)))
+    monkeypatch.setattr(weights.weight_plots, "matrix_plots", lambda rep, key, out, label, sub: titles.append((label, sub)))
     assert run_cli(["--model", "random:pythia-70m", "--out", tmp_path / "o"]) == 0
     out = json.loads((tmp_path / "o/weights.json").read_text())
     assert out["model"] == "random:pythia-70m" and out["weights"] == "random" and out["revision"] is None

@@ -2,10 +2,11 @@
 
 - `run`: the PNGs of one extract result (`plot_metrics`, written into its `plots/` folder);
 - `paper`: the figures of Machina & Mercer regenerated across runs, for `python -m isojax.report`;
+- `weights`: the figures of `python -m isojax.weights` (singular values, SVD projections, sweeps);
 - `style`: the Agg backend, one style for every figure, the PNG + SVG writer.
 """
 
-from isojax.plots.run import _value, plot_metrics, title_for
+from isojax.plots.run import plot_metrics, title_for
 from isojax.plots.style import DPI, plt, save, styled
 
 __all__ = ["DPI", "plot_metrics", "plt", "save", "styled", "title_for"]

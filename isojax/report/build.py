@@ -7,10 +7,9 @@ import argparse
 import importlib.metadata
 import os
 import pathlib
-import shutil
 import sys
-import tempfile
 
+from isojax.atomic import staged_dir
 from isojax.errors import UserError, run_command
 from isojax.report import collect, correlation, matrices, render, states
 from isojax.report.document import Figures, Item, Section, Table
@@ -63,9 +62,7 @@ def build(paths, out, overwrite: bool = False, scores=None, allow_missing: bool 
     _check_out(out, overwrite)
     res = collect.load(paths)
     entries, sources = _correlations(res, scores, allow_missing, include_step0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         figs = Figures(tmp / "figures")
         sections = [_inputs(res)] + [make(res, figs) for make in (
             states.contextualization, states.training, matrices.isotropy, matrices.layer_norm, matrices.svd,
@@ -78,16 +75,6 @@ def build(paths, out, overwrite: bool = False, scores=None, allow_missing: bool 
                  "`figures/` as PNG and SVG, with its table as CSV in full precision.")
         (tmp / "report.html").write_text(render.to_html(title, intro, sections, tmp / "figures"), encoding="utf-8")
         (tmp / "report.md").write_text(render.to_markdown(title, intro, sections), encoding="utf-8")
-        if out.exists():  # swap: the old report is removed only once the new one is in place
-            old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(old / out.name)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     for sec in sections:
         if sec.note:
             print(f"isojax: {sec.note}", file=sys.stderr)

@@ -1,0 +1,71 @@
+"""The figures of `python -m isojax.weights`: normalized singular values (Bis et al. Fig. 2b),
+2-D SVD projections (Machina & Mercer Fig. 10) and metrics across revisions (Figs. 7 and 9)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+
+from isojax.plots.style import plt, styled
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w.\-]+", "_", name)
+
+
+def _title(what: str, label: str, sub: str = "") -> str:
+    """'<what> — <model label>' (as the run plots), then the tensor on a second line."""
+    return f"{what} — {label}" + (f"\n{sub}" if sub else "")
+
+
+def matrix_plots(rep, key: str, out: pathlib.Path, label: str, sub: str) -> None:
+    """rep: isotropy.MatrixReport."""
+    with styled():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        k = np.arange(1, len(rep.singular_values) + 1)
+        ax.plot(k, rep.singular_values, label="uncentered")
+        ax.plot(k, rep.singular_values_centered, label="centered")
+        ax.set(yscale="log", xlabel="index k", ylabel="sigma_k / sigma_1",
+               title=_title("normalized singular values", label, sub))
+        ax.title.set_fontsize(10)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{key}_singular_values.png", dpi=120)
+        plt.close(fig)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 5), layout="constrained")
+        ids = np.arange(len(rep.proj2d))
+        for ax, p, name in ((axes[0], rep.proj2d, "uncentered"), (axes[1], rep.proj2d_centered, "centered")):
+            if p.shape[1] < 2:
+                p = np.c_[p, np.zeros(len(p))]
+            sc = ax.scatter(p[:, 0], p[:, 1], c=ids, s=1, cmap="viridis", rasterized=True)
+            ax.set(xlabel="singular direction 1", ylabel="singular direction 2", title=name)
+            ax.axhline(0, color="grey", lw=0.5)
+            ax.axvline(0, color="grey", lw=0.5)
+        fig.colorbar(sc, ax=axes, label="token id (row)")
+        fig.suptitle(_title("2-D SVD projection", label, sub))
+        fig.savefig(out / f"{key}_svd2d.png", dpi=120)
+        plt.close(fig)
+
+
+def sweep_plots(rows: list[dict], groups: list[str], matrix_metrics, ln_metrics, out: pathlib.Path, label: str):
+    """One PNG per metric across revisions."""
+    steps = [r["step"] for r in rows]
+    by_step = all(s is not None for s in steps)
+    x = steps if by_step else list(range(len(rows)))
+    series = [(m, [f"{g}.{m}" for g in groups]) for m in matrix_metrics]
+    series += [("final_ln_" + "_".join(ms), [f"final_ln.{m}" for m in ms]) for ms in ln_metrics]
+    with styled():
+        for name, cols in series:
+            fig, ax = plt.subplots(figsize=(6.5, 4))
+            for c in cols:
+                y = [np.nan if r.get(c) is None else r[c] for r in rows]
+                ax.plot(x, y, marker="o", ms=3, label=c)
+            ax.set(xlabel="training step" if by_step else "revision", ylabel=name, title=_title(name, label))
+            if not by_step:
+                ax.set_xticks(x, [r["revision"] for r in rows], rotation=45, ha="right")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(out / f"sweep_{_safe(name)}.png", dpi=120)
+            plt.close(fig)
