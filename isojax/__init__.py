@@ -7,9 +7,15 @@ Notebook API:
     results.layers, results.intra_sim_SxV, results.save("out/70m"), results.plot("plots/")
 """
 
-from isojax.api import Results, measure
-from isojax.config import GPTNeoXConfig, preset, preset_names
-from isojax.errors import UserError
-from isojax.loading import LoadedModel, load_model
+import os
+
+# XLA warns on every multi-device compile that GSPMD, which isojax chooses (parallel.py), will be
+# deprecated: noise the user cannot act on. Set TF_CPP_MIN_LOG_LEVEL to see XLA's warnings.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from isojax.api import Results, measure  # noqa: E402
+from isojax.config import GPTNeoXConfig, preset, preset_names  # noqa: E402
+from isojax.errors import UserError  # noqa: E402
+from isojax.loading import LoadedModel, load_model  # noqa: E402
 
 __all__ = ["GPTNeoXConfig", "LoadedModel", "Results", "UserError", "load_model", "measure", "preset", "preset_names"]

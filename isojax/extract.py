@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep a uniform sample of K tokens (all their states; seeded by token identity, so the "
                          "same on any batch size or device count) for the intrinsic dimension per layer (TwoNN, "
                          "MLE, MoM) and anisotropy over batches of 4096; written to OUT/samples.zarr. Without "
-                         "it a default sample (16,384 tokens or fewer) gives the batch anisotropy only")
+                         "it, on accelerators, a default sample (16,384 tokens or fewer) gives the batch anisotropy "
+                         "only; on CPU no sample is kept unless asked for")
     ap.add_argument("--intrinsic-k", type=positive_int, default=20, metavar="k",
                     help="neighbours for the MLE and MoM intrinsic dimension (default: 20)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")

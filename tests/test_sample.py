@@ -79,12 +79,13 @@ def test_keys_are_uniform():
 
 def test_batch_anisotropy_against_svd():
     rng = np.random.default_rng(2)
-    for d, scale in ((48, np.logspace(0, -3, 48)), (700, np.ones(700))):  # anisotropic; near-isotropic, D > 64
-        x = (rng.normal(size=(3, 4096, d)) * scale + rng.normal(size=d)).astype(np.float32)
+    # anisotropic; near-isotropic with D > 64 Lanczos steps; wider than the batch (X X^T)
+    for d, scale in ((48, np.logspace(0, -3, 48)), (700, np.ones(700)), (4500, np.logspace(0, -1, 4500))):
+        x = (rng.normal(size=(2, 4096, d)) * scale + rng.normal(size=d)).astype(np.float32)
         with jax.enable_x64(True):
             got = np.asarray(fz._batch_anisotropy(x))
-        for b in range(3):
+        for b in range(2):
             xb = x[b].astype(np.float64)
             for j, y in enumerate((xb - xb.mean(0), xb)):
                 sv = np.linalg.svd(y, compute_uv=False)
-                assert abs(got[b, j] - sv[0] ** 2 / (sv ** 2).sum()) < 1e-9 * got[b, j], (d, b, j)
+                assert abs(got[b, j] - sv[0] ** 2 / (sv ** 2).sum()) < 1e-7 * got[b, j], (d, b, j)
