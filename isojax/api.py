@@ -92,6 +92,13 @@ class Results:
         self.manifest["seconds_wall"] = time.time() - self.timings.start
         return out
 
+    def join_save(self) -> None:
+        """On the processes other than 0 of a multi-host run: take part, in the same order, in the
+        gathers across processes that `save` makes on process 0 (per-token sums, the sample)."""
+        for gather in (self.token_sums, self.final.get("sample")):
+            for s in range(len(self.state_names) if gather is not None else 0):
+                gather(s)
+
     def plot(self, out_dir) -> list[Path]:
         from isojax.plots import plot_metrics
         return plot_metrics(self.metrics, Path(out_dir))

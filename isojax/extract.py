@@ -146,9 +146,8 @@ def run(args) -> Path:
     if parallel.is_main_process():
         results.save(out, overwrite=True, plots=not args.no_plots)
         shutil.rmtree(out / "checkpoint", ignore_errors=True)
-    elif results.token_sums is not None:
-        for s in range(len(results.state_names)):  # every process takes part in gathering the sums
-            results.token_sums(s)
+    else:
+        results.join_save()
     tokens, t = results.metrics["tokens"], results.timings
     wall, loop = results.manifest["seconds_wall"], t["loop"]
     log(f"{tokens:,} tokens: wall {wall:.1f} s ({tokens / max(wall, 1e-9):,.0f} tokens/s), device loop {loop:.1f} s "

@@ -121,6 +121,8 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
         if parallel.is_main_process():
             results.save(step_dir, overwrite=True, plots=plots)
             shutil.rmtree(ckpt, ignore_errors=True)
+        else:
+            results.join_save()
         del results
     if parallel.is_main_process():
         write_sweep_csv(out, jobs)

@@ -91,7 +91,7 @@ def test_two_processes_equal_one(setup, tmp_path):
     """Two processes on localhost (2 host devices each, CPU collectives through jax.distributed)
     against one process on one device; only process 0 writes results."""
     common = ["--model", setup / "ckpt", "--data", setup / "pile.jsonl", "--unit", "document", "--seq-len", "64",
-              "--batch-tokens", "1536", "--no-plots"]
+              "--batch-tokens", "1536", "--no-plots", "--sample-states", "500"]
     single = subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "one")],
                             cwd=REPO, env=_env(setup, 1), capture_output=True, text=True)
     assert single.returncode == 0, single.stderr[-2000:]
@@ -107,6 +107,11 @@ def test_two_processes_equal_one(setup, tmp_path):
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     _assert_same(one, two, "2 processes")
+    for a, b in zip(one["layers"], two["layers"]):  # the same sampled tokens, gathered over processes
+        for key, value in a["intrinsic_dimension"].items():
+            other = b["intrinsic_dimension"][key]
+            assert value is None and other is None or abs(value - other) <= 1e-4 * value, (a["name"], key)
+    assert (tmp_path / "two" / "samples.zarr").is_dir()
     manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert manifest["device"]["processes"] == 2 and manifest["device"]["count"] == 4
 
