@@ -293,3 +293,23 @@ def test_discovery_of_mixed_layouts(tmp_path):
         ("extract", "EleutherAI/pythia-70m", "main"), ("weights", "EleutherAI/pythia-70m", "main")]
     assert res.extract[0].key == res.weights[0].key
     assert [r.label for r in res.runs] == ["pythia-70m", "pythia-70m"]
+
+
+def test_shape_of_learning_section(tmp_path):
+    """Intrinsic dimension (nested in metrics.json) per layer and averaged over layers (embed
+    left out) across training: the table holds the mean computed here."""
+    rng = np.random.default_rng(7)
+    runs = {}
+    for rev in ("step0", "step1000", "step2000"):
+        metrics = write_extract(tmp_path / "r" / rev, rng, "pythia-70m", rev, 3, with_sources=False)
+        for layer in metrics["layers"]:
+            layer["intrinsic_dimension"] = {"twonn": float(rng.uniform(2, 30)), "mle": 1.0, "mom": 1.0}
+            layer["anisotropy_batch_mean"] = float(rng.random())
+        (tmp_path / "r" / rev / "metrics.json").write_text(json.dumps(metrics))
+        runs[rev] = np.mean([layer["intrinsic_dimension"]["twonn"] for layer in metrics["layers"][1:]])
+    build.build([tmp_path / "r"], tmp_path / "report")
+    figures = tmp_path / "report" / "figures"
+    for stem in ("intrinsic_dimension_twonn_by_layer", "anisotropy_batch_mean_by_layer", "intrinsic_dimension_training"):
+        assert (figures / f"{stem}.png").exists() and (figures / f"{stem}.svg").exists(), stem
+    rows = list(csv.reader(open(figures / "intrinsic_dimension_training.csv")))[1:]
+    assert {r[1]: float(r[3]) for r in rows} == pytest.approx(runs, rel=1e-12)

@@ -66,7 +66,7 @@ def build(paths, out, overwrite: bool = False, scores=None, allow_missing: bool 
         figs = Figures(tmp / "figures")
         sections = [_inputs(res)] + [make(res, figs) for make in (
             states.contextualization, states.training, matrices.isotropy, matrices.layer_norm, matrices.svd,
-            states.bands, states.sources)] + [correlation.section(entries, sources)]
+            states.shape_of_learning, states.bands, states.sources)] + [correlation.section(entries, sources)]
         try:
             version = importlib.metadata.version("isojax")
         except importlib.metadata.PackageNotFoundError:

@@ -139,6 +139,10 @@ def _extract_run(folder: pathlib.Path) -> Run:
     if not isinstance(data, dict) or not isinstance(data.get("layers"), list) or not all(
             isinstance(layer, dict) and "name" in layer for layer in data["layers"]):
         raise UserError(f"{path}: not an isojax metrics.json (needs a 'layers' list of named layers)")
+    for layer in data["layers"]:  # nested metrics as flat keys, as layers.csv has them
+        for key, value in list(layer.items()):
+            if isinstance(value, dict):
+                layer.update({f"{key}_{sub}": x for sub, x in value.items() if not isinstance(x, (dict, list))})
     manifest = _read_json(folder / "manifest.json") if (folder / "manifest.json").exists() else None
     if manifest is not None and not isinstance(manifest, dict):
         raise UserError(f"{folder / 'manifest.json'}: not a JSON object")

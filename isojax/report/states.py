@@ -12,7 +12,9 @@ from isojax.report.collect import Results, Run, finals, layer_names, layer_value
 from isojax.report.document import Figures, Section, Table
 
 _LABELS = {"inter_sim": "InterSim", "intra_sim": "IntraSim (mean over token types)",
-           "anisotropy": "anisotropy σ₁²/Σσ² (centered)"}
+           "anisotropy": "anisotropy σ₁²/Σσ² (centered)",
+           "anisotropy_batch_mean": "anisotropy over batches of 4096 (mean)",
+           "intrinsic_dimension_twonn": "intrinsic dimension (TwoNN)"}
 
 
 def _layer_order(name: str):
@@ -90,6 +92,43 @@ def training(res: Results, figs: Figures) -> Section:
             sec.items.append(item)
     if not sec.items:
         sec.note = "No model has extract results at two or more `stepN` revisions: section left out."
+    return sec
+
+
+def _mean_over_layers(run: Run, metric: str) -> float:
+    values = [number(layer.get(metric)) for layer in run.data.get("layers") or [] if layer.get("name") != "embed"]
+    values = [v for v in values if math.isfinite(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def shape_of_learning(res: Results, figs: Figures) -> Section:
+    sec = Section("shape", "Intrinsic dimension and the anisotropy profile",
+                  "*The Shape of Learning*: the anisotropy of batches of 4096 sampled tokens per layer, and the "
+                  "intrinsic dimension (TwoNN) of each layer's sampled states (extract --sample-states), per "
+                  "layer at the final checkpoints and averaged over the layers (embed left out) across training "
+                  "(its Fig. 4).")
+    runs = finals(res.extract)
+    for metric in ("anisotropy_batch_mean", "intrinsic_dimension_twonn"):
+        item = _by_layer(figs, runs, metric, "")
+        if item:
+            sec.items.append(item)
+    series = {m: rs for m, rs in trainings(res.extract).items()
+              if any(_has(r, "intrinsic_dimension_twonn") for r in rs)}
+    if series:
+        lines, rows = [], []
+        for i, rs in enumerate(series.values()):
+            means = [_mean_over_layers(r, "intrinsic_dimension_twonn") for r in rs]
+            lines.append(paper.Line(rs[0].label, [r.step for r in rs], means, {"color": f"C{i}"}))
+            rows += [[r.label, r.revision, r.step, m] for r, m in zip(rs, means)]
+        fig = paper.lines([paper.Panel("", lines)], "training step", "mean intrinsic dimension (TwoNN)",
+                          "Intrinsic dimension averaged over layers during training", ncols=1, width=7.5)
+        sec.items.append(figs.add(fig, "intrinsic_dimension_training",
+                                  "TwoNN intrinsic dimension averaged over the layers (embed left out) across "
+                                  "training checkpoints (The Shape of Learning, Fig. 4).",
+                                  Table(["model", "revision", "step", "mean TwoNN"], rows)))
+    if not sec.items:
+        sec.note = ("No extract results with a sample (extract --sample-states K; on accelerators the batch "
+                    "anisotropy comes by default): section left out.")
     return sec
 
 
