@@ -100,13 +100,13 @@ def run_old(variant: str) -> None:
 
 
 def run_new(variant: str) -> None:
+    import dataclasses
+
     import jax
-    import numpy as np
 
     from isojax import parallel
     from isojax.finalize import finalize
     from isojax.runner import Runner
-    import dataclasses
     cfg, module, params = _model(False)
     n = jax.device_count()
     results = {}
@@ -130,7 +130,6 @@ def run_new(variant: str) -> None:
         for key in ("inter_sim", "intra_sim", "intra_sim_weighted", "anisotropy", "anisotropy_uncentered", "mean_norm"):
             worst = max(worst, abs(a[key] - b[key]) / max(1.0, abs(a[key])))
     print(f"RESULT {variant} ok devices={n} worst_rel_diff_vs_1_device={worst:.2e}", flush=True)
-    del np
 
 
 def main() -> None:
