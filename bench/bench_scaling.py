@@ -7,7 +7,12 @@ efficiency = tokens/s on k devices / (k x tokens/s on 1). The workload is bench_
 (log-normal sentence lengths, Zipf token ids), packed by isojax's packer.
 
     python bench/bench_scaling.py --models pythia-410m,pythia-1.4b --devices 1,2
-    python bench/bench_scaling.py --models pythia-1.4b --devices 2 --checkpoint /tmp/ckpt
+    python bench/bench_scaling.py --models pythia-1.4b --devices 1,2 --token-stats on,off --profile /tmp/prof
+    python bench/bench_scaling.py --models pythia-1.4b --devices 4 --checkpoint /tmp/ckpt
+
+--checkpoint times one checkpoint on the largest device count: the loop runs every batch twice
+while it is written. Peak memory is the device's peak since the process started (a device that
+ran an earlier, smaller count carries that run's peak).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def per_device_batch(cfg) -> int:
 
 
 def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 512, model_axis: int = 1,
-        batch_per_device: int | None = None) -> dict:
+        batch_per_device: int | None = None, token_stats: bool = True, profile: str | None = None) -> dict:
     import jax.numpy as jnp
 
     from isojax import checkpointing, parallel
@@ -51,7 +56,7 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     batches = pack_in_memory(tokens, offsets, rows, row_len)[:steps + 2]
     options = ForwardOptions(attention="cudnn" if jax.default_backend() == "gpu" else "xla", activation_sharding=parallel.rows(mesh) if k > 1 else None)
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options)
-    runner = Runner(module, random_params(cfg, "bfloat16", mesh=mesh), mesh)
+    runner = Runner(module, random_params(cfg, "bfloat16", mesh=mesh), mesh, token_stats=token_stats)
     t0 = time.perf_counter()
     for tok, seg, pos, _ in batches[:2]:
         runner.step(tok, seg, pos, 0)
@@ -69,16 +74,26 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
 
     half = 2 + steps // 2
     n_tok, secs = loop(batches[2:half])
-    out = dict(model=name, devices=k, model_axis=model_axis, rows=rows, tokens_per_s=n_tok / secs, compile_s=compile_s,
+    out = dict(model=name, devices=k, model_axis=model_axis, rows=rows, token_stats=token_stats,
+               tokens_per_s=n_tok / secs, compile_s=compile_s,
                acc_gb_per_device=runner.accumulator_bytes() / 1e9,
                peak_gb=[(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9 for d in mesh.local_devices])
+    if profile:  # three more steps under the profiler, summed per kernel class over all devices
+        from profile_step import load_trace, summarize
+        trace_dir = Path(profile) / f"{name}-{k}"
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            loop(batches[2:5])
+        text = f"{name} on {k} devices, token stats {token_stats}\n" + summarize(load_trace(trace_dir), 3)
+        print(text, file=sys.stderr, flush=True)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], f"profile_{name}_{k}_{int(token_stats)}.txt").write_text(text)
     if checkpoint:
         shutil.rmtree(checkpoint, ignore_errors=True)
         ckpt = checkpointing.Checkpointer(Path(checkpoint))
         t = time.perf_counter()
         ckpt.save(1, runner.acc, {"bench": True})
         block_s = time.perf_counter() - t
-        n2, secs2 = loop(batches[half:])  # steps while the files are written
+        n2, secs2 = loop(batches[2:] * 2)  # steps while the files are written (each batch twice)
         t = time.perf_counter()
         ckpt.close()
         tail_s = time.perf_counter() - t
@@ -100,6 +115,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed steps per run")
     ap.add_argument("--model-axis", type=int, default=1, help="split parameters over this many devices (FSDP)")
     ap.add_argument("--batch-per-device", type=int, default=None, help="token slots per device and step")
+    ap.add_argument("--token-stats", default="on", help="on, off or on,off (per-token IntraSim)")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="trace 3 steps of the largest device count "
+                    "(with token stats) into DIR and print device time per kernel class")
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
                     help="also time one asynchronous checkpoint on the largest device count")
     args = ap.parse_args()
@@ -107,19 +125,23 @@ def main() -> int:
     dev = jax.devices()[0]
     results = []
     for name in args.models.split(","):
-        for k in counts:
-            res = run(name, k, args.steps, args.checkpoint if k == max(counts) else None,
-                      model_axis=min(args.model_axis, k), batch_per_device=args.batch_per_device)
-            results.append(res)
-            print(json.dumps(res), file=sys.stderr, flush=True)
-    base = {r["model"]: r["tokens_per_s"] for r in results if r["devices"] == 1}
+        for token_stats in [t == "on" for t in args.token_stats.split(",")]:
+            for k in counts:
+                last = k == max(counts) and token_stats
+                res = run(name, k, args.steps, args.checkpoint if last else None,
+                          model_axis=min(args.model_axis, k), batch_per_device=args.batch_per_device,
+                          token_stats=token_stats, profile=args.profile if last else None)
+                results.append(res)
+                print(json.dumps(res), file=sys.stderr, flush=True)
+    base = {(r["model"], r["token_stats"]): r["tokens_per_s"] for r in results if r["devices"] == 1}
     lines = [f"card: {jax.device_count()} x {dev.device_kind}; jax {jax.__version__}",
-             f"{'model':<13}{'devices':>8}{'rows':>6}{'tok/s':>12}{'efficiency':>11}{'acc GB/dev':>11}"
+             f"{'model':<13}{'tokens':>7}{'devices':>8}{'rows':>6}{'tok/s':>12}{'efficiency':>11}{'acc GB/dev':>11}"
              f"{'peak GB/dev':>12}{'compile s':>10}{'ckpt block s':>13}{'ckpt @20M':>10}"]
     for r in results:
-        eff = r["tokens_per_s"] / (r["devices"] * base[r["model"]]) if r["model"] in base else float("nan")
+        key = (r["model"], r["token_stats"])
+        eff = r["tokens_per_s"] / (r["devices"] * base[key]) if key in base else float("nan")
         ck = f"{r['ckpt_block_s']:>13.2f}{r['ckpt_cost_at_20M']:>10.1%}" if "ckpt_block_s" in r else f"{'':>13}{'':>10}"
-        lines.append(f"{r['model']:<13}{str(r['devices']) + ('/m' + str(r['model_axis']) if r['model_axis'] > 1 else ''):>8}{r['rows']:>6}{r['tokens_per_s']:>12,.0f}{eff:>11.1%}"
+        lines.append(f"{r['model']:<13}{'on' if r['token_stats'] else 'off':>7}{str(r['devices']) + ('/m' + str(r['model_axis']) if r['model_axis'] > 1 else ''):>8}{r['rows']:>6}{r['tokens_per_s']:>12,.0f}{eff:>11.1%}"
                      f"{r['acc_gb_per_device']:>11.2f}{max(r['peak_gb']):>12.1f}{r['compile_s']:>10.1f}" + ck)
     table = "\n".join(lines)
     print(table)

@@ -9,7 +9,8 @@ exactly the states each sequence gives alone.
 
 The L blocks run under `nn.scan` with their weights stacked on a leading axis, so compile time
 does not grow with depth. Every hidden state is handed to an `observe(obs, s, x_BxTxD) -> obs`
-function as it is produced (s = 0 .. L+1): statistics consume states inside the scan and no
+function in order (s = 0 .. L+1; state s in the scan step of block s + 1): statistics consume
+states inside the scan and no
 [S, B, T, D] tensor is ever materialized unless the observer builds one.
 """
 
@@ -200,7 +201,9 @@ class Block(nn.Module):
 
 
 class ObservedBlock(nn.Module):
-    """One scan step: run block s, hand its output (state s) to the observer."""
+    """One scan step: hand the block's input (state s - 1) to the observer, run block s. The
+    observer's work does not feed the block, so XLA may overlap the two (the statistics'
+    collectives with the block's products)."""
 
     cfg: GPTNeoXConfig
     dtype: Any
@@ -212,10 +215,10 @@ class ObservedBlock(nn.Module):
     @nn.compact
     def __call__(self, carry, s, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
         x_BxTxD, obs = carry
+        obs = self.observe(obs, s - 1, x_BxTxD)
         x_BxTxD = Block(self.cfg, self.dtype, self.param_dtype, self.precision, self.options,
                         name="block")(x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
-        x_BxTxD = self.options.constrain(x_BxTxD)
-        return (x_BxTxD, self.observe(obs, s, x_BxTxD)), None
+        return (self.options.constrain(x_BxTxD), obs), None
 
 
 class GPTNeoX(nn.Module):
@@ -243,7 +246,6 @@ class GPTNeoX(nn.Module):
         self.param("embed_out", init, (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
 
         x_BxTxD = self.options.constrain(jnp.take(embed_VxD, tokens_BxT, axis=0).astype(self.dtype))
-        obs = observe(obs, 0, x_BxTxD)
         cos_BxTxR, sin_BxTxR = rotary_tables(positions_BxT, cfg)
         # the pallas kernel takes the segment ids themselves: no [B, 1, T, T] mask is built
         mask_Bx1xTxT = None if self.options.attention == "pallas" else segment_mask(segment_ids_BxT)
@@ -252,6 +254,7 @@ class GPTNeoX(nn.Module):
         (x_BxTxD, obs), _ = layers(cfg, self.dtype, self.param_dtype, self.precision, self.options,
                                    observe, name="layers")(
             (x_BxTxD, obs), jnp.arange(1, cfg.num_layers + 1), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
+        obs = observe(obs, cfg.num_layers, x_BxTxD)  # the last block's output
         h_BxTxD = LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name="final_layer_norm")(x_BxTxD)
         return observe(obs, cfg.num_layers + 1, h_BxTxD)
 

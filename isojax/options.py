@@ -29,9 +29,13 @@ class StatsOptions:
     # passes, ~float32 accuracy; bench_stats_kernel.py measures both). bf16 states always take
     # the bf16 tensor-core Gram.
     gram_precision: str = "highest"
-    # Distinct tokens per gather/scatter round of the per-token update (each device sends
-    # token_chunk / shards rows to every owner per round when the vocabulary is sharded).
+    # Distinct tokens per gather/scatter round of the per-token update on one device.
     token_chunk: int = 4096
+    # With the vocabulary sharded: rows each device sends per all_to_all round, exchange_rows /
+    # shards to every owner (a round pads to that; more distinct tokens per owner take more
+    # rounds). None: a quarter of the device's batch, which holds the ~15k distinct tokens of a
+    # 65k-token batch of text in one round.
+    exchange_rows: int | None = None
     # Widest states whose per-token segment sum tells XLA that the ids are sorted (H100: 12%
     # faster at D = 512, 27% slower end to end at D = 2048).
     sorted_scatter_max_d: int = 1024

@@ -152,15 +152,18 @@ class Runner:
 
     def sample(self):
         """(number of sampled tokens K', states(s) -> [K', D] float32 in key order: shuffled)
-        of the merged sample over every device and process; None without a sample."""
+        of the merged sample over every device and process (a jax array on the devices, or numpy
+        where other processes hold part of it); None without a sample."""
         if not self.init_kwargs["sample_size"]:
             return None
         keys = _gather(self.acc.sample_keys_Kx2)  # [n, K, 2]
         part, slot = sample_lib.merge_host(keys)
 
-        def states(s: int) -> np.ndarray:
-            x = _gather(_state_sample(self.acc.sample_SxKxD, jnp.int32(s)))  # [n, K, D]
-            return x[part, slot].astype(np.float32)
+        def states(s: int):
+            x = _state_sample(self.acc.sample_SxKxD, jnp.int32(s))  # [n, K, D]
+            if x.is_fully_addressable:  # stays on the devices, where the batch anisotropy reads it
+                return _take_sample(x, part, slot)
+            return _gather(x)[part, slot].astype(np.float32)
 
         return len(part), states
 
@@ -182,6 +185,11 @@ def _gather(x: jax.Array) -> np.ndarray:
 @jax.jit
 def _state_sample(sample_nxSxKxD, s):
     return lax.dynamic_index_in_dim(sample_nxSxKxD, s, 1, keepdims=False)
+
+
+@jax.jit
+def _take_sample(x_nxKxD, part_K, slot_K):
+    return x_nxKxD[part_K, slot_K].astype(jnp.float32)
 
 
 @jax.jit
@@ -207,11 +215,12 @@ def _stacked(acc):
 def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered: bool):
     d, n = module.cfg.hidden_size, mesh.size
 
-    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, plan, group, centers_SxD):
+    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, exchange, plan, group, centers_SxD):
         center_D = lax.dynamic_index_in_dim(centers_SxD, s, 0, keepdims=False) if centered else None
+        exchange = jax.tree.map(lambda x: x[0], exchange)
         acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), tokens_BxT.reshape(-1),
                                  seg_BxT.reshape(-1) != 0, group, center_D, index=index, opts=options,
-                                 sample_plan=plan)
+                                 sample_plan=plan, exchange=exchange)
         return _stacked(acc)
 
     def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
@@ -219,23 +228,27 @@ def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered
         acc, valid_N = _device_view(acc), seg_BxT.reshape(-1) != 0
         rows = acc.tok_count_SxV.shape[1] * n  # the padded vocabulary (0 without token stats)
         index = stats.index_tokens(tokens_BxT.reshape(-1), valid_N, rows, n) if rows else None
+        exchange = stats.plan_exchange(index, rows // n, options) if rows and n > 1 else None
         plan = None
         if acc.sample_keys_Kx2.shape[0]:
             keys_Nx2 = sample_lib.token_keys(seq_BxT.reshape(-1), pos_BxT.reshape(-1), valid_N)
             keys, plan = sample_lib.plan(acc.sample_keys_Kx2, keys_Nx2)
             acc = acc.replace(sample_keys_Kx2=keys)
-        return _stacked(acc), index, plan
+        exchange = jax.tree.map(lambda x: x[None], exchange)  # a leading axis of 1 per device
+        return _stacked(acc), index, exchange, plan
 
     def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, group, centers_SxD):
-        acc, index, plan = jax.shard_map(local_batch, mesh=mesh, in_specs=(specs, P(ALL), P(ALL), P(ALL), P(ALL)),
-                                         out_specs=(specs, P(ALL), P(ALL)), check_vma=False)(
-            acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT)
+        acc, index, exchange, plan = jax.shard_map(
+            local_batch, mesh=mesh, in_specs=(specs, P(ALL), P(ALL), P(ALL), P(ALL)),
+            out_specs=(specs, P(ALL), P(ALL), P(ALL)), check_vma=False)(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT)
         update = jax.shard_map(local_update, mesh=mesh,
-                               in_specs=(specs, P(), P(ALL), P(ALL), P(ALL), P(ALL), P(ALL), P(), P()),
+                               in_specs=(specs, P(), P(ALL), P(ALL), P(ALL), P(ALL), P(ALL), P(ALL), P(), P()),
                                out_specs=specs, check_vma=False)
-        observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, plan, group,
-                                                 centers_SxD)
+        observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, exchange, plan,
+                                                 group, centers_SxD)
         acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
+        if not acc.tok_count_SxV.size:  # empty fields out of shard_map come back "manual": fresh ones
+            acc = acc.replace(**{f: jax.tree.map(jnp.zeros_like, getattr(acc, f)) for f in TOKEN_FIELDS})
         return acc, acc.count_lo_GxS[:, 0, 0]  # one number per device, ready when its step is
 
     return jax.jit(step, donate_argnums=(1,))

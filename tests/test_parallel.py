@@ -150,3 +150,76 @@ def test_resume_refuses_another_device_count(setup, tmp_path):
                            capture_output=True, text=True)
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
     assert "other settings (devices" in again.stderr
+
+
+def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
+    """The per-token sums with the vocabulary split over 4 devices: the default exchange (one
+    round) and exchange_rows=4 (one row per owner per round: many rounds) against float64 sums
+    per token id, over three batches with padding and Zipf-distributed ids."""
+    script = textwrap.dedent("""
+        import json, sys
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import PartitionSpec as P
+        from isojax import parallel, stats
+        from isojax.options import StatsOptions
+        from isojax.runner import token_order, vocab_rows
+        parallel.use_gspmd_partitioner()
+        mesh = parallel.make_mesh({"data": 4, "model": 1})
+        n, V, D, N = 4, 50, 8, 64
+        rng = np.random.default_rng(0)
+        ids = (rng.zipf(1.3, (3, n * N)) % V).astype(np.int32)
+        x = rng.normal(size=(3, n * N, D)).astype(np.float32)
+        valid = rng.random((3, n * N)) > 0.1
+        ref = np.zeros((V, D))
+        np.add.at(ref, ids[valid], x[valid].astype(np.float64))
+        count = np.bincount(ids[valid], minlength=V)
+        rows = vocab_rows(V, n)
+        out = {}
+        for exchange_rows in (None, 4):
+            opts = StatsOptions(token_shards=n, token_axes=parallel.ALL, exchange_rows=exchange_rows)
+
+            def local(x_BxNxD, ids_BxN, valid_BxN):
+                acc = stats.init_accumulators(1, D, rows // n)
+                for b in range(3):
+                    index = stats.index_tokens(ids_BxN[b], valid_BxN[b], rows, n)
+                    acc = stats._update_token_shards(acc, 0, jnp.where(valid_BxN[b][:, None], x_BxNxD[b], 0.0),
+                                                     index, opts)
+                tok = acc.tok_sum_SxVxD
+                return acc.tok_count_SxV, tok.hi.astype(jnp.float64) + tok.lo.astype(jnp.float64)
+
+            f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, parallel.ALL),) * 3,
+                                      out_specs=(P(None, parallel.ALL), P(None, parallel.ALL)), check_vma=False))
+            with jax.enable_x64(True):
+                got_count, got_sum = f(x, ids, valid)
+            got_sum = np.asarray(got_sum)[0].reshape(n, rows // n, D).transpose(1, 0, 2).reshape(rows, D)[:V]
+            out[str(exchange_rows)] = {"count_ok": bool((token_order(np.asarray(got_count), n, V)[0] == count).all()),
+                                       "err": float(np.abs(got_sum - ref).max())}
+        json.dump(out, sys.stdout)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(tmp_path, 4), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for exchange_rows, res in json.loads(proc.stdout).items():
+        assert res["count_ok"], exchange_rows
+        assert res["err"] <= 1e-5, (exchange_rows, res)
+
+
+def test_two_devices_without_token_stats_equal_one(setup):
+    """--no-token-stats on 2 devices (its empty per-token fields once came back from the step
+    with a sharding the next step refused) gives one device's metrics."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        import isojax
+        out = [isojax.measure({str(setup / "ckpt")!r}, [{str(setup / "pile.jsonl")!r}], unit="document", seq_len=64,
+                              batch_tokens=8 * 64, mesh=mesh, token_stats=False, progress=False).metrics
+               for mesh in ({{"data": 1, "model": 1}}, {{"data": 2, "model": 1}})]
+        json.dump(out, sys.stdout)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(setup, 2), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = json.loads(proc.stdout)
+    assert one["tokens"] == two["tokens"] > 0
+    for a, b in zip(one["layers"], two["layers"]):
+        assert a["intra_sim"] is None and b["intra_sim"] is None
+        for key in ("inter_sim", "anisotropy", "mean_norm", "mean_sq_norm"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["name"], key)
