@@ -11,7 +11,9 @@ calls measure (the devices need them all); only process 0 should save.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import importlib
 import shutil
 import time
 from pathlib import Path
@@ -212,6 +214,48 @@ def default_sample_size(cfg, dtype: str) -> int:
     return max(BATCH, min(4 * BATCH, int(SAMPLE_BYTES / per_token) // BATCH * BATCH))
 
 
+def tokenizer_without_weights(model, cfg):
+    """(tokenizer, description) where it is found without loading the weights (random presets,
+    local checkpoint directories, a LoadedModel), so that tokenizing starts while they load; else None."""
+    from isojax.config import hub_id
+    from isojax.loading import LoadedModel
+    from isojax.tokenizer import load_tokenizer
+    if isinstance(model, LoadedModel):
+        return model.tokenizer, model.source["tokenizer"]
+    if model is None or cfg is None:
+        return None
+    if model.startswith("random:"):
+        return load_tokenizer(None, cfg, hub_repo=hub_id(cfg.name))
+    path = Path(model).expanduser()
+    return load_tokenizer(path, cfg) if path.is_dir() else None
+
+
+def row_length(cfg, unit: str, seq_len) -> int:
+    row_len = seq_len or (512 if unit == "sentence" else cfg.max_position_embeddings)
+    if row_len > cfg.max_position_embeddings:
+        raise UserError(f"seq_len must be in [1, {cfg.max_position_embeddings}] (the model's context)")
+    return row_len
+
+
+def open_tokens(corpus, tokenizer, row_len: int, progress: bool):
+    """The corpus's token cache, or a TokenStream building it (a first run) that the devices
+    follow. A hub dataset is tokenized first: knowing its sources up front (Corpus.labels)
+    would cost a second download."""
+    from isojax.data import stream_tokens, tokenize_corpus
+    from isojax.loading import cache_root
+    where = dict(cache_dir=cache_root() / "tokens", max_len=row_len)
+    if any(inp.kind == "hub" for inp in corpus.inputs):
+        return tokenize_corpus(corpus, tokenizer, progress=progress, **where)
+    return stream_tokens(corpus, tokenizer, **where)
+
+
+def in_background(fn) -> concurrent.futures.Future:
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="isojax")
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return future
+
+
 def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sources=None, dtype=None,
             seq_len=None, batch_tokens=None, max_tokens=None, token_stats: bool = True, centered: bool = False,
             save_token_sums: bool = False, attention: str = "auto", mesh=None, checkpoint_dir=None,
@@ -225,14 +269,13 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     {"data": N, "model": M} or None (chosen from the devices' memory). sample_states: keep a
     uniform sample of K tokens' states (sample.py) for intrinsic dimension (k = intrinsic_k
     neighbours) and batch anisotropy, written to samples.zarr; None: on accelerators a default
-    sample for the batch anisotropy only (default_sample_size), on CPU none; 0: none."""
+    sample for the batch anisotropy only (default_sample_size), on CPU none; 0: none.
+
+    A first run (no token cache yet) tokenizes while the devices measure: the batches follow
+    the growing cache (data.TokenStream) and are those a later, cached run packs."""
     import jax
 
-    from isojax import checkpointing, parallel
-    from isojax.data import load_corpus, pack_batches, plan_stats, tokenize_corpus
-    from isojax.finalize import finalize
-    from isojax.loading import cache_root
-    from isojax.manifest import build_manifest, build_metrics
+    from isojax.data import TokenStream, load_corpus
 
     timings = Timings()
     use_compilation_cache()
@@ -240,10 +283,9 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     dtype = dtype or ("bfloat16" if on_accel else "float32")
     if attention == "cudnn" and dtype != "bfloat16":
         raise UserError("attention cudnn needs dtype bfloat16 (cuDNN's fused attention has no float32 kernel)")
-    backend = jax.default_backend()
     auto_attention = attention == "auto"
     if auto_attention:  # cuDNN on GPUs (bf16), Pallas flash attention on TPUs, else plain
-        attention = {"gpu": "cudnn" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(backend, "xla")
+        attention = {"gpu": "cudnn" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
     for name, value in (("max_tokens", max_tokens), ("batch_tokens", batch_tokens), ("seq_len", seq_len),
                         ("checkpoint_every_tokens", checkpoint_every_tokens), ("intrinsic_k", intrinsic_k)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
@@ -253,14 +295,48 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
         name = model if isinstance(model, str) or model is None else None
         early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
         mesh = choose_mesh(early, token_stats, dtype, mesh)  # refuses what cannot fit before allocating
-        loaded = load(model, revision, dtype, attention, mesh)
-    cfg = loaded.config
+        found = tokenizer_without_weights(model, early)
+    tokens = None
+    try:
+        if found is not None:  # tokenizing starts now, while the weights load
+            with timings("tokenize"):
+                tokens = open_tokens(corpus, found[0], row_length(early, unit, seq_len), progress)
+        with timings("load"):
+            loaded = load(model, revision, dtype, attention, mesh)
+        if found is not None:
+            loaded.source["tokenizer"] = found[1]
+        row_len = row_length(loaded.config, unit, seq_len)
+        if tokens is None:
+            with timings("tokenize"):
+                tokens = open_tokens(corpus, loaded.tokenizer, row_len, progress)
+        return _measure(loaded, corpus, tokens, timings, row_len=row_len, mesh=mesh, unit=unit, sources=sources,
+                        data=data, auto_attention=auto_attention, batch_tokens=batch_tokens, max_tokens=max_tokens,
+                        token_stats=token_stats, centered=centered, save_token_sums=save_token_sums,
+                        checkpoint_dir=checkpoint_dir, checkpoint_every_tokens=checkpoint_every_tokens,
+                        resume_run=resume_run, progress=progress, sample_states=sample_states,
+                        intrinsic_k=intrinsic_k)
+    finally:
+        if isinstance(tokens, TokenStream):  # nothing once finished; after an error, stops the build
+            tokens.cancel()
+
+
+def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, data, auto_attention, batch_tokens,
+             max_tokens, token_stats, centered, save_token_sums, checkpoint_dir, checkpoint_every_tokens,
+             resume_run, progress, sample_states, intrinsic_k) -> Results:
+    """measure() once the weights are loaded and the tokens are cached or streaming."""
+    import jax
+
+    from isojax import checkpointing, parallel
+    from isojax.data import TokenStream, pack_batches, plan_stats
+    from isojax.finalize import finalize
+    from isojax.manifest import build_manifest, build_metrics
+
+    on_accel = jax.default_backend() != "cpu"
+    cfg, dtype = loaded.config, loaded.dtype
     n_dev = mesh.size
     log(f"model {loaded.source['name']} ({loaded.weights} weights, {cfg.num_layers} layers, d={cfg.hidden_size}), "
         f"{dtype}, devices: {n_dev} x {mesh.devices.flat[0].device_kind}, processes: {jax.process_count()}")
-    row_len = seq_len or (512 if unit == "sentence" else cfg.max_position_embeddings)
-    if row_len > cfg.max_position_embeddings:
-        raise UserError(f"seq_len must be in [1, {cfg.max_position_embeddings}] (the model's context)")
+    attention = loaded.attention_impl
     if attention == "cudnn" and row_len % 64 or attention == "pallas" and row_len % 128:
         if not auto_attention:
             raise UserError(f"attention {attention} needs rows of a multiple of {64 if attention == 'cudnn' else 128} "
@@ -270,28 +346,35 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     # default is per device, so that each device keeps its batch as devices are added.
     batch_tokens = batch_tokens or n_dev * ((262144 if cfg.hidden_size <= 1024 else 65536) if on_accel else 8192)
     rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
+    streamed = isinstance(tokens, TokenStream)
+    finished = lambda: tokens.result() if streamed else tokens
     with timings("tokenize"):
-        cache = tokenize_corpus(corpus, loaded.tokenizer, cache_dir=cache_root() / "tokens", max_len=row_len,
-                                progress=progress)
-        plan = plan_stats(cache, rows=rows, row_len=row_len)
-    log(f"corpus {corpus.describe()}: {cache.n_tokens:,} tokens in {cache.n_sequences:,} {unit}s, "
-        f"sources: {', '.join(cache.source_names)}; rows {rows} x {row_len}, padding {plan.padding_fraction:.1%}, "
+        labels = corpus.labels() if streamed else tokens.source_names
+        labels = labels or finished().source_names  # no record at all: the build ends with the corpus's error
+    # the padding fraction, from the plan of the finished cache, computed while the devices work
+    plan = in_background(lambda: plan_stats(finished(), rows=rows, row_len=row_len))
+    size = "tokenizing while the devices measure (first run)" if streamed else \
+        f"{tokens.n_tokens:,} tokens in {tokens.n_sequences:,} {unit}s"
+    log(f"corpus {corpus.describe()}: {size}, sources: {', '.join(labels)}; rows {rows} x {row_len}, "
         f"attention {loaded.attention_impl}")
-    num_groups = len(cache.source_names)
+    num_groups = len(labels)
     if max_tokens is None and data is None and not on_accel:
         max_tokens = CPU_DEFAULT_MAX_TOKENS
         log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (max_tokens to change)")
-    available = min(plan.tokens, max_tokens or plan.tokens)
     intrinsic = bool(sample_states)
+    wanted = default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
+    with timings("tokenize"):  # a first run waits for as many tokens as the sample wants, or the end
+        seen = tokens.tokens_at_least(wanted) if streamed else tokens.n_tokens
+    available = min(seen, max_tokens or seen)
     if sample_states is None:  # on accelerators: the batch anisotropy costs ~0.1 s; on 2 CPU cores, seconds
-        sample_states = min(default_sample_size(cfg, dtype), available) if on_accel else 0
+        sample_states = min(wanted, available)
     elif sample_states > available:
         raise UserError(f"sample_states {sample_states:,} is more than the {available:,} tokens this run sees")
     elif intrinsic and sample_states <= intrinsic_k + 1:
         raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
     check_fits(cfg, token_stats, dtype, num_groups, mesh, verbose=True, sample_size=sample_states)
     runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
-    settings = {"model_checksum": loaded.source["checksum"], "corpus": cache.fingerprint, "rows": rows,
+    settings = {"model_checksum": loaded.source["checksum"], "corpus": tokens.fingerprint, "rows": rows,
                 "row_len": row_len, "dtype": dtype, "token_stats": token_stats, "max_tokens": max_tokens,
                 "devices": n_dev, "processes": jax.process_count(), "mesh": dict(mesh.shape),
                 "sample_states": sample_states}
@@ -300,13 +383,21 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
         cursor, done = resume(runner, Path(checkpoint_dir), settings, done)
     elif checkpoint_dir is not None and Path(checkpoint_dir).exists() and parallel.is_main_process():
         shutil.rmtree(checkpoint_dir)
-    total = min(plan.tokens, max_tokens or plan.tokens)
+
+    def total():  # None while tokenizing: the bar shows count and rate
+        if streamed and not tokens.done():
+            return None
+        n = finished().n_tokens
+        return min(n, max_tokens or n)
+
     local = parallel.local_rows(mesh, rows) if jax.process_count() > 1 else None
     checkpointer = checkpointing.Checkpointer(Path(checkpoint_dir)) if checkpoint_every_tokens else None
+    # matplotlib loads while the devices work (0.3-0.9 s of the demo's after-loop time otherwise)
+    in_background(lambda: importlib.import_module("isojax.plots"))
     with timings("loop"):
         try:
             done, first = consume(
-                runner, pack_batches(cache, rows=rows, row_len=row_len, start_cursor=cursor, row_subset=local),
+                runner, pack_batches(tokens, rows=rows, row_len=row_len, start_cursor=cursor, row_subset=local),
                 done, total, max_tokens=max_tokens, checkpoint_every=checkpoint_every_tokens, progress=progress,
                 save_checkpoint=lambda d, c: checkpointer.save(d["batches"], runner.acc,
                                                                 {"settings": settings, "cursor": c, "done": d}))
@@ -315,6 +406,14 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
                 checkpointer.close()
     timings["loop"] -= first
     timings["compile"] += first
+    with timings("tokenize"):
+        if streamed and not tokens.done():
+            log("finishing the token cache of the whole corpus")
+        cache, plan = finished(), plan.result()
+    if cache.source_names != labels:
+        raise RuntimeError(f"sources {labels} read before tokenizing, {cache.source_names} in the token cache")
+    log(f"corpus: {cache.n_tokens:,} tokens in {cache.n_sequences:,} {unit}s, padding {plan.padding_fraction:.1%}"
+        + (" (token cache written)" if streamed else ""))
     with timings("merge"):
         acc = runner.merged_layers()
         token = runner.token_readout()
@@ -334,6 +433,8 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     metrics = build_metrics(loaded, unit, done, final, has_sources)
     loop_s = timings["loop"] + timings["compile"]
     manifest = build_manifest(loaded, cache, corpus, done, plan, loop_s, time.time() - timings.start, settings)
+    manifest["from_cache"] = not streamed and tokens.from_cache
+    manifest["bad_records_skipped"] = cache.meta["bad_records"]  # a cached run reads no records
     sums = runner.token_sums if save_token_sums and token_stats else None
     return Results(metrics, manifest, final, cfg.state_names, timings, sums)
 

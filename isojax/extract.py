@@ -7,6 +7,7 @@ bundled with CPython."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -156,6 +157,9 @@ def run(args) -> Path:
 
 
 def main(argv=None) -> int:
+    # JAX takes 75% of each GPU by default; a run owns its devices (gpt-neox-20b on 4 x 80 GB
+    # needs ~67 GB of weights and accumulators per device). Set the variable to share a GPU.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     return run_command(run, build_parser().parse_args(argv))
 
 

@@ -4,10 +4,11 @@ Each double-float pair is summed as float64(hi) + float64(lo). Vectors (counts, 
 out in numpy on the host. The second moments, the bulk of the work, are read out where they lie,
 one state at a time by one jitted float64 function (jax.enable_x64): groups combined with Chan's
 pairwise formula, the uncentered Gram rebuilt, and the eigenvalues of all three covariances
-taken on the default device in float64: a Householder reduction to tridiagonal form (cuSOLVER
-sytrd on a GPU, LAPACK on the CPU) and bisection on the tridiagonal matrix. eigvalsh would also
-build the eigenvectors (jax's eigvalsh is eigh): three times the time on the CPU, for the same
-eigenvalues (to ~1e-14 of the largest; tests/test_stats.py compares with numpy's eigvalsh).
+taken on an accelerator in float64: a Householder reduction to tridiagonal form (cuSOLVER sytrd)
+and bisection on the tridiagonal matrix. jax's eigvalsh would also build the eigenvectors (it is
+eigh). On the CPU the eigenvalues come from LAPACK's eigvalsh through numpy instead: XLA's
+bisection took 50 ms a state there and its compile seconds (the same eigenvalues to ~1e-14 of
+the largest; tests/test_stats.py compares with numpy's eigvalsh).
 """
 
 import functools
@@ -63,27 +64,42 @@ def _eigvals_desc(mats_KxDxD):
     return jax.vmap(lambda d, e: eigh_tridiagonal(d, e, eigvals_only=True))(diag_KxD, off_KxD)[:, ::-1]
 
 
-def _covariance_eigs(n, sum_D, m2_DxD, unit_m2_DxD):
-    """[3, D] eigenvalues, descending, of the covariance, the second moment (the uncentered Gram
-    M2 + sum sum^T / n, exact in float64) and the unit vectors' covariance; and Sum |x|^2 / n."""
+def _covariances(n, sum_D, m2_DxD, unit_m2_DxD):
+    """[3, D, D]: the covariance, the second moment (the uncentered Gram M2 + sum sum^T / n,
+    exact in float64) and the unit vectors' covariance; and Sum |x|^2 / n."""
     gram_DxD = m2_DxD + jnp.outer(sum_D, sum_D) / jnp.maximum(n, 1)
     mats = jnp.stack([m2_DxD, gram_DxD, unit_m2_DxD]) / jnp.maximum(n, 1)
-    return _eigvals_desc((mats + mats.swapaxes(1, 2)) / 2), jnp.trace(gram_DxD) / jnp.maximum(n, 1)
+    return (mats + mats.swapaxes(1, 2)) / 2, jnp.trace(gram_DxD) / jnp.maximum(n, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("per_group",))
-def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool):
+def _covariance_eigs(n, sum_D, m2_DxD, unit_m2_DxD):
+    """([3, D] eigenvalues, descending, of _covariances' matrices, Sum |x|^2 / n)."""
+    mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
+    return _eigvals_desc(mats), mean_sq_norm
+
+
+def _host_eigs(covariances):
+    """_covariance_eigs from _covariances' output in host memory: LAPACK (numpy) on the CPU."""
+    if covariances is None:
+        return None
+    mats, mean_sq_norm = covariances
+    return np.linalg.eigvalsh(np.asarray(mats))[..., ::-1], mean_sq_norm
+
+
+@functools.partial(jax.jit, static_argnames=("per_group", "eigs"))
+def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, eigs: bool = True):
     """One state's spectra, all groups together and (per_group) each group; call under
-    jax.enable_x64. m2, unit_m2: stats.DF of [H, D, D] float32 pairs."""
+    jax.enable_x64. m2, unit_m2: stats.DF of [H, D, D] float32 pairs. eigs=False: the
+    covariance matrices instead of their eigenvalues (for _host_eigs)."""
     m2_HxDxD = m2.hi.astype(jnp.float64) + m2.lo.astype(jnp.float64)
     unit_m2_HxDxD = unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)
     if per_group:
         whole = (_combine_m2(n_G, sum_GxD, m2_HxDxD), _combine_m2(n_G, unit_sum_GxD, unit_m2_HxDxD))
     else:
         whole = (m2_HxDxD[0], unit_m2_HxDxD[0])
-    eigs = _covariance_eigs(n_G.sum(), sum_GxD.sum(0), *whole)
-    groups = jax.vmap(_covariance_eigs)(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) if per_group else None
-    return eigs, groups
+    readout = _covariance_eigs if eigs else _covariances
+    groups = jax.vmap(readout)(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) if per_group else None
+    return readout(n_G.sum(), sum_GxD.sum(0), *whole), groups
 
 
 def _moments(n, sum_D, unit_sum_D, norm_sum, eigs=None):
@@ -163,13 +179,16 @@ def finalize(acc: Accumulators, state_names: list[str],
 
     layers, spectra = [], {"centered_SxD": [], "uncentered_SxD": [], "unit_SxD": []}
     eigs_GxS = [[None] * num_states for _ in range(num_groups)]
+    on_cpu = jax.default_backend() == "cpu"
     for s, name in enumerate(state_names):
         n_G = n_GxS[:, s]
         with jax.enable_x64(True):
             whole, groups = jax.device_get(_state_spectra(
                 n_G.astype(np.float64), sum_GxSxD[:, s], unit_sum_GxSxD[:, s],
                 jax.tree.map(lambda x: x[:, s], m2_HxSxDxD), jax.tree.map(lambda x: x[:, s], unit_m2_HxSxDxD),
-                per_group=per_group_m2))
+                per_group=per_group_m2, eigs=not on_cpu))
+        if on_cpu:
+            whole, groups = _host_eigs(whole), _host_eigs(groups)
         for g in range(num_groups):
             if group_eigs:
                 eigs_GxS[g][s] = (groups[0][g], groups[1][g]) if per_group_m2 else whole

@@ -21,14 +21,18 @@ def log(msg: str) -> None:
 def consume(runner, batches, done: dict, total: int, *, max_tokens=None, checkpoint_every=None,
             save_checkpoint=None, progress: bool = True, desc: str = "tokens") -> tuple[dict, float]:
     """Feed batches to the devices until they run out or max_tokens is reached (whole batches).
-    The progress bar counts tokens the devices have finished, not dispatched. Returns (done,
-    seconds of the first step: compile and first batch)."""
+    The progress bar counts tokens the devices have finished, not dispatched, up to `total`: an
+    int, or a function giving it once known and None before (the corpus still being tokenized:
+    the bar shows count and rate). Returns (done, seconds of the first step: compile and first
+    batch)."""
     from tqdm import tqdm
 
     done = dict(done)
     last_ckpt = done["tokens"]
-    bar = tqdm(total=total, initial=min(done["tokens"], total), unit="tok", unit_scale=True, file=sys.stderr,
-               dynamic_ncols=True, smoothing=0.1, desc=desc,
+    known_total = total if callable(total) else lambda: total
+    first_total = known_total()
+    bar = tqdm(total=first_total, initial=min(done["tokens"], first_total or done["tokens"]), unit="tok",
+               unit_scale=True, file=sys.stderr, dynamic_ncols=True, smoothing=0.1, desc=desc,
                disable=None if progress and parallel.is_main_process() else True)
     pending = collections.deque()  # (marker of a dispatched step, its tokens)
     first_step = None
@@ -37,7 +41,10 @@ def consume(runner, batches, done: dict, total: int, *, max_tokens=None, checkpo
         while len(pending) > keep:
             marker, n = pending.popleft()
             marker.block_until_ready()
-            bar.update(min(n, max(total - bar.n, 0)))
+            if bar.total is None and known_total() is not None:
+                bar.total = known_total()
+                bar.n = min(bar.n, bar.total)
+            bar.update(n if bar.total is None else min(n, max(bar.total - bar.n, 0)))
 
     try:
         for batch in batches:

@@ -4,6 +4,7 @@ complete, so a failed run never damages earlier results."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import json
 import math
@@ -90,10 +91,15 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
             write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
     states = final.get("sample")
     if states is not None:  # the uniform sample, [S, K, D] float32, one state at a time
-        first = states(0)
+        first = np.asarray(states(0))
         store = _open_zarr(stage / "samples.zarr" / "states", "float32", (len(state_names), *first.shape))
         for s in range(len(state_names)):
-            store[s].write(first if s == 0 else states(s)).result()
+            store[s].write(first if s == 0 else np.asarray(states(s))).result()
+
+
+def _plot(metrics: dict, plot_dir: Path) -> list[Path]:
+    from isojax.plots import plot_metrics
+    return plot_metrics(metrics, plot_dir)
 
 
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
@@ -102,20 +108,20 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
     `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None.
     `timings` (api.Timings): gets the seconds of "write" and "plots"; the manifest, written last,
     gets them and the wall time."""
-    if timings is None:
-        from isojax.api import Timings
-        timings = Timings()
+    from isojax.api import Timings, in_background
+    timings = timings if timings is not None else Timings()
     out.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
+    drawing = None
     try:
+        if plots:  # drawn while the data is written; "plots" counts only the wait for them after
+            (stage / "plots").mkdir()
+            drawing = in_background(lambda: _plot(metrics, stage / "plots"))
         with timings("write"):
             _write_data(stage, metrics, final, state_names, token_sums)
-        if plots:
-            from isojax.plots import plot_metrics
+        if drawing is not None:
             with timings("plots"):
-                plot_dir = stage / "plots"
-                plot_dir.mkdir()
-                manifest["plots"] = [str(p.relative_to(stage)) for p in plot_metrics(metrics, plot_dir)]
+                manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]
         manifest["timings"] = dict(timings)
         manifest["seconds_wall"] = time.time() - timings.start
         (stage / "manifest.json").write_text(json.dumps(_clean(manifest), indent=1) + "\n")
@@ -130,4 +136,6 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
                 os.replace(stage / name, dst)
         return written
     finally:
+        if drawing is not None:
+            concurrent.futures.wait([drawing])
         shutil.rmtree(stage, ignore_errors=True)

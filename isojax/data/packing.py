@@ -16,6 +16,10 @@ rows are nearly full: 0.15% padding on the benchmark's sentences at 128 x 512, w
 partly filled batch follows, in source order. A cursor is therefore just "batches done so
 far": resuming replans (offsets only, ~0.6M sequences/s) and skips them, nothing lost or
 repeated.
+
+The plan is a fold over the sequences in order, so it can follow a token cache that is still
+being written (tokens.TokenStream): batches close as the sequences arrive and are exactly those
+of the finished cache.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from typing import Iterator
 import numpy as np
 
 from isojax.errors import UserError
-from isojax.data.tokens import TokenCache
+from isojax.data.tokens import TokenCache, TokenStream
 
 _PLAN_CHUNK = 1 << 20  # sequences per planning step (part of the order: do not change lightly)
 _CURSOR_VERSION = 2  # 1: next-fit rows
+_POLL_S = 0.1  # how often a packer waiting on a growing cache checks whether it was closed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,22 +84,44 @@ class _OpenBatch:
         return [np.asarray(r, np.int64) for r in self.rows if r]
 
 
-def _plan(cache: TokenCache, rows: int, row_len: int) -> Iterator[tuple[int, list[np.ndarray]]]:
-    """(group, [B or fewer arrays of sequence ids, one per row]) for every batch, in order."""
-    lengths = np.diff(cache.offsets)
+def _runs(source: TokenCache | TokenStream, stop: threading.Event | None = None):
+    """(cache, lo, hi): consecutive runs of sequences [lo, hi), each as soon as the cache (the
+    latest one a growing source gave) holds it; ends early when stop is set."""
+    lo, cache, finished = 0, source, isinstance(source, TokenCache)
+    while True:
+        written = None
+        while not finished and written is None:
+            if stop is not None and stop.is_set():
+                return
+            written = source.wait(lo, timeout=_POLL_S)
+        if written is not None:
+            cache, finished = written
+        for a in range(lo, cache.n_sequences, _PLAN_CHUNK):
+            yield cache, a, min(a + _PLAN_CHUNK, cache.n_sequences)
+        lo = cache.n_sequences
+        if finished:
+            return
+
+
+def _plan(source: TokenCache | TokenStream, rows: int, row_len: int, stop=None):
+    """(cache, group, [B or fewer arrays of sequence ids, one per row]) for every batch, in order;
+    cache holds the batch's sequences."""
     open_batches: dict[int, _OpenBatch] = {}
-    for lo in range(0, cache.n_sequences, _PLAN_CHUNK):
-        groups = np.asarray(cache.source_ids[lo:lo + _PLAN_CHUNK]).tolist()
-        for i, (g, length) in enumerate(zip(groups, lengths[lo:lo + _PLAN_CHUNK].tolist()), start=lo):
+    for cache, lo, hi in _runs(source, stop):
+        lengths = np.diff(cache.offsets[lo:hi + 1]).tolist()
+        groups = np.asarray(cache.source_ids[lo:hi]).tolist()
+        for i, (g, length) in enumerate(zip(groups, lengths), start=lo):
             batch = open_batches.get(g)
             if batch is None:
                 batch = open_batches[g] = _OpenBatch(rows, row_len)
             if not batch.add(i, length):
-                yield g, batch.row_list()
+                yield cache, g, batch.row_list()
                 batch = open_batches[g] = _OpenBatch(rows, row_len)
                 batch.add(i, length)
+    if stop is not None and stop.is_set():
+        return
     for g in sorted(open_batches):
-        yield g, open_batches[g].row_list()
+        yield cache, g, open_batches[g].row_list()
 
 
 def _materialize(cache: TokenCache, row_list: list[np.ndarray], rows: int, row_len: int, subset=None):
@@ -135,18 +162,21 @@ def _cursor(cache: TokenCache, rows: int, row_len: int, next_batch: int) -> dict
             "rows": rows, "row_len": row_len, "plan_chunk": _PLAN_CHUNK, "next_batch": next_batch}
 
 
-def _batches(cache: TokenCache, rows: int, row_len: int, skip: int, subset) -> Iterator[Batch]:
-    for k, (group, row_list) in enumerate(_plan(cache, rows, row_len)):
+def _batches(source, rows: int, row_len: int, skip: int, subset, stop) -> Iterator[Batch]:
+    for k, (cache, group, row_list) in enumerate(_plan(source, rows, row_len, stop)):
         if k < skip:
             continue
         tokens, segments, positions, sequences, n_tok, n_seq = _materialize(cache, row_list, rows, row_len, subset)
         yield Batch(tokens, segments, positions, sequences, group, n_tok, n_seq, _cursor(cache, rows, row_len, k + 1))
 
 
-def _check(cache: TokenCache, rows: int, row_len: int, start_cursor) -> int:
+def _check(cache: TokenCache | TokenStream, rows: int, row_len: int, start_cursor) -> int:
     if rows < 1 or row_len < 1:
         raise ValueError(f"rows and row_len must be positive, got {rows}, {row_len}")
-    longest = int(np.diff(cache.offsets).max()) if cache.n_sequences else 0
+    if isinstance(cache, TokenStream):  # no sequence is longer than its windows
+        longest = cache.max_len
+    else:
+        longest = int(np.diff(cache.offsets).max()) if cache.n_sequences else 0
     if longest > row_len:
         raise ValueError(f"row_len={row_len} is shorter than the longest sequence ({longest}); "
                          f"tokenize with max_len <= row_len")
@@ -186,16 +216,17 @@ _END = object()
 
 class BatchIterator:
     """Iterator over Batch; a daemon thread keeps up to `prefetch` batches ready.
-    `stats` counts the batches handed out so far (padding_fraction for reports)."""
+    `stats` counts the batches handed out so far (padding_fraction for reports).
+    `stop`: set by close(); the source ends when it sees it."""
 
-    def __init__(self, source: Iterator[Batch], prefetch: int):
+    def __init__(self, source: Iterator[Batch], prefetch: int, stop: threading.Event):
         self.stats = PackStats()
         self._source = source
         self._queue = None
         self._done = False
+        self._stop = stop
         if prefetch > 0:
             self._queue = queue.Queue(maxsize=prefetch)
-            self._stop = threading.Event()
             self._thread = threading.Thread(target=_produce, args=(source, self._queue, self._stop),
                                             name="isojax-pack", daemon=True)
             self._thread.start()
@@ -224,8 +255,8 @@ class BatchIterator:
     def close(self) -> None:
         """Stop the producer thread (also done when the iterator is garbage collected)."""
         self._done = True
+        self._stop.set()
         if self._queue is not None:
-            self._stop.set()
             self._thread.join()
 
     def __del__(self):
@@ -233,17 +264,20 @@ class BatchIterator:
             self._stop.set()
 
 
-def pack_batches(cache: TokenCache, *, rows: int, row_len: int, start_cursor=None, prefetch: int = 4,
-                 row_subset=None) -> BatchIterator:
+def pack_batches(cache: TokenCache | TokenStream, *, rows: int, row_len: int, start_cursor=None,
+                 prefetch: int = 4, row_subset=None) -> BatchIterator:
     """Packed [rows, row_len] batches of `cache`, each of a single source (`Batch.group`).
 
+    `cache`: a TokenCache, or a TokenStream still being written: the batches follow it as it
+    grows (waiting for more) and are those of the finished cache; its builder's error is raised.
     `start_cursor`: a `Batch.cursor`; yields exactly the batches after that one.
     `prefetch`: batches a background thread keeps ready (0 = produce in the caller's thread).
     `row_subset`: global row indices to materialize (a process's share of every batch; the
     batches' token and sequence counts stay those of the whole batch); None: all rows.
     """
     skip = _check(cache, rows, row_len, start_cursor)
-    return BatchIterator(_batches(cache, rows, row_len, skip, row_subset), prefetch)
+    stop = threading.Event()
+    return BatchIterator(_batches(cache, rows, row_len, skip, row_subset, stop), prefetch, stop)
 
 
 def plan_stats(cache: TokenCache, *, rows: int, row_len: int) -> PackStats:
@@ -251,7 +285,7 @@ def plan_stats(cache: TokenCache, *, rows: int, row_len: int) -> PackStats:
     _check(cache, rows, row_len, None)
     lengths = np.diff(cache.offsets)
     stats = PackStats()
-    for _, row_list in _plan(cache, rows, row_len):
+    for _, _, row_list in _plan(cache, rows, row_len):
         stats.batches += 1
         stats.tokens += int(sum(lengths[r].sum() for r in row_list))
     stats.slots = stats.batches * rows * row_len

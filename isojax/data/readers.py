@@ -94,6 +94,7 @@ class Corpus:
     max_bad_records: int = 100
     bad_records: int = 0
     seen_sources: set[str] = dataclasses.field(default_factory=set)
+    warn: bool = True  # warn about skipped records (the label scan reads them a second time, quietly)
 
     def fingerprint(self) -> str:
         """Hash of inputs (path, size, mtime), unit, sources, splitter; never reads contents.
@@ -135,11 +136,22 @@ class Corpus:
                 if self.sources is None or label in self.sources:
                     yield label, text
 
+    def labels(self) -> list[str]:
+        """The source labels of the records, in order of first appearance (as a token cache's
+        source_names). Text files and the default corpus carry no per-record labels: theirs
+        follow from the inputs; other inputs are read (records parsed and checked, the label
+        taken; nothing split or tokenized)."""
+        keep = lambda label: self.sources is None or label in self.sources
+        if all(inp.kind in ("txt", "default") for inp in self.inputs):
+            return list(dict.fromkeys(inp.label for inp in self.inputs if keep(inp.label)))
+        quiet = dataclasses.replace(self, warn=False)  # its own counters: the build may be reading self
+        return list(dict.fromkeys(label for label, _ in quiet.documents()))
+
     def _bad(self, where: str, reason: str) -> None:
         self.bad_records += 1
         if self.bad_records > self.max_bad_records:
             raise UserError(f"{where}: {reason} (more than max_bad_records={self.max_bad_records} bad records)")
-        if self.bad_records <= _MAX_WARNINGS:
+        if self.warn and self.bad_records <= _MAX_WARNINGS:
             warnings.warn(f"{where}: {reason}; record skipped", stacklevel=3)
 
     def _record(self, where: str, rec, default_label: str):

@@ -8,7 +8,9 @@ every model sharing a tokenizer reuses one cache. The cache holds whole units; w
 `max_len` are cut when it is opened, so it is shared across context lengths too.
 
 A cache is built in a temporary sibling folder and renamed into place only when complete:
-a crash leaves a `.tmp-*` folder that is never read (and is safe to delete).
+a crash leaves a `.tmp-*` folder that is never read (and is safe to delete). On a first run
+`stream_tokens` builds it in a background thread (`TokenStream`) and the packer follows the
+growing files, so the devices start on the first batches while the rest is still tokenized.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import threading
 import uuid
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +39,7 @@ from isojax.data.units import text_units
 
 CACHE_VERSION = 1
 _CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortize IPC, small enough to stream
+_CHUNK_CHARS_IN_PROCESS = 1 << 16  # no IPC to amortize: small chunks give a streamed run its first batch sooner
 _SMALL_CORPUS = 4 << 20  # bytes; below this, starting worker processes (~2 s) costs more than it saves
 
 
@@ -114,7 +118,7 @@ def encode_chunk(unit: str, texts: list[str], srcs: list[int], tok: Tokenizer | 
     return lengths[keep], np.asarray(owners, np.int16)[keep], flat
 
 
-def _chunks(corpus: Corpus, names: dict[str, int]):
+def _chunks(corpus: Corpus, names: dict[str, int], chunk_chars: int):
     texts, srcs, size = [], [], 0
     for label, text in corpus.documents():
         if label not in names:
@@ -124,14 +128,21 @@ def _chunks(corpus: Corpus, names: dict[str, int]):
         texts.append(text)
         srcs.append(names[label])
         size += len(text)
-        if size >= _CHUNK_CHARS:
+        if size >= chunk_chars:
             yield texts, srcs
             texts, srcs, size = [], [], 0
     if texts:
         yield texts, srcs
 
 
-def _build(corpus: Corpus, tok: Tokenizer, tmp: Path, workers: int, progress: bool) -> dict:
+class _Cancelled(Exception):
+    pass
+
+
+def _build(corpus: Corpus, tok: Tokenizer, tmp: Path, workers: int, progress: bool, publish=None,
+           stop: threading.Event | None = None) -> dict:
+    """Tokenize into tmp's files. publish(lengths, source ids, names), when given, is called after
+    each chunk is written and flushed; stop, when set, ends the build with _Cancelled."""
     names: dict[str, int] = {}
     n_tok = n_seq = 0
     bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress)
@@ -148,16 +159,25 @@ def _build(corpus: Corpus, tok: Tokenizer, tmp: Path, workers: int, progress: bo
             n_tok += len(flat)
             n_seq += len(lengths)
             bar.update(len(flat))
+            if publish is not None:
+                ft.flush()
+                publish(lengths, srcs, list(names))
+
+        def chunks(chunk_chars):
+            for chunk in _chunks(corpus, names, chunk_chars):
+                if stop is not None and stop.is_set():
+                    raise _Cancelled
+                yield chunk
 
         if workers <= 1:
-            for texts, srcs in _chunks(corpus, names):
+            for texts, srcs in chunks(_CHUNK_CHARS_IN_PROCESS):
                 write(encode_chunk(corpus.unit, texts, srcs, tok))
         else:
             ctx = multiprocessing.get_context("spawn")  # fork is unsafe once JAX or rayon threads run
             with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                      initargs=(tok.to_str(),)) as pool:
                 pending = collections.deque()  # bounded: the reader never runs far ahead
-                for texts, srcs in _chunks(corpus, names):
+                for texts, srcs in chunks(_CHUNK_CHARS):
                     pending.append(pool.submit(encode_chunk, corpus.unit, texts, srcs))
                     if len(pending) >= 2 * workers:
                         write(pending.popleft().result())
@@ -207,31 +227,28 @@ def _open(path: Path, key: str, max_len: int, from_cache: bool) -> TokenCache:
     return TokenCache(tokens, offsets, source_ids, meta["source_names"], key, max_len, path, from_cache, meta)
 
 
-def tokenize_corpus(corpus: Corpus, tokenizer, *, cache_dir, max_len: int, workers: int | None = None,
-                    progress: bool = False) -> TokenCache:
-    """Tokenize `corpus` (no special tokens) or reuse its cache; cut windows of `max_len`.
-
-    `workers`: processes that split and tokenize (default: all cores, or this process alone
-    for corpora under 4 MB); 1 = in this process.
-    `progress`: show a tqdm bar of tokens written.
-    """
-    if max_len < 1:
-        raise ValueError(f"max_len must be positive, got {max_len}")
-    tok = backend_tokenizer(tokenizer)
+def _key(corpus: Corpus, tok: Tokenizer) -> tuple[str, str]:
     tok_hash = hashlib.sha256(tok.to_str().encode()).hexdigest()
-    key = hashlib.sha256(f"{CACHE_VERSION}:{corpus.fingerprint()}:{tok_hash}".encode()).hexdigest()[:32]
-    cache_dir = Path(cache_dir)
-    final = cache_dir / key
-    if (final / "meta.json").exists():
-        return _open(final, key, max_len, from_cache=True)
+    return hashlib.sha256(f"{CACHE_VERSION}:{corpus.fingerprint()}:{tok_hash}".encode()).hexdigest()[:32], tok_hash
+
+
+def _new_tmp(cache_dir: Path, key: str) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    return tmp
+
+
+def _default_workers(corpus: Corpus) -> int:
+    size = corpus.size_bytes()
+    return 1 if size is not None and size < _SMALL_CORPUS else os.cpu_count() or 1
+
+
+def _make(corpus: Corpus, tok: Tokenizer, tok_hash: str, tmp: Path, final: Path, workers: int, progress: bool,
+          publish=None, stop=None) -> None:
+    """Build the cache in tmp and rename it to final; tmp is gone afterwards, whatever happens."""
     try:
-        if workers is None:
-            size = corpus.size_bytes()
-            workers = 1 if size is not None and size < _SMALL_CORPUS else os.cpu_count() or 1
-        meta = _build(corpus, tok, tmp, workers, progress)
+        meta = _build(corpus, tok, tmp, workers, progress, publish, stop)
         meta["tokenizer_sha256"] = tok_hash
         with open(tmp / "meta.json", "w") as f:
             f.write(json.dumps(meta, indent=1))
@@ -244,4 +261,145 @@ def tokenize_corpus(corpus: Corpus, tokenizer, *, cache_dir, max_len: int, worke
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tokenize_corpus(corpus: Corpus, tokenizer, *, cache_dir, max_len: int, workers: int | None = None,
+                    progress: bool = False) -> TokenCache:
+    """Tokenize `corpus` (no special tokens) or reuse its cache; cut windows of `max_len`.
+
+    `workers`: processes that split and tokenize (default: all cores, or this process alone
+    for corpora under 4 MB); 1 = in this process.
+    `progress`: show a tqdm bar of tokens written.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be positive, got {max_len}")
+    tok = backend_tokenizer(tokenizer)
+    key, tok_hash = _key(corpus, tok)
+    final = Path(cache_dir) / key
+    if (final / "meta.json").exists():
+        return _open(final, key, max_len, from_cache=True)
+    tmp = _new_tmp(Path(cache_dir), key)
+    _make(corpus, tok, tok_hash, tmp, final, workers or _default_workers(corpus), progress)
     return _open(final, key, max_len, from_cache=False)
+
+
+def stream_tokens(corpus: Corpus, tokenizer, *, cache_dir, max_len: int,
+                  workers: int | None = None) -> TokenCache | TokenStream:
+    """The corpus's token cache (windows of `max_len`) where it exists, else a TokenStream that
+    builds it in a background thread, readable while it grows (`packing.pack_batches` takes either)."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be positive, got {max_len}")
+    tok = backend_tokenizer(tokenizer)
+    key, tok_hash = _key(corpus, tok)
+    final = Path(cache_dir) / key
+    if (final / "meta.json").exists():
+        return _open(final, key, max_len, from_cache=True)
+    return TokenStream(corpus, tok, tok_hash, Path(cache_dir), key, max_len, workers or _default_workers(corpus))
+
+
+class _Growing:
+    """An array that only grows at its end (capacity doubled); views of it stay valid."""
+
+    def __init__(self, dtype, first=()):
+        self._buf = np.zeros(max(1024, len(first)), dtype)
+        self.n = 0
+        self.extend(np.asarray(first, dtype))
+
+    def extend(self, x: np.ndarray) -> None:
+        if self.n + len(x) > len(self._buf):
+            bigger = np.zeros(max(2 * len(self._buf), self.n + len(x)), self._buf.dtype)
+            bigger[:self.n] = self._buf[:self.n]
+            self._buf = bigger
+        self._buf[self.n:self.n + len(x)] = x
+        self.n += len(x)
+
+    def view(self) -> np.ndarray:
+        return self._buf[:self.n]
+
+
+class TokenStream:
+    """A token cache being built by a background thread (the process pool of `_build` behind it)
+    in its `.tmp-*` folder, renamed into place when complete, as `tokenize_corpus` does.
+
+    After each chunk is written and flushed the builder publishes its sequences (windowed, as
+    `_open` cuts them); `wait(n)` gives a TokenCache of everything written so far, its tokens
+    memory-mapped from the temporary file, once it holds more than n sequences, and the
+    finished cache (`_open`ed from its final place: the same sequences, the same order) at the
+    end. The builder's error (a UserError for bad input) is raised by `wait` and `result`."""
+
+    def __init__(self, corpus: Corpus, tok: Tokenizer, tok_hash: str, cache_dir: Path, key: str, max_len: int,
+                 workers: int):
+        self.fingerprint, self.max_len, self.corpus = key, max_len, corpus
+        self._offsets = _Growing(np.int64, [0])  # windowed, as _open cuts them
+        self._source_ids = _Growing(np.int16)
+        self._names: list[str] = []
+        self._finished: TokenCache | None = None
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        tmp = _new_tmp(cache_dir, key)
+        (tmp / "tokens.bin").touch()
+        self._tokens_file = open(tmp / "tokens.bin", "rb")  # the same file after the rename
+        self._thread = threading.Thread(target=self._run, name="isojax-tokenize", daemon=True,
+                                        args=(corpus, tok, tok_hash, tmp, cache_dir / key, workers))
+        self._thread.start()
+
+    def _run(self, corpus, tok, tok_hash, tmp, final, workers) -> None:
+        try:
+            _make(corpus, tok, tok_hash, tmp, final, workers, False, self._publish, self._stop)
+            cache, error = _open(final, self.fingerprint, self.max_len, from_cache=False), None
+        except BaseException as e:  # raised in the threads that read the stream
+            cache, error = None, e
+        with self._changed:
+            self._finished, self._error = cache, error
+            self._tokens_file.close()
+            self._changed.notify_all()
+
+    def _publish(self, lengths: np.ndarray, srcs: np.ndarray, names: list[str]) -> None:
+        n_tok = int(self._offsets.view()[-1])
+        ends = n_tok + np.cumsum(lengths, dtype=np.int64)
+        offsets, source_ids = _windows(np.append(np.int64(n_tok), ends), srcs, self.max_len)
+        with self._changed:
+            self._offsets.extend(offsets[1:])
+            self._source_ids.extend(source_ids)
+            self._names = names
+            self._changed.notify_all()
+
+    def done(self) -> bool:
+        return self._finished is not None or self._error is not None
+
+    def wait(self, n_sequences: int, timeout: float | None = None) -> tuple[TokenCache, bool] | None:
+        """(the cache as far as written, finished?) once it holds more than n_sequences sequences
+        or is finished; None when timeout passes first."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.done() or self._source_ids.n > n_sequences, timeout):
+                return None
+            if self._error is not None:
+                raise self._error
+            if self._finished is not None:
+                return self._finished, True
+            offsets, source_ids = self._offsets.view(), self._source_ids.view()
+            n_tok = int(offsets[-1])
+            tokens = np.memmap(self._tokens_file, np.int32, "r", shape=(n_tok,)) if n_tok else np.zeros(0, np.int32)
+            return TokenCache(tokens, offsets, source_ids, list(self._names), self.fingerprint, self.max_len,
+                              Path(self._tokens_file.name).parent, False, {}), False
+
+    def tokens_at_least(self, n: int) -> int:
+        """Tokens written, once there are at least n or the cache is finished."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.done() or int(self._offsets.view()[-1]) >= n)
+            if self._error is not None:
+                raise self._error
+            return self._finished.n_tokens if self._finished is not None else int(self._offsets.view()[-1])
+
+    def result(self) -> TokenCache:
+        """The finished cache (waits for the build)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._finished
+
+    def cancel(self) -> None:
+        """Stop the build (its temporary folder is removed); nothing if it has finished."""
+        self._stop.set()
+        self._thread.join()
