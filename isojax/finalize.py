@@ -89,7 +89,7 @@ def _host_eigs(covariances):
 @functools.partial(jax.jit, static_argnames=("per_group", "eigs"))
 def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, eigs: bool = True):
     """One state's spectra, all groups together and (per_group) each group; call under
-    jax.enable_x64. m2, unit_m2: stats.DF of [H, D, D] float32 pairs. eigs=False: the
+    jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D] float32 pairs. eigs=False: the
     covariance matrices instead of their eigenvalues (for _host_eigs)."""
     m2_HxDxD = m2.hi.astype(jnp.float64) + m2.lo.astype(jnp.float64)
     unit_m2_HxDxD = unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)

@@ -254,9 +254,12 @@ class GPTNeoX(nn.Module):
         (x_BxTxD, obs), _ = layers(cfg, self.dtype, self.param_dtype, self.precision, self.options,
                                    observe, name="layers")(
             (x_BxTxD, obs), jnp.arange(1, cfg.num_layers + 1), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
-        obs = observe(obs, cfg.num_layers, x_BxTxD)  # the last block's output
         h_BxTxD = LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name="final_layer_norm")(x_BxTxD)
-        return observe(obs, cfg.num_layers + 1, h_BxTxD)
+        # The last block's output and the final LayerNorm's are observed in a loop too: an update
+        # of the scan's output outside any loop makes XLA copy every accumulator it touches (a
+        # second copy of every Gram: 13 GB per device at gpt-neox-20b; bench/RESULTS.md 7b).
+        last_2xBxTxD = jnp.stack([x_BxTxD, h_BxTxD.astype(x_BxTxD.dtype)])
+        return jax.lax.fori_loop(0, 2, lambda i, obs: observe(obs, cfg.num_layers + i, last_2xBxTxD[i]), obs)
 
 
 def collect_states(buf_SxBxTxD, s, x_BxTxD):

@@ -342,3 +342,26 @@ def test_accumulator_bytes():
     full = stats.accumulator_bytes(s, d, v)
     no_tokens = stats.accumulator_bytes(s, d, v, token_stats=False)
     assert full - no_tokens == 2 * s * v * d * 4 + s * v * 4
+
+
+def test_the_compiled_step_updates_grams_and_token_sums_in_place():
+    """The step keeps one copy of every accumulator: XLA once copied the Grams inside the layer
+    scan (separate hi and lo arrays) and after it (the last two states observed outside any
+    loop), which at gpt-neox-20b did not fit 4 x 80 GB. No copy of an array of a Gram's or the
+    per-token sums' shape may appear in the optimized program."""
+    import dataclasses
+    import re
+
+    from isojax.config import preset
+    from isojax.loading import random_params
+    from isojax.model import GPTNeoX
+    from isojax.runner import Runner
+    cfg = dataclasses.replace(preset("pythia-70m"), hidden_size=192, intermediate_size=768, num_layers=2,
+                              num_heads=4, vocab_size=96)
+    runner = Runner(GPTNeoX(cfg), random_params(cfg), token_stats=True)
+    rows = [np.ones((4, 16), np.int32)] * 4
+    hlo = runner._step.lower(runner.params, runner.acc, *rows, jnp.int32(0), runner.centers_SxD).compile().as_text()
+    gram = ",".join(map(str, runner.acc.m2_HxSxDxD.hl.shape[-4:]))  # H, S, D, D, 2 without the device axis
+    tokens = ",".join(map(str, runner.acc.tok_sum_SxVxD.hi.shape))
+    copies = [line for line in hlo.splitlines() if re.search(r"\bcopy\(", line) and (gram in line or tokens in line)]
+    assert not copies, copies[:4]
