@@ -3,6 +3,7 @@ still being written (data.TokenStream) are those of the finished cache, and a st
 metrics those of a cached run. CPU, offline."""
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -44,16 +45,27 @@ def write_sources(folder: Path, seed: int = 0) -> list[str]:
 
 class Views(list):
     delay = 0.01
+    hold = 0  # chunks built before the builder waits for the packer's first request
+
+    def __init__(self):
+        super().__init__()
+        self.asked = threading.Event()
+        self.built = 0
 
 
 @pytest.fixture
 def slow_small_chunks(monkeypatch):
     """Chunks of a few paragraphs, each a little late (views.delay seconds): the packer catches up
-    with the builder many times. Records which views the packer got (partial or finished)."""
+    with the builder many times. With views.hold = k the builder stops after k chunks until the
+    packer first asks for data (so a slow load or compile cannot let it finish first). Records
+    which views the packer got (partial or finished)."""
     monkeypatch.setattr(tokens_mod, "_CHUNK_CHARS_IN_PROCESS", 2000)
     encode = tokens_mod.encode_chunk
 
     def late(*args, **kwargs):
+        if views.hold and views.built >= views.hold:
+            views.asked.wait(timeout=120)
+        views.built += 1
         time.sleep(views.delay)
         return encode(*args, **kwargs)
 
@@ -62,6 +74,7 @@ def slow_small_chunks(monkeypatch):
     wait = TokenStream.wait
 
     def recorded(self, n, timeout=None):
+        views.asked.set()
         got = wait(self, n, timeout)
         if got is not None:
             views.append(got[1])
@@ -144,7 +157,8 @@ def test_streamed_run_equals_cached_run(tmp_path, monkeypatch, slow_small_chunks
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
     paths = write_sources(tmp_path / "data")
     options = dict(seq_len=64, batch_tokens=256, progress=False)
-    slow_small_chunks.delay = 0.1  # slower than loading and compiling: the loop follows the builder
+    slow_small_chunks.delay = 0.05
+    slow_small_chunks.hold = 2  # the builder waits for the loop's first request: the loop follows it
     first = isojax.measure(str(tmp_path / "ckpt"), paths, **options)
     assert slow_small_chunks.count(False) > 5
     second = isojax.measure(str(tmp_path / "ckpt"), paths, **options)
