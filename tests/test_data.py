@@ -5,7 +5,6 @@ Expected token ids are computed here by encoding the texts directly with `tokeni
 
 import gzip
 import json
-import os
 from pathlib import Path
 
 import numpy as np
