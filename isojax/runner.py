@@ -134,10 +134,14 @@ class Runner:
         in float64 one state at a time; None without token stats."""
         if not self.vocab_rows:
             return None
-        with jax.enable_x64(True):
-            intra = _compiled_readout(self.mesh)(self.acc.tok_count_SxV, self.acc.tok_sum_SxVxD)
-            intra, count = _gather(intra), _gather(self.acc.tok_count_SxV[:1])
         n, v = self.num_devices, self.cfg.vocab_size
+        count = _gather(self.acc.tok_count_SxV[:1])  # every state counts the same tokens
+        # only rows with two or more occurrences have an IntraSim: read out that many per device,
+        # rounded up to a power of two (few compiles); a short run sees a small part of V
+        most = int((count[0] >= 2).reshape(n, -1).sum(1).max())
+        rows = min(1 << max(0, most - 1).bit_length(), self.vocab_rows // n)
+        with jax.enable_x64(True):
+            intra = _gather(_compiled_readout(self.mesh, rows)(self.acc.tok_count_SxV, self.acc.tok_sum_SxVxD))
         return token_order(count, n, v)[0].astype(np.int64), token_order(intra, n, v)
 
     def token_sums(self, s: int) -> np.ndarray:
@@ -293,18 +297,25 @@ def _compiled_merge(mesh, specs, num_states: int):
 
 
 @functools.cache
-def _compiled_readout(mesh):
+def _compiled_readout(mesh, rows: int):
     """IntraSim of every token row, in float64 (call under jax.enable_x64): (|hi + lo|^2 - c) /
-    (c^2 - c), NaN where c < 2; one state at a time, so the float64 copy is one [V/n, D]."""
+    (c^2 - c), NaN where c < 2. Each device reads out its first `rows` rows with c >= 2 (rows:
+    at least as many as any device has), one state at a time."""
 
     def local(count_SxV, tok):
-        def one(s):
-            sum_VxD = tok.hi[s].astype(jnp.float64) + tok.lo[s].astype(jnp.float64)
-            return jnp.einsum("vd,vd->v", sum_VxD, sum_VxD)
+        c_V = count_SxV[0]
+        held = c_V.shape[0]
+        idx_R = jnp.nonzero(c_V >= 2, size=rows, fill_value=held)[0]  # padding: out of range
 
-        sq_SxV = lax.map(one, jnp.arange(count_SxV.shape[0]))
-        c = count_SxV.astype(jnp.float64)
-        return jnp.where(c >= 2, (sq_SxV - c) / jnp.where(c >= 2, c * c - c, 1.0), jnp.nan)
+        def one(s):
+            pick = lambda x: x[s].at[idx_R].get(mode="fill", fill_value=0.0).astype(jnp.float64)
+            sum_RxD = pick(tok.hi) + pick(tok.lo)
+            return jnp.einsum("rd,rd->r", sum_RxD, sum_RxD)
+
+        sq_SxR = lax.map(one, jnp.arange(count_SxV.shape[0]))
+        c_R = c_V.at[idx_R].get(mode="fill", fill_value=0).astype(jnp.float64)
+        intra_SxR = (sq_SxR - c_R) / jnp.where(c_R >= 2, c_R * c_R - c_R, 1.0)
+        return jnp.full(count_SxV.shape, jnp.nan, jnp.float64).at[:, idx_R].set(intra_SxR, mode="drop")
 
     tok_spec = stats.DF(P(None, ALL, None), P(None, ALL, None))
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, ALL), tok_spec), out_specs=P(None, ALL)))
