@@ -31,7 +31,7 @@ class StatsOptions:
     gram_precision: str = "highest"
     # Distinct tokens per gather/scatter round of the per-token update on one device.
     token_chunk: int = 4096
-    # With the vocabulary sharded: rows each device sends per all_to_all round, exchange_rows /
+    # With the vocabulary sharded: rows each device sends per exchange round, exchange_rows /
     # shards to every owner (a round pads to that; more distinct tokens per owner take more
     # rounds). None: a quarter of the device's batch, which holds the ~15k distinct tokens of a
     # 65k-token batch of text in one round.
