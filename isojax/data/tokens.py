@@ -263,6 +263,17 @@ def _make(corpus: Corpus, tok: Tokenizer, tok_hash: str, tmp: Path, final: Path,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _lookup(corpus: Corpus, tokenizer, cache_dir, max_len: int):
+    """(the finished cache or None, backend tokenizer, key, tokenizer hash, final folder)."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be positive, got {max_len}")
+    tok = backend_tokenizer(tokenizer)
+    key, tok_hash = _key(corpus, tok)
+    final = Path(cache_dir) / key
+    found = _open(final, key, max_len, from_cache=True) if (final / "meta.json").exists() else None
+    return found, tok, key, tok_hash, final
+
+
 def tokenize_corpus(corpus: Corpus, tokenizer, *, cache_dir, max_len: int, workers: int | None = None,
                     progress: bool = False) -> TokenCache:
     """Tokenize `corpus` (no special tokens) or reuse its cache; cut windows of `max_len`.
@@ -271,13 +282,9 @@ def tokenize_corpus(corpus: Corpus, tokenizer, *, cache_dir, max_len: int, worke
     for corpora under 4 MB); 1 = in this process.
     `progress`: show a tqdm bar of tokens written.
     """
-    if max_len < 1:
-        raise ValueError(f"max_len must be positive, got {max_len}")
-    tok = backend_tokenizer(tokenizer)
-    key, tok_hash = _key(corpus, tok)
-    final = Path(cache_dir) / key
-    if (final / "meta.json").exists():
-        return _open(final, key, max_len, from_cache=True)
+    found, tok, key, tok_hash, final = _lookup(corpus, tokenizer, cache_dir, max_len)
+    if found is not None:
+        return found
     tmp = _new_tmp(Path(cache_dir), key)
     _make(corpus, tok, tok_hash, tmp, final, workers or _default_workers(corpus), progress)
     return _open(final, key, max_len, from_cache=False)
@@ -287,13 +294,9 @@ def stream_tokens(corpus: Corpus, tokenizer, *, cache_dir, max_len: int,
                   workers: int | None = None) -> TokenCache | TokenStream:
     """The corpus's token cache (windows of `max_len`) where it exists, else a TokenStream that
     builds it in a background thread, readable while it grows (`packing.pack_batches` takes either)."""
-    if max_len < 1:
-        raise ValueError(f"max_len must be positive, got {max_len}")
-    tok = backend_tokenizer(tokenizer)
-    key, tok_hash = _key(corpus, tok)
-    final = Path(cache_dir) / key
-    if (final / "meta.json").exists():
-        return _open(final, key, max_len, from_cache=True)
+    found, tok, key, tok_hash, _ = _lookup(corpus, tokenizer, cache_dir, max_len)
+    if found is not None:
+        return found
     return TokenStream(corpus, tok, tok_hash, Path(cache_dir), key, max_len, workers or _default_workers(corpus))
 
 
