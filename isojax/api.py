@@ -132,11 +132,12 @@ def peek_config(name: str):
 
 def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int,
                       sample_size: int = 0):
-    """(accumulator bytes, weight bytes) on each of n devices with parameters split model_axis ways."""
+    """(accumulator bytes, weight bytes) on each of n devices with parameters (and Grams) split
+    model_axis ways."""
     import jax.numpy as jnp
 
     from isojax.runner import MAX_GROUP_SPECTRA, per_device_accumulator_bytes
-    need = per_device_accumulator_bytes(cfg, n, num_groups=num_groups, token_stats=token_stats,
+    need = per_device_accumulator_bytes(cfg, n, num_groups=num_groups, token_stats=token_stats, model_axis=model_axis,
                                         group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
                                         sample_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
     return need, (2 if dtype == "bfloat16" else 4) * cfg.param_count() // model_axis

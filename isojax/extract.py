@@ -158,8 +158,9 @@ def run(args) -> Path:
 
 def main(argv=None) -> int:
     # JAX takes 75% of each GPU by default; a run owns its devices (gpt-neox-20b on 4 x 80 GB
-    # needs ~67 GB of weights and accumulators per device). Set the variable to share a GPU.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    # peaks at 57 GB per device). 90%, not more: NCCL allocates outside JAX's pool, and at 95%
+    # it ran out of memory on 4 x H100 (bench/RESULTS.md 7c). Set the variable to share a GPU.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
     return run_command(run, build_parser().parse_args(argv))
 
 

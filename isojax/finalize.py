@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import eigh_tridiagonal
+from jax.sharding import NamedSharding, PartitionSpec
 
 from isojax.errors import UserError
 from isojax.stats import _COUNT_BITS, Accumulators, chan_term
@@ -147,6 +148,20 @@ def token_readout(acc: Accumulators) -> tuple[np.ndarray, np.ndarray] | None:
     return count_SxV[0], np.stack(intra)
 
 
+def _state_m2(x_HxSxDxDx2, s: int):
+    """State s of second moments: [H, D, D, 2] on one local device (or numpy). Split over several
+    devices (runner.Runner.merged_layers, rows over "model"), the devices gather one state."""
+    if not isinstance(x_HxSxDxDx2, jax.Array) or len(x_HxSxDxDx2.sharding.device_set) == 1:
+        return x_HxSxDxDx2[:, s]
+    return _gather_state(x_HxSxDxDx2.sharding.mesh)(x_HxSxDxDx2, np.int32(s)).addressable_shards[0].data
+
+
+@functools.cache
+def _gather_state(mesh):
+    take = lambda x, s: jax.lax.dynamic_index_in_dim(x, s, 1, keepdims=False)
+    return jax.jit(take, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 def finalize(acc: Accumulators, state_names: list[str],
              group_names: list[str] | None = None, token=None) -> dict:
     """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
@@ -185,7 +200,7 @@ def finalize(acc: Accumulators, state_names: list[str],
         with jax.enable_x64(True):
             whole, groups = jax.device_get(_state_spectra(
                 n_G.astype(np.float64), sum_GxSxD[:, s], unit_sum_GxSxD[:, s],
-                jax.tree.map(lambda x: x[:, s], m2_HxSxDxD), jax.tree.map(lambda x: x[:, s], unit_m2_HxSxDxD),
+                jax.tree.map(lambda x: _state_m2(x, s), m2_HxSxDxD), jax.tree.map(lambda x: _state_m2(x, s), unit_m2_HxSxDxD),
                 per_group=per_group_m2, eigs=not on_cpu))
         if on_cpu:
             whole, groups = _host_eigs(whole), _host_eigs(groups)

@@ -43,6 +43,12 @@ class StatsOptions:
     # `token_axes` (device k owns token ids k, k + shards, ...); 1: one device holds them all.
     token_shards: int = 1
     token_axes: tuple[str, ...] = ()
+    # The second moments (Grams) are split by rows over `gram_shards` devices of the mesh axis
+    # `gram_axis` ("model"): those devices pool their rows into one population, and each keeps
+    # D / gram_shards rows of its [D, D] Grams (a reduce-scatter per state). 1: every device
+    # keeps whole Grams of its own rows.
+    gram_shards: int = 1
+    gram_axis: str | None = None
 
     def __post_init__(self):
         if self.segment_sum not in ("auto", "scan", "scatter"):
@@ -51,6 +57,8 @@ class StatsOptions:
             raise ValueError(f"gram_precision must be highest or bf16x6, not {self.gram_precision!r}")
         if self.token_shards > 1 and not self.token_axes:
             raise ValueError("token_shards > 1 needs the mesh axes the tokens are sharded over")
+        if self.gram_shards > 1 and not self.gram_axis:
+            raise ValueError("gram_shards > 1 needs the mesh axis the Grams are split over")
 
     def segment_sum_mode(self) -> str:
         if self.segment_sum != "auto":

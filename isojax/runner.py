@@ -8,13 +8,16 @@ to its own partial of the layer part and sends its per-token sums to the tokens'
 (stats._update_token_shards).
 
 Global layout of the accumulators (a stats.Accumulators of global arrays):
-  layer part  counts, sums, Grams, centered sums: [n, ...], one partial per device (axis 0 split)
+  layer part  counts, sums, Grams, centered sums: [n, ...], one partial per device (axis 0 split).
+              With a "model" axis of m > 1 (and m dividing D), the devices of one model group
+              pool their rows for the Grams: each keeps D/m rows [H, S, D/m, D] of the group's
+              Grams (stats.update_state's reduce-scatter), so they cost 1/m per device.
   token part  tok_count [S, V'], tok_sum [S, V', D]: split over V' = V rounded up to a multiple
               of n; global row k * V'/n + j holds token id j * n + k (parallel.py).
   sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (sample.py),
               merged on the host at the end (`sample`).
-`merged_layers` merges the partials on the devices (a butterfly of ppermutes, one state at a
-time); `token_readout` turns the per-token sums into IntraSim on the devices, in float64.
+`merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
+over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the devices, in float64.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class Runner:
         self.num_devices = n = self.mesh.size
         options = options or StatsOptions()
         self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
+        rows = gram_rows(cfg.hidden_size, self.mesh.shape["model"])
+        if rows:
+            self.options = dataclasses.replace(self.options, gram_shards=self.mesh.shape["model"], gram_axis="model")
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
         self.centered = centers_SxD is not None
         self.centers_SxD = jax.device_put(
@@ -82,7 +88,7 @@ class Runner:
         # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
         self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=self.centered,
                                 group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
-                                sample_dtype=module.dtype)
+                                sample_dtype=module.dtype, gram_rows=rows)
         self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
         shapes = jax.eval_shape(self._init_global)
         self.specs = accumulator_specs(shapes)
@@ -101,7 +107,8 @@ class Runner:
 
     def accumulator_bytes(self) -> int:
         """Bytes of accumulators on each device."""
-        return per_device_accumulator_bytes(self.cfg, self.num_devices, **self.init_kwargs)
+        kw = {k: v for k, v in self.init_kwargs.items() if k != "gram_rows"}
+        return per_device_accumulator_bytes(self.cfg, self.num_devices, model_axis=self.mesh.shape["model"], **kw)
 
     def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int, sequences_BxT=None) -> jax.Array:
         """Consume one batch (asynchronous). Arrays: this process's rows (parallel.local_rows) of
@@ -120,11 +127,16 @@ class Runner:
 
     def merged_layers(self) -> stats.Accumulators:
         """The layer part merged over devices (token fields left empty): numpy, but for the
-        second moments, which stay on a local device for finalize to read out there."""
+        second moments, which stay on the devices for finalize to read out there: on a local
+        device, or split by rows over "model" (a global [H, S, D, D] array)."""
         merged = _layer_part(self.acc)
         if self.num_devices > 1:
-            merged = _compiled_merge(self.mesh, self.specs, self.cfg.num_states)(merged)
+            merged = _compiled_merge(self.mesh, self.specs, self.cfg.num_states, self.options.gram_shards > 1)(merged)
+        m2 = [getattr(merged, f) for f in ("m2_HxSxDxD", "unit_m2_HxSxDxD")]
         merged = _map_fields(merged, LAYER_FIELDS, lambda x: x.addressable_shards[0].data[0])
+        if self.options.gram_shards > 1:
+            merged = merged.replace(**dict(zip(("m2_HxSxDxD", "unit_m2_HxSxDxD"),
+                                               [stats.DFPair(model_rows(self.mesh, x.hl)) for x in m2])))
         merged = _map_fields(merged, [f for f in LAYER_FIELDS if "m2" not in f], np.asarray)
         return merged.replace(tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
             *(np.zeros((self.cfg.num_states, 0, self.cfg.hidden_size), np.float32),) * 2))
@@ -172,11 +184,28 @@ class Runner:
         return len(part), states
 
 
-def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, **kw) -> int:
-    """Bytes on each of n devices: one layer part and sample, plus 1/n of the per-token part
-    (rounded up). kw: stats.init_accumulators' num_groups, centered, group_spectra, sample_*."""
+def gram_rows(d: int, model_axis: int) -> int | None:
+    """Rows of the Grams each device keeps on a "model" axis of model_axis devices: D / m where
+    m > 1 divides D; None (all D rows, not split) otherwise."""
+    return d // model_axis if model_axis > 1 and d % model_axis == 0 else None
+
+
+def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, model_axis: int = 1, **kw) -> int:
+    """Bytes on each of n devices: one layer part (its Grams split over model_axis: gram_rows)
+    and sample, plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators'
+    num_groups, centered, group_spectra, sample_*."""
     rows = vocab_rows(cfg.vocab_size, n) // n if token_stats else 0
-    return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, token_stats=token_stats, **kw)
+    return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, token_stats=token_stats,
+                                   gram_rows=gram_rows(cfg.hidden_size, model_axis), **kw)
+
+
+def model_rows(mesh, x: jax.Array) -> jax.Array:
+    """Merged Grams split by rows, [n, H, S, D/m, D, 2] (device k: the rows of its model index)
+    -> one [H, S, D, D, 2] array split by rows over "model" (replicated over "data": merged,
+    every data row holds the same)."""
+    shape = (*x.shape[1:3], x.shape[3] * mesh.shape["model"], *x.shape[4:])
+    sharding = NamedSharding(mesh, P(None, None, "model"))
+    return jax.make_array_from_single_device_arrays(shape, sharding, [s.data[0] for s in x.addressable_shards])
 
 
 def _gather(x: jax.Array) -> np.ndarray:
@@ -259,26 +288,34 @@ def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered
 
 
 @functools.cache
-def _compiled_merge(mesh, specs, num_states: int):
+def _compiled_merge(mesh, specs, num_states: int, split_grams: bool):
     """Merge the per-device layer partials on the devices, one state at a time (memory: one
-    state's partial more per device). Powers of two: a butterfly of ppermutes, after which every
-    device holds the same total (stats.merge is symmetric, so partners agree bit for bit);
-    other counts: all-gather one state and fold."""
-    n = mesh.size
+    state's partial more per device): over "model", then over "data". Along an axis of a power
+    of two: a butterfly of ppermutes, after which every device holds the same total
+    (stats.merge is symmetric, so partners agree bit for bit); other sizes: all-gather one
+    state and fold. split_grams: the devices of a model group hold rows of one pooled Gram,
+    which the model merge keeps and the data merge merges row by row."""
 
-    def merge_all(part):
-        if n & (n - 1) == 0:
+    def merge_over(part, axis, **kw):
+        size = mesh.shape[axis]
+        if size & (size - 1) == 0:
             k = 1
-            while k < n:
-                other = jax.tree.map(lambda x: lax.ppermute(x, ALL, [(i, i ^ k) for i in range(n)]), part)
-                part = stats.merge(part, other)
+            while k < size:
+                other = jax.tree.map(lambda x: lax.ppermute(x, axis, [(i, i ^ k) for i in range(size)]), part)
+                part = stats.merge(part, other, **kw)
                 k *= 2
             return part
-        every = jax.tree.map(lambda x: lax.all_gather(x, ALL), part)
+        every = jax.tree.map(lambda x: lax.all_gather(x, axis), part)
         total = jax.tree.map(lambda x: x[0], every)
-        for i in range(1, n):
-            total = stats.merge(total, jax.tree.map(lambda x, i=i: x[i], every))
-        return total
+        for i in range(1, size):
+            total = stats.merge(total, jax.tree.map(lambda x, i=i: x[i], every), **kw)
+        return total.replace(m2_HxSxDxD=part.m2_HxSxDxD, unit_m2_HxSxDxD=part.unit_m2_HxSxDxD) \
+            if kw.get("keep_m2") else total
+
+    def merge_all(part):
+        part = merge_over(part, "model", keep_m2=split_grams)
+        row0 = lax.axis_index("model") * part.m2_HxSxDxD.hl.shape[2] if split_grams else None
+        return merge_over(part, "data", m2_row0=row0)
 
     def local(acc):
         acc = _device_view(acc)

@@ -94,22 +94,24 @@ class Accumulators:
     sample_SxKxD: jax.Array  # their states, in the forward's dtype
 
 
-def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra):
+def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows):
     g, s, h = num_groups, num_states, num_groups if group_spectra else 1
     v = vocab_size if token_stats else 0
     return dict(
-        count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, d, d),
+        count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d),
         centered=(g, s, d if centered else 0), tok_count=(s, v), tok_sum=(s, v, d))
 
 
 def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: int = 1,
                       token_stats: bool = True, centered: bool = False,
                       group_spectra: bool = True, sample_size: int = 0,
-                      sample_dtype=jnp.float32) -> Accumulators:
+                      sample_dtype=jnp.float32, gram_rows: int | None = None) -> Accumulators:
     """Zeroed accumulators. group_spectra=False shares one pair of [S, D, D] second moments
     among all groups (groups then report no anisotropy), which saves 4*S*D*D*4 bytes per
-    group beyond the first. sample_size K: a uniform sample of K tokens' states (sample.py)."""
-    sh = _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra)
+    group beyond the first. sample_size K: a uniform sample of K tokens' states (sample.py).
+    gram_rows: rows of the second moments this device keeps (StatsOptions.gram_shards);
+    None: all D."""
+    sh = _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows)
     return Accumulators(
         count_lo_GxS=jnp.zeros(sh["count"], jnp.int32),
         count_hi_GxS=jnp.zeros(sh["count"], jnp.int32),
@@ -124,14 +126,15 @@ def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: i
         sample_SxKxD=jnp.zeros((num_states, sample_size, d), sample_dtype))
 
 
-def accumulator_bytes(num_states, d, vocab_size, *, num_groups=1, token_stats=True,
-                      centered=False, group_spectra=True, sample_size=0, sample_dtype=jnp.float32) -> int:
+def accumulator_bytes(num_states, d, vocab_size, *, num_groups=1, token_stats=True, centered=False,
+                      group_spectra=True, sample_size=0, sample_dtype=jnp.float32, gram_rows=None) -> int:
     """Device bytes of init_accumulators(...), without allocating. Every float sum is two
     float32 arrays (hi, lo), so the per-token part is 2 * S * V * D * 4 bytes: 21.4 GB for
     pythia-1.4b (S = 26, V = 50304, D = 2048)."""
     shaped = jax.eval_shape(lambda: init_accumulators(
         num_states, d, vocab_size, num_groups=num_groups, token_stats=token_stats,
-        centered=centered, group_spectra=group_spectra, sample_size=sample_size, sample_dtype=sample_dtype))
+        centered=centered, group_spectra=group_spectra, sample_size=sample_size, sample_dtype=sample_dtype,
+        gram_rows=gram_rows))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shaped))
 
 
@@ -207,15 +210,19 @@ def _count_f32(lo, hi):
 
 
 def _centered_moments(x_NxD, valid_N, gram_dtype, opts: StatsOptions):
-    """(Sum x, Sum (x - m)(x - m)^T) of the valid rows, m = their mean, n_b = their number.
+    """(Sum x, Sum (x - m)(x - m)^T) of the valid rows, m = their mean."""
+    n_b = jnp.sum(valid_N.astype(jnp.float32))
+    sum_D = pairwise_sum(x_NxD)  # invalid rows are already zero
+    return sum_D, _centered_gram(x_NxD, valid_N, sum_D / jnp.maximum(n_b, 1.0), gram_dtype, opts)
+
+
+def _centered_gram(x_NxD, valid_N, mean_D, gram_dtype, opts: StatsOptions):
+    """Sum (x - m)(x - m)^T over the valid rows, [D, D] float32.
 
     gram_dtype bfloat16 (for states from a bfloat16 forward): the deviations are rounded to
     bf16 and multiplied on the tensor cores with float32 accumulation. Rounding errors are
     unbiased and independent, so their effect on M2 shrinks like 1/sqrt(n); the bias left is
     ~(2^-8)^2 relative (measured: README, "bfloat16")."""
-    n_b = jnp.sum(valid_N.astype(jnp.float32))
-    sum_D = pairwise_sum(x_NxD)  # invalid rows are already zero
-    mean_D = sum_D / jnp.maximum(n_b, 1.0)
     d = x_NxD.shape[1]
     block = opts.gram_block
     k = d // block if d >= 2 * block and d % block == 0 else 1
@@ -228,25 +235,29 @@ def _centered_moments(x_NxD, valid_N, gram_dtype, opts: StatsOptions):
     # Sum dev dev^T is symmetric: the k(k+1)/2 blocks on and above the diagonal are
     # (k+1)/(2k) of the products (5/8 at D = 2048)
     upper = {(i, j): jnp.einsum("nd,ne->de", devs[i], devs[j], **kw) for i in range(k) for j in range(i, k)}
-    m2_DxD = jnp.block([[upper[i, j] if i <= j else upper[j, i].T for j in range(k)] for i in range(k)])
-    return sum_D, m2_DxD
+    return jnp.block([[upper[i, j] if i <= j else upper[j, i].T for j in range(k)] for i in range(k)])
 
 
-def chan_term(n_a, sum_a_D, n_b, sum_b_D):
+def chan_term(n_a, sum_a_D, n_b, sum_b_D, row0=None, rows=None):
     """What Chan, Golub & LeVeque add to M2_a + M2_b when two populations merge:
     n_a n_b / n (mean_b - mean_a)(mean_b - mean_a)^T. Leading axes broadcast ([..., D] sums,
-    [...] counts -> [..., D, D]); the one place isojax writes the formula (stats.merge, the
-    batch update and finalize's groups use it)."""
+    [...] counts -> [..., D, D]; with row0 and rows: only rows row0..row0 + rows, [..., rows, D]);
+    the one place isojax writes the formula (stats.merge, the batch update and finalize's
+    groups use it)."""
     n = n_a + n_b
     delta = sum_b_D / jnp.maximum(n_b, 1.0)[..., None] - sum_a_D / jnp.maximum(n_a, 1.0)[..., None]
     w = n_a * n_b / jnp.maximum(n, 1.0)
-    return w[..., None, None] * delta[..., :, None] * delta[..., None, :]
+    left = delta if rows is None else lax.dynamic_slice_in_dim(delta, row0, rows, axis=-1)
+    return w[..., None, None] * left[..., :, None] * delta[..., None, :]
 
 
-def _merge_m2(m2: DFPair, idx, n_a, sum_a_D, n_b, sum_b_D, m2_b_DxD):
-    """M2 = M2_a + M2_b + chan_term, into the double-float slot idx (one in-place write)."""
-    old_DxDx2 = m2.hl[idx]
-    hi, lo = _df_add(old_DxDx2[..., 0], old_DxDx2[..., 1], m2_b_DxD + chan_term(n_a, sum_a_D, n_b, sum_b_D))
+def _merge_m2(m2: DFPair, idx, n_a, sum_a_D, n_b, sum_b_D, m2_b_RxD, row0=None):
+    """M2 = M2_a + M2_b + chan_term, into the double-float slot idx (one in-place write); R = D
+    rows, or the rows row0.. this device keeps (StatsOptions.gram_shards)."""
+    old_RxDx2 = m2.hl[idx]
+    rows = old_RxDx2.shape[0] if row0 is not None else None
+    hi, lo = _df_add(old_RxDx2[..., 0], old_RxDx2[..., 1],
+                     m2_b_RxD + chan_term(n_a, sum_a_D, n_b, sum_b_D, row0, rows))
     return DFPair(m2.hl.at[idx].set(jnp.stack([hi, lo], -1)))
 
 
@@ -293,12 +304,22 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     _, unit_sum_a_D = _population(acc.unit_sum_GxSxD, acc.count_lo_GxS, acc.count_hi_GxS,
                                   m2_slots, group, s)
 
-    sum_D, m2_DxD = _centered_moments(x_NxD, valid_N, gram_dtype, opts)
-    unit_sum_D, unit_m2_DxD = _centered_moments(unit_NxD, valid_N, gram_dtype, opts)
+    sum_D, unit_sum_D = pairwise_sum(x_NxD), pairwise_sum(unit_NxD)  # invalid rows are zero
+    n_m, sum_m_D, unit_sum_m_D, row0 = n_bf, sum_D, unit_sum_D, None  # the batch's M2 population
+    if opts.gram_shards > 1:  # the devices of gram_axis pool their rows; each keeps its rows of M2
+        axis = opts.gram_axis
+        n_a, sum_a_D, unit_sum_a_D, n_m, sum_m_D, unit_sum_m_D = lax.psum(
+            (n_a, sum_a_D, unit_sum_a_D, n_bf, sum_D, unit_sum_D), axis)
+        row0 = lax.axis_index(axis) * acc.m2_HxSxDxD.hl.shape[2]
+    grams = [_centered_gram(v_NxD, valid_N, v_sum_D / jnp.maximum(n_m, 1.0), gram_dtype, opts)
+             for v_NxD, v_sum_D in ((x_NxD, sum_m_D), (unit_NxD, unit_sum_m_D))]
+    if opts.gram_shards > 1:  # [D, D] -> this device's rows of the pooled sum, [D / shards, D]
+        grams = [lax.psum_scatter(g_DxD, opts.gram_axis, scatter_dimension=0, tiled=True) for g_DxD in grams]
+    m2_RxD, unit_m2_RxD = grams
     acc = acc.replace(
-        m2_HxSxDxD=_merge_m2(acc.m2_HxSxDxD, m2_idx, n_a, sum_a_D, n_bf, sum_D, m2_DxD),
-        unit_m2_HxSxDxD=_merge_m2(acc.unit_m2_HxSxDxD, m2_idx, n_a, unit_sum_a_D, n_bf,
-                                  unit_sum_D, unit_m2_DxD),
+        m2_HxSxDxD=_merge_m2(acc.m2_HxSxDxD, m2_idx, n_a, sum_a_D, n_m, sum_m_D, m2_RxD, row0),
+        unit_m2_HxSxDxD=_merge_m2(acc.unit_m2_HxSxDxD, m2_idx, n_a, unit_sum_a_D, n_m,
+                                  unit_sum_m_D, unit_m2_RxD, row0),
         sum_GxSxD=_df_slot_add(acc.sum_GxSxD, gs, sum_D),
         unit_sum_GxSxD=_df_slot_add(acc.unit_sum_GxSxD, gs, unit_sum_D),
         norm_sum_GxS=_df_slot_add(acc.norm_sum_GxS, gs, pairwise_sum(norm_N[:, None])[0]))
@@ -487,10 +508,12 @@ def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
     return lax.fori_loop(0, states_SxNxD.shape[0], body, acc)
 
 
-def merge(a: Accumulators, b: Accumulators) -> Accumulators:
+def merge(a: Accumulators, b: Accumulators, *, keep_m2: bool = False, m2_row0=None) -> Accumulators:
     """The accumulators of the concatenated data: data parallelism, multi-host and resuming.
     Equal to one pass up to float32 rounding of the merge terms (measured <= 1e-8 relative
-    on the finalized metrics), in any association order."""
+    on the finalized metrics), in any association order. Second moments split by rows
+    (StatsOptions.gram_shards): keep_m2 keeps a's (a and b hold rows of one pooled population);
+    else both hold rows m2_row0.. of their populations' M2."""
 
     def df_merge(x: DF, y: DF) -> DF:
         hi, err = _two_sum(x.hi, y.hi)
@@ -500,6 +523,8 @@ def merge(a: Accumulators, b: Accumulators) -> Accumulators:
     n_b_GxS = _count_f32(b.count_lo_GxS, b.count_hi_GxS)
 
     def m2_merge(m2_a: DFPair, m2_b: DFPair, sum_a: DF, sum_b: DF) -> DFPair:
+        if keep_m2:
+            return m2_a
         if m2_a.hi.shape[0] > 1:
             na, nb = n_a_GxS, n_b_GxS
             sa, sb = sum_a.hi + sum_a.lo, sum_b.hi + sum_b.lo
@@ -508,7 +533,9 @@ def merge(a: Accumulators, b: Accumulators) -> Accumulators:
             sa = (sum_a.hi + sum_a.lo).sum(0, keepdims=True)
             sb = (sum_b.hi + sum_b.lo).sum(0, keepdims=True)
         merged = df_merge(m2_a, m2_b)
-        hi, lo = _df_add(merged.hi, merged.lo, chan_term(na, sa, nb, sb))
+        rows = m2_a.hi.shape[-2]
+        hi, lo = _df_add(merged.hi, merged.lo, chan_term(na, sa, nb, sb, *(
+            (m2_row0, rows) if rows != sa.shape[-1] else ())))
         return DFPair.of(hi, lo)
 
     lo = a.count_lo_GxS + b.count_lo_GxS  # < 2**31 since each limb < 2**30

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 KEYS = ("inter_sim", "intra_sim", "intra_sim_weighted", "anisotropy", "anisotropy_uncentered", "unit_anisotropy",
         "mean_norm", "norm_of_mean", "mean_sq_norm")
 MESHES = [{"data": 1, "model": 1}, {"data": 2, "model": 1}, {"data": 3, "model": 1}, {"data": 4, "model": 1},
-          {"data": 8, "model": 1}, {"data": 2, "model": 2}]
+          {"data": 8, "model": 1}, {"data": 2, "model": 2}, {"data": 2, "model": 4}, {"data": 1, "model": 3}]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,9 @@ def _assert_same(one: dict, other: dict, what: str) -> None:
 
 def test_every_device_count_and_mesh_gives_the_same_metrics(setup):
     """One process with 8 host devices measures the same corpus on meshes of 1, 2, 3 (the
-    all-gather merge), 4 and 8 devices (the butterfly merge) and data=2 x model=2 (parameters
-    split over 'model'); 24 rows per batch divide every count."""
+    all-gather merge), 4 and 8 devices (the butterfly merge), data=2 x model=2 and data=2 x
+    model=4 (parameters and Grams split over 'model') and model=3 (parameters split, Grams not:
+    3 does not divide D = 32); 24 rows per batch divide every count."""
     script = textwrap.dedent(f"""
         import json, sys
         import isojax
@@ -68,7 +69,7 @@ def test_every_device_count_and_mesh_gives_the_same_metrics(setup):
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(setup, 8), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(proc.stdout)
-    assert [r["devices"] for r in runs] == [1, 2, 3, 4, 8, 4]
+    assert [r["devices"] for r in runs] == [1, 2, 3, 4, 8, 4, 8, 3]
     for run in runs[1:]:
         _assert_same(runs[0]["metrics"], run["metrics"], str(run["mesh"]))
         # the same 1000 sampled tokens on every mesh (keys follow token identity): the same
@@ -202,6 +203,51 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
     for exchange_rows, res in json.loads(proc.stdout).items():
         assert res["count_ok"], exchange_rows
         assert res["err"] <= 1e-5, (exchange_rows, res)
+
+
+def test_grams_split_over_model_equal_float64(tmp_path):
+    """Second moments pooled over model groups and split by rows (data=2 x model=4: each device
+    keeps 4 of 16 rows), three batches whose means drift and whose devices see different
+    numbers of valid rows, merged on the devices (runner._compiled_merge): the covariance of x
+    and of unit vectors against float64 over every valid row."""
+    script = textwrap.dedent("""
+        import json, sys
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import PartitionSpec as P
+        from isojax import parallel, runner, stats
+        from isojax.finalize import _state_m2
+        from isojax.options import StatsOptions
+        mesh = parallel.make_mesh({"data": 2, "model": 4})
+        n, D, N, B = 8, 16, 32, 3
+        rng = np.random.default_rng(1)
+        x = (rng.normal(size=(B, n * N, D)) + 3.0 * np.arange(B)[:, None, None] * rng.normal(size=D)).astype(np.float32)
+        valid = rng.random((B, n * N)) < np.repeat(np.linspace(0.3, 1.0, n), N)  # device k keeps a different share
+        opts = StatsOptions(gram_shards=4, gram_axis="model")
+
+        def local(x_BxNxD, valid_BxN):
+            acc = stats.init_accumulators(1, D, 0, token_stats=False, gram_rows=D // 4)
+            for b in range(B):
+                acc = stats.update_state(acc, 0, x_BxNxD[b], jnp.zeros(N, jnp.int32), valid_BxN[b], 0, opts=opts)
+            return jax.tree.map(lambda a: a[None], acc)
+
+        shapes = jax.eval_shape(lambda: stats.init_accumulators(1, D, 0, token_stats=False, gram_rows=D // 4))
+        specs = jax.tree.map(lambda _: P(parallel.ALL), shapes)
+        acc = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, parallel.ALL), P(None, parallel.ALL)),
+                                    out_specs=specs, check_vma=False))(x, valid)
+        merged = runner._compiled_merge(mesh, specs, 1, True)(acc)
+        out = {}
+        for field, vec in (("m2_HxSxDxD", lambda v: v), ("unit_m2_HxSxDxD", lambda v: v / np.linalg.norm(v, axis=1, keepdims=True))):
+            got = np.asarray(_state_m2(runner.model_rows(mesh, getattr(merged, field).hl), 0), np.float64)[0]
+            rows = vec(x[valid].astype(np.float64))
+            want = (rows - rows.mean(0)).T @ (rows - rows.mean(0))
+            out[field] = float(np.abs(got[..., 0] + got[..., 1] - want).max() / np.abs(want).max())
+        json.dump(out, sys.stdout)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(tmp_path, 8), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for field, err in json.loads(proc.stdout).items():
+        assert err <= 1e-6, (field, err)
 
 
 def test_two_devices_without_token_stats_equal_one(setup):
