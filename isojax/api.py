@@ -130,6 +130,25 @@ def peek_config(name: str):
     return None
 
 
+STEP_BYTES_PER_TOKEN_WIDTH = 48  # a step's temporaries per token and unit of width (measured 26-45)
+FIT = 0.95  # of a device's memory for accumulators, weights and the step's estimated temporaries
+
+
+def device_batch_tokens(cfg, on_accel: bool = True) -> int:
+    """The default token slots per device and step. Small models are bound by per-kernel
+    overheads: larger batches (bench/RESULTS.md). Per device, so that each device keeps its
+    batch as devices are added."""
+    return (262144 if cfg.hidden_size <= 1024 else 65536) if on_accel else 8192
+
+
+def step_bytes(cfg, dtype: str, tokens_per_device: int, model_axis: int) -> int:
+    """The step's temporaries per device, estimated: activations (STEP_BYTES_PER_TOKEN_WIDTH per
+    token and width; peaks of 410m, 1.4b and 20b on H100s, bench/RESULTS.md 7c) and, with split
+    parameters, three gathered layers."""
+    layer = 12 * cfg.hidden_size ** 2 * (2 if dtype == "bfloat16" else 4)
+    return STEP_BYTES_PER_TOKEN_WIDTH * tokens_per_device * cfg.hidden_size + (3 * layer if model_axis > 1 else 0)
+
+
 def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int,
                       sample_size: int = 0):
     """(accumulator bytes, weight bytes) on each of n devices with parameters (and Grams) split
@@ -143,40 +162,45 @@ def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: in
     return need, (2 if dtype == "bfloat16" else 4) * cfg.param_count() // model_axis
 
 
-def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, verbose: bool = False,
-               sample_size: int = 0) -> None:
+def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
+               verbose: bool = False, sample_size: int = 0) -> None:
     """Refuse (a short message) what cannot fit the devices; log the per-device figure."""
     from isojax.runner import device_memory_bytes, host_memory_bytes
     limit = device_memory_bytes() or host_memory_bytes()
     need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
                                       sample_size)
+    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"])
     if verbose:
-        log(f"accumulators need {need / 1e9:.2f} GB per device, weights {weights / 1e9:.2f} GB "
-            f"(device memory {limit / 1e9:.1f} GB; mesh data={mesh.shape['data']},model={mesh.shape['model']})")
-    if need + weights > 0.9 * limit:
-        raise UserError(f"accumulators ({need / 1e9:.1f} GB) and weights ({weights / 1e9:.1f} GB) per device do not "
-                        f"fit the device's {limit / 1e9:.1f} GB on {mesh.size} device(s); use more devices, a "
-                        "larger 'model' axis (--mesh), --no-token-stats (per-token IntraSim needs (L+2) x V x D x 8 "
+        log(f"accumulators need {need / 1e9:.2f} GB per device, weights {weights / 1e9:.2f} GB, the step ~"
+            f"{step / 1e9:.1f} GB (device memory {limit / 1e9:.1f} GB; mesh data={mesh.shape['data']},"
+            f"model={mesh.shape['model']})")
+    if need + weights + step > FIT * limit:
+        raise UserError(f"accumulators ({need / 1e9:.1f} GB), weights ({weights / 1e9:.1f} GB) and the step (~"
+                        f"{step / 1e9:.1f} GB at {tokens_per_device:,} tokens per device) do not fit the device's "
+                        f"{limit / 1e9:.1f} GB on {mesh.size} device(s); use more devices, a larger 'model' axis "
+                        "(--mesh), fewer --batch-tokens, --no-token-stats (per-token IntraSim needs (L+2) x V x D x 8 "
                         "bytes, split over the devices) or a smaller model")
 
 
-def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None):
+def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None, batch_tokens: int | None = None):
     """The mesh of `sizes` (both named: the first data x model devices; one named: all devices),
-    else all devices on 'data' with the smallest 'model' axis that makes parameters and
-    accumulators fit."""
+    else all devices on 'data' with the smallest 'model' axis that makes parameters,
+    accumulators and the step (batch_tokens, or the default batch) fit."""
     import jax
 
     from isojax import parallel
     from isojax.runner import device_memory_bytes, host_memory_bytes
     sizes = dict(sizes or {})
     n = jax.device_count()
+    per_device = lambda: -(-batch_tokens // n) if batch_tokens else device_batch_tokens(cfg, jax.default_backend() != "cpu")
     if cfg is not None and not sizes:
-        limit = 0.9 * (device_memory_bytes() or host_memory_bytes())
-        fits = lambda m: sum(memory_per_device(cfg, token_stats, dtype, 1, n, m)) <= limit
+        limit = FIT * (device_memory_bytes() or host_memory_bytes())
+        fits = lambda m: sum(memory_per_device(cfg, token_stats, dtype, 1, n, m)) + step_bytes(
+            cfg, dtype, per_device(), m) <= limit
         sizes["model"] = next((m for m in range(1, n + 1) if n % m == 0 and fits(m)), 1)
     mesh = parallel.make_mesh(sizes)
     if cfg is not None:
-        check_fits(cfg, token_stats, dtype, 1, mesh)
+        check_fits(cfg, token_stats, dtype, 1, mesh, per_device())
     return mesh
 
 
@@ -297,7 +321,7 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     with timings("load"):
         name = model if isinstance(model, str) or model is None else None
         early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
-        mesh = choose_mesh(early, token_stats, dtype, mesh)  # refuses what cannot fit before allocating
+        mesh = choose_mesh(early, token_stats, dtype, mesh, batch_tokens)  # refuses what cannot fit before allocating
         found = tokenizer_without_weights(model, early)
     tokens = None
     try:
@@ -345,9 +369,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
             raise UserError(f"attention {attention} needs rows of a multiple of {64 if attention == 'cudnn' else 128} "
                             f"tokens (seq_len {row_len})")
         loaded.attention_impl = "xla"
-    # Small models are bound by per-kernel overheads: larger batches (bench/RESULTS.md). The
-    # default is per device, so that each device keeps its batch as devices are added.
-    batch_tokens = batch_tokens or n_dev * ((262144 if cfg.hidden_size <= 1024 else 65536) if on_accel else 8192)
+    batch_tokens = batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)
     rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
     streamed = isinstance(tokens, TokenStream)
     finished = lambda: tokens.result() if streamed else tokens
@@ -375,7 +397,8 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
         raise UserError(f"sample_states {sample_states:,} is more than the {available:,} tokens this run sees")
     elif intrinsic and sample_states <= intrinsic_k + 1:
         raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
-    check_fits(cfg, token_stats, dtype, num_groups, mesh, verbose=True, sample_size=sample_states)
+    check_fits(cfg, token_stats, dtype, num_groups, mesh, rows * row_len // n_dev, verbose=True,
+               sample_size=sample_states)
     runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
     settings = {"model_checksum": loaded.source["checksum"], "corpus": tokens.fingerprint, "rows": rows,
                 "row_len": row_len, "dtype": dtype, "token_stats": token_stats, "max_tokens": max_tokens,
