@@ -242,13 +242,16 @@ def compile_ahead(cfg, labels, mesh, *, dtype, attention, auto_attention, unit, 
     alone (runner.AheadStep), so that the compile overlaps the weights' loading and the start
     of tokenizing. labels() (called in that thread) gives the sources; n_tokens: the cached
     corpus's. A guess that turns out wrong (the loaded config, the sample size) only costs the
-    compile at the first batch, as without it. None where the settings will be refused."""
+    compile at the first batch, as without it. None where the settings will be refused, and on
+    several processes: a guess right on some of them only would have them run different programs."""
     import jax
 
     from isojax.loading import forward_module, DTYPES
     from isojax.model import param_shapes
     from isojax.runner import AheadStep
     on_accel = jax.default_backend() != "cpu"
+    if jax.process_count() > 1:
+        return None
     try:
         row_len = row_length(cfg, unit, seq_len)
         attention = step_attention(attention, row_len, auto_attention)
