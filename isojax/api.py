@@ -222,75 +222,15 @@ def load(model, revision, dtype: str, attention: str, mesh):
         return load_model(f"random:{DEFAULT_MODEL}", dtype=dtype, attention_impl=attention, mesh=mesh)
 
 
-def step_module(module, mesh):
-    """The module as the step runs it: activations split by rows over every device."""
+def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None, sample_size: int = 0):
+    """A Runner whose activations stay split by rows over every device."""
     from isojax import parallel
+    from isojax.runner import Runner
+    module = model.module
     if mesh.size > 1:
         module = module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
-    return module
-
-
-def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None, sample_size: int = 0,
-                ahead=None):
-    """A Runner whose activations stay split by rows over every device (ahead: compile_ahead's)."""
-    from isojax.runner import Runner
-    return Runner(step_module(model.module, mesh), model.params, mesh, token_stats=token_stats, num_groups=num_groups,
-                  centers_SxD=centers_SxD, sample_size=sample_size, ahead=ahead)
-
-
-def step_attention(attention: str, row_len: int, auto: bool) -> str:
-    """The attention the step uses: cuDNN and Pallas need rows of a multiple of 64 and 128
-    tokens; chosen automatically, plain attention takes other rows."""
-    if attention == "cudnn" and row_len % 64 or attention == "pallas" and row_len % 128:
-        if not auto:
-            raise UserError(f"attention {attention} needs rows of a multiple of {64 if attention == 'cudnn' else 128} "
-                            f"tokens (seq_len {row_len})")
-        return "xla"
-    return attention
-
-
-def batch_rows(cfg, batch_tokens, row_len: int, n_dev: int, on_accel: bool) -> int:
-    """Rows per batch, a multiple of the device count. Small models are bound by per-kernel
-    overheads: larger batches (bench/RESULTS.md). The default is per device, so that each device
-    keeps its batch as devices are added."""
-    batch_tokens = batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)
-    return -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
-
-
-def wanted_sample(cfg, dtype: str, sample_states, on_accel: bool) -> int:
-    return default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
-
-
-def compile_ahead(cfg, labels, mesh, *, dtype, attention, auto_attention, unit, seq_len, batch_tokens, max_tokens,
-                  token_stats, sample_states, n_tokens=None):
-    """The step _measure's Runner will call, compiled in a background thread from the config
-    alone (runner.AheadStep), so that the compile overlaps the weights' loading and the start
-    of tokenizing. labels() (called in that thread) gives the sources; n_tokens: the cached
-    corpus's. A guess that turns out wrong (the loaded config, the sample size) only costs the
-    compile at the first batch, as without it. None where the settings will be refused, and on
-    several processes: a guess right on some of them only would have them run different programs."""
-    import jax
-
-    from isojax.loading import forward_module, DTYPES
-    from isojax.model import param_shapes
-    from isojax.runner import AheadStep
-    on_accel = jax.default_backend() != "cpu"
-    if jax.process_count() > 1:
-        return None
-    try:
-        row_len = row_length(cfg, unit, seq_len)
-        attention = step_attention(attention, row_len, auto_attention)
-    except UserError:
-        return None
-    rows = batch_rows(cfg, batch_tokens, row_len, mesh.size, on_accel)
-    wanted = wanted_sample(cfg, dtype, sample_states, on_accel)
-    sample = min(wanted, max_tokens or wanted, n_tokens or wanted)
-
-    def build():
-        return (step_module(forward_module(cfg, dtype, attention), mesh), param_shapes(cfg, DTYPES[dtype]), mesh,
-                dict(rows=rows, row_len=row_len, token_stats=token_stats, num_groups=len(labels()), sample_size=sample))
-
-    return AheadStep(build)
+    return Runner(module, model.params, mesh, token_stats=token_stats, num_groups=num_groups, centers_SxD=centers_SxD,
+                  sample_size=sample_size)
 
 
 def default_sample_size(cfg, dtype: str) -> int:
@@ -383,26 +323,11 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
         early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
         mesh = choose_mesh(early, token_stats, dtype, mesh, batch_tokens)  # refuses what cannot fit before allocating
         found = tokenizer_without_weights(model, early)
-    tokens = ahead = scanned = None
-
-    def start_compile(cfg):
-        """The step's compile in the background, once its sources are known without loading."""
-        settings = dict(dtype=dtype, attention=attention, auto_attention=auto_attention, unit=unit,
-                        seq_len=seq_len, batch_tokens=batch_tokens, max_tokens=max_tokens, token_stats=token_stats,
-                        sample_states=sample_states)
-        if tokens is None:  # text files and the default corpus: their labels are their inputs'
-            return None, compile_ahead(cfg, corpus.labels, mesh, **settings)
-        if isinstance(tokens, TokenStream):  # the label scan _measure needs, done in the background
-            labels = in_background(corpus.labels)
-            return labels, compile_ahead(cfg, labels.result, mesh, **settings)
-        return None, compile_ahead(cfg, lambda: tokens.source_names, mesh, n_tokens=tokens.n_tokens, **settings)
-
+    tokens = None
     try:
         if found is not None:  # tokenizing starts now, while the weights load
             with timings("tokenize"):
                 tokens = open_tokens(corpus, found[0], row_length(early, unit, seq_len), progress)
-        if early is not None and (tokens is not None or all(i.kind in ("txt", "default") for i in corpus.inputs)):
-            scanned, ahead = start_compile(early)  # compiles while the weights load
         with timings("load"):
             loaded = load(model, revision, dtype, attention, mesh)
         if found is not None:
@@ -411,14 +336,12 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
         if tokens is None:
             with timings("tokenize"):
                 tokens = open_tokens(corpus, loaded.tokenizer, row_len, progress)
-        if ahead is None and scanned is None:
-            scanned, ahead = start_compile(loaded.config)
         return _measure(loaded, corpus, tokens, timings, row_len=row_len, mesh=mesh, unit=unit, sources=sources,
                         data=data, auto_attention=auto_attention, batch_tokens=batch_tokens, max_tokens=max_tokens,
                         token_stats=token_stats, centered=centered, save_token_sums=save_token_sums,
                         checkpoint_dir=checkpoint_dir, checkpoint_every_tokens=checkpoint_every_tokens,
                         resume_run=resume_run, progress=progress, sample_states=sample_states,
-                        intrinsic_k=intrinsic_k, ahead=ahead, scanned=scanned)
+                        intrinsic_k=intrinsic_k)
     finally:
         if isinstance(tokens, TokenStream):  # nothing once finished; after an error, stops the build
             tokens.cancel()
@@ -426,9 +349,8 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
 
 def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, data, auto_attention, batch_tokens,
              max_tokens, token_stats, centered, save_token_sums, checkpoint_dir, checkpoint_every_tokens,
-             resume_run, progress, sample_states, intrinsic_k, ahead=None, scanned=None) -> Results:
-    """measure() once the weights are loaded and the tokens are cached or streaming (ahead: the
-    step compiled in the background, scanned: the labels of a streamed corpus, or None)."""
+             resume_run, progress, sample_states, intrinsic_k) -> Results:
+    """measure() once the weights are loaded and the tokens are cached or streaming."""
     import jax
 
     from isojax import checkpointing, parallel
@@ -441,12 +363,18 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     n_dev = mesh.size
     log(f"model {loaded.source['name']} ({loaded.weights} weights, {cfg.num_layers} layers, d={cfg.hidden_size}), "
         f"{dtype}, devices: {n_dev} x {mesh.devices.flat[0].device_kind}, processes: {jax.process_count()}")
-    loaded.attention_impl = step_attention(loaded.attention_impl, row_len, auto_attention)
-    rows = batch_rows(cfg, batch_tokens, row_len, n_dev, on_accel)
+    attention = loaded.attention_impl
+    if attention == "cudnn" and row_len % 64 or attention == "pallas" and row_len % 128:
+        if not auto_attention:
+            raise UserError(f"attention {attention} needs rows of a multiple of {64 if attention == 'cudnn' else 128} "
+                            f"tokens (seq_len {row_len})")
+        loaded.attention_impl = "xla"
+    batch_tokens = batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)
+    rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
     streamed = isinstance(tokens, TokenStream)
     finished = lambda: tokens.result() if streamed else tokens
     with timings("tokenize"):
-        labels = scanned.result() if scanned is not None else corpus.labels() if streamed else tokens.source_names
+        labels = corpus.labels() if streamed else tokens.source_names
         labels = labels or finished().source_names  # no record at all: the build ends with the corpus's error
     # the padding fraction, from the plan of the finished cache, computed while the devices work
     plan = in_background(lambda: plan_stats(finished(), rows=rows, row_len=row_len))
@@ -459,7 +387,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
         max_tokens = CPU_DEFAULT_MAX_TOKENS
         log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (max_tokens to change)")
     intrinsic = bool(sample_states)
-    wanted = wanted_sample(cfg, dtype, sample_states, on_accel)
+    wanted = default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
     with timings("tokenize"):  # a first run waits for as many tokens as the sample wants, or the end
         seen = tokens.tokens_at_least(wanted) if streamed else tokens.n_tokens
     available = min(seen, max_tokens or seen)
@@ -471,8 +399,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
         raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
     check_fits(cfg, token_stats, dtype, num_groups, mesh, rows * row_len // n_dev, verbose=True,
                sample_size=sample_states)
-    runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states,
-                         ahead=ahead)
+    runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
     settings = {"model_checksum": loaded.source["checksum"], "corpus": tokens.fingerprint, "rows": rows,
                 "row_len": row_len, "dtype": dtype, "token_stats": token_stats, "max_tokens": max_tokens,
                 "devices": n_dev, "processes": jax.process_count(), "mesh": dict(mesh.shape),
@@ -503,11 +430,8 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
         finally:
             if checkpointer is not None:
                 checkpointer.close()
-    # "compile": the time the loop waited for the step's compile (ahead: its part that loading and
-    # tokenizing did not hide; else the first step, compile and first batch)
-    waited = first if runner.compile_waited is None else runner.compile_waited
-    timings["loop"] -= waited
-    timings["compile"] += waited
+    timings["loop"] -= first
+    timings["compile"] += first
     with timings("tokenize"):
         if streamed and not tokens.done():
             log("finishing the token cache of the whole corpus")
@@ -536,8 +460,6 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     loop_s = timings["loop"] + timings["compile"]
     manifest = build_manifest(loaded, cache, corpus, done, plan, loop_s, time.time() - timings.start, settings)
     manifest["from_cache"] = not streamed and tokens.from_cache
-    manifest["compile_ahead"] = None if runner.compile_waited is None else \
-        {"seconds": runner.compile_seconds, "waited": runner.compile_waited}
     manifest["bad_records_skipped"] = cache.meta["bad_records"]  # a cached run reads no records
     sums = runner.token_sums if save_token_sums and token_stats else None
     return Results(metrics, manifest, final, cfg.state_names, timings, sums)

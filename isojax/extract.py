@@ -151,10 +151,8 @@ def run(args) -> Path:
         results.join_save()
     tokens, t = results.metrics["tokens"], results.timings
     wall, loop = results.manifest["seconds_wall"], t["loop"]
-    ahead = results.manifest.get("compile_ahead")
-    hidden = f" waited for (of {ahead['seconds']:.1f} s compiled while loading)" if ahead else ""
     log(f"{tokens:,} tokens: wall {wall:.1f} s ({tokens / max(wall, 1e-9):,.0f} tokens/s), device loop {loop:.1f} s "
-        f"({tokens / max(loop, 1e-9):,.0f} tokens/s) + compile {t['compile']:.1f} s{hidden}; results in {out}")
+        f"({tokens / max(loop, 1e-9):,.0f} tokens/s) + compile {t['compile']:.1f} s; results in {out}")
     return out
 
 

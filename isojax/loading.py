@@ -57,7 +57,8 @@ class LoadedModel:
 
     @property
     def module(self) -> GPTNeoX:
-        return forward_module(self.config, self.dtype, self.attention_impl)
+        dt = DTYPES[self.dtype]
+        return GPTNeoX(self.config, dtype=dt, param_dtype=dt, options=ForwardOptions(attention=self.attention_impl))
 
     def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
         """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]."""
@@ -77,12 +78,6 @@ class LoadedModel:
         ctx = self.config.max_position_embeddings
         parts = [self.hidden_states_packed(*single_row(ids[i:i + ctx]))[:, 0] for i in range(0, len(ids), ctx)]
         return np.concatenate(parts, axis=1)
-
-
-def forward_module(cfg: GPTNeoXConfig, dtype: str, attention: str) -> GPTNeoX:
-    """The module of a LoadedModel of this config, dtype and attention (no weights needed)."""
-    dt = DTYPES[dtype]
-    return GPTNeoX(cfg, dtype=dt, param_dtype=dt, options=ForwardOptions(attention=attention))
 
 
 @functools.partial(jax.jit, static_argnames=("module",))

@@ -22,10 +22,8 @@ over "data", one state at a time); `token_readout` turns the per-token sums into
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +33,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from isojax import parallel, stats
 from isojax import sample as sample_lib
-from isojax.loop import log
 from isojax.model import GPTNeoX
 from isojax.options import StatsOptions
 from isojax.parallel import ALL
@@ -70,34 +67,43 @@ def token_order(values_SxV: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
 
 
 class Runner:
-    """Params, accumulators and the compiled step of one model on one mesh (compiled ahead, in a
-    background thread: `ahead`, an AheadStep; else by jit at the first step)."""
+    """Params, accumulators and the compiled step of one model on one mesh."""
 
     def __init__(self, module: GPTNeoX, params, mesh=None, *, token_stats: bool = True, num_groups: int = 1,
-                 centers_SxD=None, options: StatsOptions | None = None, sample_size: int = 0,
-                 ahead: AheadStep | None = None):
+                 centers_SxD=None, options: StatsOptions | None = None, sample_size: int = 0):
         cfg = module.cfg
         self.module, self.cfg = module, cfg
         self.mesh = mesh if mesh is not None else parallel.make_mesh()
         self.num_devices = n = self.mesh.size
-        self.options = _step_options(options, self.mesh, cfg.hidden_size)
+        options = options or StatsOptions()
+        self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
+        rows = gram_rows(cfg.hidden_size, self.mesh.shape["model"])
+        if rows:
+            self.options = dataclasses.replace(self.options, gram_shards=self.mesh.shape["model"], gram_axis="model")
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
         self.centered = centers_SxD is not None
         self.centers_SxD = jax.device_put(
             np.asarray(centers_SxD, np.float32) if self.centered else np.zeros((cfg.num_states, 0), np.float32),
             parallel.replicated(self.mesh))
-        self.init_kwargs = _init_kwargs(module, self.mesh, num_groups, token_stats, self.centered, sample_size)
+        # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
+        self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=self.centered,
+                                group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
+                                sample_dtype=module.dtype, gram_rows=rows)
         self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
-        self.specs, self.abstract = _accumulator_layout(cfg, self.mesh, self.vocab_rows, self.init_kwargs)
-        self.shardings = jax.tree.map(lambda x: x.sharding, self.abstract)
+        shapes = jax.eval_shape(self._init_global)
+        self.specs = accumulator_specs(shapes)
+        self.shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs)
+        self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                     shapes, self.shardings)
         self.acc = self.fresh_accumulators()
-        self._step = _compiled_step(module, self.mesh, self.options, self.specs, self.centered)  # jit
-        self._ahead, self._call = ahead, None  # _call: from the first step, ahead's executable if it fits, else jit
-        self.compile_seconds = self.compile_waited = None  # of the ahead-compiled step, when used
+        self._step = _compiled_step(module, self.mesh, self.options, self.specs, self.centered)
+
+    def _init_global(self) -> stats.Accumulators:
+        acc = stats.init_accumulators(self.cfg.num_states, self.cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
+        return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (self.num_devices, *x.shape)))
 
     def fresh_accumulators(self) -> stats.Accumulators:
-        init = functools.partial(_init_global, self.cfg, self.num_devices, self.vocab_rows, self.init_kwargs)
-        return jax.jit(init, out_shardings=self.shardings)()
+        return jax.jit(self._init_global, out_shardings=self.shardings)()
 
     def accumulator_bytes(self) -> int:
         """Bytes of accumulators on each device."""
@@ -116,34 +122,8 @@ class Runner:
             sequences_BxT = np.zeros_like(tokens_BxT)
         rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
                 for a in (tokens_BxT, segment_ids_BxT, positions_BxT, sequences_BxT)]
-        args = (self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
-        if self._call is None:
-            self._call = self._take_ahead(args) or self._step
-        self.acc, finished = self._call(*args)
+        self.acc, finished = self._step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
         return finished
-
-    def _take_ahead(self, args):
-        """The ahead-compiled step (waiting for its compile) where it was compiled for exactly
-        this call (module, mesh, options, argument shapes, dtypes and shardings); else None."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        try:
-            key, expected = ahead.signature.result()
-            if key != _step_key(self.module, self.mesh, self.options, self.centered):
-                why = "module, mesh or options"
-            elif not _same_abstract(expected[:6] + expected[7:], _abstract(args[:6] + args[7:])):  # the group
-                # scalar is uncommitted: the call puts it where the compiled step wants it
-                why = "argument shapes, dtypes or shardings"
-            else:
-                t = time.time()
-                compiled = ahead.compiled.result()
-                self.compile_waited, self.compile_seconds = time.time() - t, ahead.seconds
-                return compiled
-        except Exception as e:  # the jit path compiles the step again (or raises the real error)
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        log(f"the step compiled ahead does not fit this run ({why}): compiling it now")
-        return None
 
     def merged_layers(self) -> stats.Accumulators:
         """The layer part merged over devices (token fields left empty): numpy, but for the
@@ -202,98 +182,6 @@ class Runner:
             return _gather(x)[part, slot].astype(np.float32)
 
         return len(part), states
-
-
-class AheadStep:
-    """Runner.step compiled in a background thread before the weights exist, so that its compile
-    overlaps loading and tokenizing (XLA compiles without the GIL). `build()`, run in the thread,
-    gives (module, abstract params, mesh, step_signature's keywords). A Runner handed it uses the
-    compiled executable from its first step on where that call matches it exactly
-    (Runner._take_ahead); else it compiles with jit as without it."""
-
-    def __init__(self, build):
-        self.signature = concurrent.futures.Future()  # (key, abstract arguments)
-        self.seconds = None  # of the step's tracing, lowering and compile
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="isojax-compile")
-        self.compiled = pool.submit(self._compile, build)
-        pool.shutdown(wait=False)
-
-    def _compile(self, build):
-        try:
-            module, params, mesh, kwargs = build()
-            key, args = step_signature(module, mesh, params, **kwargs)
-        except BaseException as e:
-            self.signature.set_exception(e)
-            raise
-        self.signature.set_result((key, args))
-        t = time.time()
-        _, _, options, centered = key
-        compiled = _compiled_step(module, mesh, options, accumulator_specs(args[1]), centered).lower(*args).compile()
-        self.seconds = time.time() - t
-        return compiled
-
-
-def step_signature(module: GPTNeoX, mesh, params, *, rows: int, row_len: int, token_stats: bool = True,
-                   num_groups: int = 1, centered: bool = False, sample_size: int = 0,
-                   options: StatsOptions | None = None):
-    """(key, abstract arguments) of the step a Runner of these settings calls on batches of
-    [rows, row_len] tokens; params may be abstract (model.param_shapes)."""
-    cfg, n = module.cfg, mesh.size
-    options = _step_options(options, mesh, cfg.hidden_size)
-    init_kwargs = _init_kwargs(module, mesh, num_groups, token_stats, centered, sample_size)
-    _, acc = _accumulator_layout(cfg, mesh, vocab_rows(cfg.vocab_size, n) if token_stats else 0, init_kwargs)
-    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params,
-                          parallel.param_shardings(params, mesh))
-    batch = jax.ShapeDtypeStruct((rows, row_len), jnp.int32, sharding=parallel.rows(mesh))
-    group = jax.ShapeDtypeStruct((), jnp.int32, sharding=parallel.replicated(mesh))
-    centers = jax.ShapeDtypeStruct((cfg.num_states, cfg.hidden_size if centered else 0), jnp.float32,
-                                   sharding=parallel.replicated(mesh))
-    return _step_key(module, mesh, options, centered), (params, acc, batch, batch, batch, batch, group, centers)
-
-
-def _step_key(module: GPTNeoX, mesh, options: StatsOptions, centered: bool):
-    """What the step's program depends on besides its arguments (the model's name aside)."""
-    return module.clone(cfg=dataclasses.replace(module.cfg, name="")), mesh, options, centered
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _same_abstract(a, b) -> bool:
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        x == y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def _step_options(options: StatsOptions | None, mesh, d: int) -> StatsOptions:
-    """The per-token sums split over every device, the Grams over "model" where it divides the
-    width d (gram_rows)."""
-    options = options or StatsOptions()
-    if mesh.size > 1:
-        options = dataclasses.replace(options, token_shards=mesh.size, token_axes=ALL)
-    if gram_rows(d, mesh.shape["model"]):
-        options = dataclasses.replace(options, gram_shards=mesh.shape["model"], gram_axis="model")
-    return options
-
-
-def _init_kwargs(module: GPTNeoX, mesh, num_groups: int, token_stats: bool, centered: bool, sample_size: int) -> dict:
-    # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
-    return dict(num_groups=num_groups, token_stats=token_stats, centered=centered,
-                group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size, sample_dtype=module.dtype,
-                gram_rows=gram_rows(module.cfg.hidden_size, mesh.shape["model"]))
-
-
-def _init_global(cfg, n: int, vocab: int, init_kwargs: dict) -> stats.Accumulators:
-    acc = stats.init_accumulators(cfg.num_states, cfg.hidden_size, vocab, **init_kwargs)
-    return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (n, *x.shape)))
-
-
-def _accumulator_layout(cfg, mesh, vocab: int, init_kwargs: dict):
-    """(PartitionSpecs, abstract global accumulators with their shardings)."""
-    shapes = jax.eval_shape(functools.partial(_init_global, cfg, mesh.size, vocab, init_kwargs))
-    specs = accumulator_specs(shapes)
-    return specs, jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-                               shapes, specs)
 
 
 def gram_rows(d: int, model_axis: int) -> int | None:
@@ -396,10 +284,7 @@ def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered
             acc = acc.replace(**{f: jax.tree.map(jnp.zeros_like, getattr(acc, f)) for f in TOKEN_FIELDS})
         return acc, acc.count_lo_GxS[:, 0, 0]  # one number per device, ready when its step is
 
-    # the accumulators come back where they came from: XLA would put the empty ones (no sample,
-    # not centered) elsewhere, and the next call would compile the step again (or, compiled ahead, refuse them)
-    out = (jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs), NamedSharding(mesh, P(ALL)))
-    return jax.jit(step, donate_argnums=(1,), out_shardings=out)
+    return jax.jit(step, donate_argnums=(1,))
 
 
 @functools.cache
