@@ -17,7 +17,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.linalg
 from jax.scipy.linalg import eigh_tridiagonal
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -60,11 +59,11 @@ def _combine_m2(n_G, sum_GxD, m2_GxDxD):
     return m2
 
 
-def _tridiagonals(mats_KxDxD):
-    """Householder reduction of K symmetric matrices (lower triangles read) to tridiagonal
-    form, which has their eigenvalues: (diagonals [K, D], off-diagonals [K, D - 1])."""
+def _eigvals_desc(mats_KxDxD):
+    """Eigenvalues, descending, of K symmetric matrices (lower triangles read): Householder
+    reduction to tridiagonal form, then bisection."""
     _, diag_KxD, off_KxD, _ = jax.lax.linalg.tridiagonal(mats_KxDxD, lower=True)
-    return diag_KxD, off_KxD
+    return jax.vmap(lambda d, e: eigh_tridiagonal(d, e, eigvals_only=True))(diag_KxD, off_KxD)[:, ::-1]
 
 
 def _covariances(n, sum_D, m2_DxD, unit_m2_DxD):
@@ -75,42 +74,34 @@ def _covariances(n, sum_D, m2_DxD, unit_m2_DxD):
     return (mats + mats.swapaxes(1, 2)) / 2, jnp.trace(gram_DxD) / jnp.maximum(n, 1)
 
 
-def _covariance_tridiagonals(n, sum_D, m2_DxD, unit_m2_DxD):
-    """(_tridiagonals of _covariances' matrices, Sum |x|^2 / n)."""
+def _covariance_eigs(n, sum_D, m2_DxD, unit_m2_DxD):
+    """([3, D] eigenvalues, descending, of _covariances' matrices, Sum |x|^2 / n)."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
-    return _tridiagonals(mats), mean_sq_norm
+    return _eigvals_desc(mats), mean_sq_norm
 
 
-def _host_eigs(readout):
-    """(eigenvalues [..., 3, D], descending, Sum |x|^2 / n) from _state_spectra's output in host
-    memory, by LAPACK on the CPU: of the tridiagonals (dsterf, the solver numpy's eigvalsh runs
-    after its own reduction) or of the matrices (numpy eigvalsh)."""
-    if readout is None:
+def _host_eigs(covariances):
+    """_covariance_eigs from _covariances' output in host memory: LAPACK (numpy) on the CPU."""
+    if covariances is None:
         return None
-    x, mean_sq_norm = readout
-    if not isinstance(x, tuple):
-        return np.linalg.eigvalsh(np.asarray(x))[..., ::-1], mean_sq_norm
-    diag, off = np.asarray(x[0]), np.asarray(x[1])
-    d = diag.shape[-1]
-    eigs = [scipy.linalg.eigvalsh_tridiagonal(a, b, lapack_driver="sterf")
-            for a, b in zip(diag.reshape(-1, d), off.reshape(-1, d - 1))]
-    return np.stack(eigs).reshape(diag.shape)[..., ::-1], mean_sq_norm
+    mats, mean_sq_norm = covariances
+    return np.linalg.eigvalsh(np.asarray(mats))[..., ::-1], mean_sq_norm
 
 
-@functools.partial(jax.jit, static_argnames=("per_group", "reduce"))
-def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, reduce: bool = True):
-    """One state's covariances, all groups together and (per_group) each group, ready for
-    _host_eigs; call under jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D] float32 pairs.
-    reduce: their tridiagonal forms (on accelerators: the reduction is most of the work, and
-    the float64 eigenvalues of a tridiagonal take LAPACK milliseconds; bench/bench_finalize.py),
-    else the matrices themselves (on CPU: numpy eigvalsh)."""
+@functools.partial(jax.jit, static_argnames=("per_group", "eigs"))
+def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, eigs: bool = True):
+    """One state's spectra, all groups together and (per_group) each group; call under
+    jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D] float32 pairs. eigs=False: the
+    covariance matrices instead of their eigenvalues, for _host_eigs (on CPU, LAPACK beats
+    XLA's bisection and its compile; on an H100, device bisection took 79 ms per state at D =
+    2048 and LAPACK's dsterf of the tridiagonals on the host 222: bench/RESULTS.md 8c)."""
     m2_HxDxD = m2.hi.astype(jnp.float64) + m2.lo.astype(jnp.float64)
     unit_m2_HxDxD = unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)
     if per_group:
         whole = (_combine_m2(n_G, sum_GxD, m2_HxDxD), _combine_m2(n_G, unit_sum_GxD, unit_m2_HxDxD))
     else:
         whole = (m2_HxDxD[0], unit_m2_HxDxD[0])
-    readout = _covariance_tridiagonals if reduce else _covariances
+    readout = _covariance_eigs if eigs else _covariances
     groups = jax.vmap(readout)(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) if per_group else None
     return readout(n_G.sum(), sum_GxD.sum(0), *whole), groups
 
@@ -208,18 +199,20 @@ def finalize(acc: Accumulators, state_names: list[str],
     eigs_GxS = [[None] * num_states for _ in range(num_groups)]
     on_cpu = jax.default_backend() == "cpu"
 
-    def dispatch(s):  # one state ahead: the devices reduce state s + 1 while the host solves s
+    def dispatch(s):  # one state ahead: the devices work on state s + 1 while the host reads out s
         with jax.enable_x64(True):
             return _state_spectra(n_GxS[:, s].astype(np.float64), sum_GxSxD[:, s], unit_sum_GxSxD[:, s],
                                   jax.tree.map(lambda x: _state_m2(x, s), m2_HxSxDxD),
                                   jax.tree.map(lambda x: _state_m2(x, s), unit_m2_HxSxDxD),
-                                  per_group=per_group_m2, reduce=not on_cpu)
+                                  per_group=per_group_m2, eigs=not on_cpu)
 
     ahead = dispatch(0)
     for s, name in enumerate(state_names):
         n_G = n_GxS[:, s]
         current, ahead = ahead, dispatch(s + 1) if s + 1 < num_states else None
-        whole, groups = map(_host_eigs, jax.device_get(current))
+        whole, groups = jax.device_get(current)
+        if on_cpu:
+            whole, groups = _host_eigs(whole), _host_eigs(groups)
         for g in range(num_groups):
             if group_eigs:
                 eigs_GxS[g][s] = (groups[0][g], groups[1][g]) if per_group_m2 else whole

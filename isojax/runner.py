@@ -284,7 +284,10 @@ def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered
             acc = acc.replace(**{f: jax.tree.map(jnp.zeros_like, getattr(acc, f)) for f in TOKEN_FIELDS})
         return acc, acc.count_lo_GxS[:, 0, 0]  # one number per device, ready when its step is
 
-    return jax.jit(step, donate_argnums=(1,))
+    # the accumulators come back where they came from: XLA would put the empty ones (no sample,
+    # not centered) elsewhere on 2+ devices, and the next call would compile the step again
+    out = (jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs), NamedSharding(mesh, P(ALL)))
+    return jax.jit(step, donate_argnums=(1,), out_shardings=out)
 
 
 @functools.cache

@@ -269,3 +269,26 @@ def test_two_devices_without_token_stats_equal_one(setup):
         assert a["intra_sim"] is None and b["intra_sim"] is None
         for key in ("inter_sim", "anisotropy", "mean_norm", "mean_sq_norm"):
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["name"], key)
+
+
+def test_the_step_compiles_once_on_two_devices(setup):
+    """The step hands the accumulators back with the shardings they came in with: on 2 devices
+    XLA once put the empty fields (no token stats, no sample, not centered) elsewhere, and the
+    second batch compiled the step again."""
+    script = textwrap.dedent(f"""
+        import numpy as np, jax
+        from isojax import api, parallel
+        from isojax.loading import load_model
+        mesh = parallel.make_mesh({{"data": 2, "model": 1}})
+        loaded = load_model({str(setup / "ckpt")!r}, dtype="float32", attention_impl="xla", mesh=mesh)
+        runner = api.make_runner(loaded, mesh, token_stats=False, num_groups=1)
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            tokens = rng.integers(0, 50304, (4, 64)).astype(np.int32)
+            runner.step(tokens, np.ones_like(tokens), np.tile(np.arange(64, dtype=np.int32), (4, 1)), 0)
+        jax.block_until_ready(runner.acc)
+        print(runner._step._cache_size())
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(setup, 2), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "1", proc.stdout
