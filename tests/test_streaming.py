@@ -160,7 +160,9 @@ def test_streamed_run_equals_cached_run(tmp_path, monkeypatch, slow_small_chunks
     slow_small_chunks.delay = 0.05
     slow_small_chunks.hold = 2  # the builder waits for the loop's first request: the loop follows it
     first = isojax.measure(str(tmp_path / "ckpt"), paths, **options)
-    assert slow_small_chunks.count(False) > 5
+    # the run read partial caches (how many depends on how long the first step's compile takes
+    # beside the builder: 3 to 10+ on 2 cores; test_packing_follows_a_growing_cache counts them)
+    assert slow_small_chunks.count(False) >= 1
     second = isojax.measure(str(tmp_path / "ckpt"), paths, **options)
     assert not first.manifest["from_cache"] and second.manifest["from_cache"]
     assert set(first.metrics["sources"]) == {"Books3", "PG-19", "shakespeare", "moby"}
