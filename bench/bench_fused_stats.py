@@ -4,7 +4,7 @@
     python bench/bench_fused_stats.py --quick    # tiny sizes, Pallas interpret mode (runs on CPU)
 
 Per D, milliseconds per state (median of --repeats, after one compile run) of
-  xla     kernels.xla_moments: update_state's norms, unit vectors and both _centered_moments
+  xla     kernels.xla_moments: update_state's norms, unit vectors, sums and both _centered_grams
           (default StatsOptions, so the 512-wide upper-block Gram), jitted together, without
           the per-token part
   fused   kernels.fused_moments, once per --block-n x --block-d configuration

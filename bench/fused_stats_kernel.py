@@ -214,12 +214,17 @@ def fused_moments(x_NxD, valid_N, *, interpret: bool = False, block_n: int = 64,
 @functools.partial(jax.jit, static_argnames=("opts",))
 def xla_moments(x_NxD, valid_N, opts: StatsOptions = stats.DEFAULT_OPTIONS):
     """The same five values by stats.update_state's XLA path (its norm, unit and two
-    _centered_moments lines), without the per-token part: the reference of fused_moments."""
+    _centered_gram lines), without the per-token part: the reference of fused_moments."""
     valid_N = jnp.asarray(valid_N)
     gram_dtype = jnp.bfloat16 if x_NxD.dtype == jnp.bfloat16 else jnp.float32
     x_NxD = jnp.where(valid_N[:, None], x_NxD.astype(jnp.float32), 0.0)
     norm_N = jnp.sqrt(jnp.sum(x_NxD * x_NxD, axis=1))
     unit_NxD = x_NxD / jnp.where(norm_N > 0, norm_N, 1.0)[:, None]
-    sum_D, m2_DxD = stats._centered_moments(x_NxD, valid_N, gram_dtype, opts)
-    unit_sum_D, unit_m2_DxD = stats._centered_moments(unit_NxD, valid_N, gram_dtype, opts)
+    def centered_moments(v_NxD):  # as update_state on one device: Sum v, and the Gram about its mean
+        n_b = jnp.sum(valid_N.astype(jnp.float32))
+        sum_D = stats.pairwise_sum(v_NxD)
+        return sum_D, stats._centered_gram(v_NxD, valid_N, sum_D / jnp.maximum(n_b, 1.0), gram_dtype, opts)
+
+    sum_D, m2_DxD = centered_moments(x_NxD)
+    unit_sum_D, unit_m2_DxD = centered_moments(unit_NxD)
     return sum_D, m2_DxD, unit_sum_D, unit_m2_DxD, stats.pairwise_sum(norm_N[:, None])[0]

@@ -209,13 +209,6 @@ def _count_f32(lo, hi):
     return hi.astype(jnp.float32) * float(1 << _COUNT_BITS) + lo.astype(jnp.float32)
 
 
-def _centered_moments(x_NxD, valid_N, gram_dtype, opts: StatsOptions):
-    """(Sum x, Sum (x - m)(x - m)^T) of the valid rows, m = their mean."""
-    n_b = jnp.sum(valid_N.astype(jnp.float32))
-    sum_D = pairwise_sum(x_NxD)  # invalid rows are already zero
-    return sum_D, _centered_gram(x_NxD, valid_N, sum_D / jnp.maximum(n_b, 1.0), gram_dtype, opts)
-
-
 def _centered_gram(x_NxD, valid_N, mean_D, gram_dtype, opts: StatsOptions):
     """Sum (x - m)(x - m)^T over the valid rows, [D, D] float32.
 
