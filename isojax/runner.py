@@ -17,7 +17,8 @@ Global layout of the accumulators (a stats.Accumulators of global arrays):
   sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (sample.py),
               merged on the host at the end (`sample`).
 `merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
-over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the devices, in float64.
+over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the
+devices, in float64.
 """
 
 from __future__ import annotations
