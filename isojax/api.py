@@ -192,15 +192,16 @@ def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None, b
     from isojax.runner import device_memory_bytes, host_memory_bytes
     sizes = dict(sizes or {})
     n = jax.device_count()
-    per_device = lambda: -(-batch_tokens // n) if batch_tokens else device_batch_tokens(cfg, jax.default_backend() != "cpu")
+    on_accel = jax.default_backend() != "cpu"
+    per_device = lambda k: -(-batch_tokens // k) if batch_tokens else device_batch_tokens(cfg, on_accel)
     if cfg is not None and not sizes:
         limit = FIT * (device_memory_bytes() or host_memory_bytes())
         fits = lambda m: sum(memory_per_device(cfg, token_stats, dtype, 1, n, m)) + step_bytes(
-            cfg, dtype, per_device(), m) <= limit
+            cfg, dtype, per_device(n), m) <= limit
         sizes["model"] = next((m for m in range(1, n + 1) if n % m == 0 and fits(m)), 1)
     mesh = parallel.make_mesh(sizes)
     if cfg is not None:
-        check_fits(cfg, token_stats, dtype, 1, mesh, per_device())
+        check_fits(cfg, token_stats, dtype, 1, mesh, per_device(mesh.size))
     return mesh
 
 
