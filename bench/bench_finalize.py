@@ -7,8 +7,9 @@ ways of taking the eigenvalues of its three [D, D] covariances (issue 12).
 Rows (ms per state, median of --repeats):
   read           hi + lo -> float64, covariances (the [3, D, D] stack)
   tridiagonal    Householder reduction of the three on the device (lax.linalg.tridiagonal)
-  bisection      the tridiagonals' eigenvalues on the device (jax eigh_tridiagonal)
-  finalize path  read + tridiagonal + bisection, as finalize._state_spectra runs it on accelerators
+  bisection      the tridiagonals' eigenvalues on the device (jax eigh_tridiagonal), one state
+  bisection, all  all --states states' 3 tridiagonals in one call, per state (what finalize runs)
+  finalize path  read + tridiagonal (finalize._state_spectra) + the bisection of all states, per state
   host sterf     the tridiagonals' eigenvalues by LAPACK dsterf on the host instead (scipy)
   eigvalsh       jnp.linalg.eigvalsh of the stack (the solver's own eigh), float64
   host LAPACK    numpy eigvalsh of the stack on the host CPU, float64
@@ -69,7 +70,13 @@ def main() -> int:
     tri = jax.jit(lambda m: jax.lax.linalg.tridiagonal(m, lower=True)[1:3])
     diag, off = jax.block_until_ready(tri(mats))
     bis = jax.jit(lambda a, b: jax.vmap(lambda d_, e_: jax.scipy.linalg.eigh_tridiagonal(d_, e_, eigvals_only=True))(a, b))
-    whole = lambda: finalize._state_spectra(n_G, sum_GxD, sum_GxD, m2_p, um2_p, per_group=False)[0][0]
+    diag_all, off_all = jnp.tile(diag, (args.states, 1)), jnp.tile(off, (args.states, 1))
+    bis_all = lambda: finalize._bisect(diag_all, off_all)[:3]
+
+    def whole():
+        reduced = [finalize._state_spectra(n_G, sum_GxD, sum_GxD, m2_p, um2_p, per_group=False)
+                   for _ in range(args.states)]
+        return finalize._bisect_states(reduced)[0][0][0]
 
     def host_sterf(diag_KxD, off_KxD):
         return np.stack([scipy.linalg.eigvalsh_tridiagonal(a, b, lapack_driver="sterf")[::-1]
@@ -80,7 +87,10 @@ def main() -> int:
     rows.append(("read", *timed(read, args.repeats)))
     rows.append(("tridiagonal", *timed(lambda: tri(mats), args.repeats)))
     rows.append(("bisection", *timed(lambda: bis(diag, off), args.repeats)))
-    rows.append(("finalize path", *timed(whole, args.repeats)))
+    ms, val = timed(bis_all, args.repeats)
+    rows.append(("bisection, all", ms / args.states, val))
+    ms, val = timed(whole, args.repeats)
+    rows.append(("finalize path", ms / args.states, val))
     rows.append(("host sterf", *timed(lambda: host_sterf(np.asarray(diag), np.asarray(off)), args.repeats)))
     rows.append(("eigvalsh", *timed(lambda: eigvalsh(mats), args.repeats)))
     host_m = np.asarray(mats)
@@ -95,7 +105,7 @@ def main() -> int:
         err = ""
         if name not in ("read", "tridiagonal") and val is not None:
             v = np.asarray(val)
-            if name == "bisection":  # ascending
+            if name == "bisection":  # ascending (finalize._bisect: descending)
                 v = v[:, ::-1]
             err = f"{np.abs(v - ref).max() / np.abs(ref).max():.1e}"
         print(f"{name:<16}{ms:>10.1f}{ms * args.states / 1e3:>12.2f}{err:>13}")

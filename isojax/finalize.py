@@ -21,6 +21,7 @@ from jax.scipy.linalg import eigh_tridiagonal
 from jax.sharding import NamedSharding, PartitionSpec
 
 from isojax.errors import UserError
+from isojax import stats
 from isojax.stats import _COUNT_BITS, Accumulators, chan_term
 
 
@@ -59,13 +60,6 @@ def _combine_m2(n_G, sum_GxD, m2_GxDxD):
     return m2
 
 
-def _eigvals_desc(mats_KxDxD):
-    """Eigenvalues, descending, of K symmetric matrices (lower triangles read): Householder
-    reduction to tridiagonal form, then bisection."""
-    _, diag_KxD, off_KxD, _ = jax.lax.linalg.tridiagonal(mats_KxDxD, lower=True)
-    return jax.vmap(lambda d, e: eigh_tridiagonal(d, e, eigvals_only=True))(diag_KxD, off_KxD)[:, ::-1]
-
-
 def _covariances(n, sum_D, m2_DxD, unit_m2_DxD):
     """[3, D, D]: the covariance, the second moment (the uncentered Gram M2 + sum sum^T / n,
     exact in float64) and the unit vectors' covariance; and Sum |x|^2 / n."""
@@ -74,34 +68,63 @@ def _covariances(n, sum_D, m2_DxD, unit_m2_DxD):
     return (mats + mats.swapaxes(1, 2)) / 2, jnp.trace(gram_DxD) / jnp.maximum(n, 1)
 
 
-def _covariance_eigs(n, sum_D, m2_DxD, unit_m2_DxD):
-    """([3, D] eigenvalues, descending, of _covariances' matrices, Sum |x|^2 / n)."""
+def _tridiagonals(n, sum_D, m2_DxD, unit_m2_DxD):
+    """(([3, D] diagonals, [3, D-1] off-diagonals) of _covariances' matrices reduced to
+    tridiagonal form by Householder reflections, Sum |x|^2 / n)."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
-    return _eigvals_desc(mats), mean_sq_norm
+    _, diag_KxD, off_KxD, _ = jax.lax.linalg.tridiagonal(mats, lower=True)
+    return (diag_KxD, off_KxD), mean_sq_norm
+
+
+@jax.jit
+def _bisect(diags: list, offs: list):
+    """Eigenvalues, descending, [N, D], of the N symmetric tridiagonal matrices in diags ([..., D]
+    arrays) and offs ([..., D-1]), by bisection. Its time is the latency of ~53 x D/16 loop steps,
+    whatever N: all states go in one call (bench/RESULTS.md 8d)."""
+    d = diags[0].shape[-1]
+    diag_NxD = jnp.concatenate([x.reshape(-1, d) for x in diags])
+    off_NxD = jnp.concatenate([x.reshape(-1, d - 1) for x in offs])
+    return jax.vmap(lambda a, b: eigh_tridiagonal(a, b, eigvals_only=True))(diag_NxD, off_NxD)[:, ::-1]
+
+
+def _bisect_states(reduced: list) -> list:
+    """_state_spectra(..., how="tridiagonal") of every state -> the same with eigenvalues in place
+    of the tridiagonals, in host memory: one bisection of all their matrices."""
+    parts = [p for whole, groups in reduced for p in ((whole,) if groups is None else (whole, groups))]
+    with jax.enable_x64(True):
+        eig_NxD = np.asarray(_bisect([p[0][0] for p in parts], [p[0][1] for p in parts]))
+    out, at = [], 0
+    for p in parts:
+        k = int(np.prod(p[0][0].shape[:-1]))
+        out.append((eig_NxD[at:at + k].reshape(p[0][0].shape), np.asarray(p[1])))
+        at += k
+    it = iter(out)
+    return [(next(it), None if groups is None else next(it)) for _, groups in reduced]
 
 
 def _host_eigs(covariances):
-    """_covariance_eigs from _covariances' output in host memory: LAPACK (numpy) on the CPU."""
+    """Eigenvalues, descending, of _covariances' output in host memory: LAPACK (numpy) on the CPU."""
     if covariances is None:
         return None
     mats, mean_sq_norm = covariances
     return np.linalg.eigvalsh(np.asarray(mats))[..., ::-1], mean_sq_norm
 
 
-@functools.partial(jax.jit, static_argnames=("per_group", "eigs"))
-def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, eigs: bool = True):
-    """One state's spectra, all groups together and (per_group) each group; call under
-    jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D] float32 pairs. eigs=False: the
-    covariance matrices instead of their eigenvalues, for _host_eigs (on CPU, LAPACK beats
-    XLA's bisection and its compile; on an H100, device bisection took 79 ms per state at D =
-    2048 and LAPACK's dsterf of the tridiagonals on the host 222: bench/RESULTS.md 8c)."""
+@functools.partial(jax.jit, static_argnames=("per_group", "how"))
+def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how: str = "tridiagonal"):
+    """One state's (whole population, per group or None) covariances, all groups together and
+    (per_group) each group; call under jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D]
+    float32 pairs. how="tridiagonal" (accelerators): each reduced to tridiagonal form, for
+    _bisect_states; "matrices" (the CPU): the matrices themselves, for _host_eigs. On the CPU,
+    LAPACK beats XLA's bisection and its compile; on an H100 LAPACK's dsterf of the tridiagonals
+    on the host took 222 ms per state (bench/RESULTS.md 8c)."""
     m2_HxDxD = m2.hi.astype(jnp.float64) + m2.lo.astype(jnp.float64)
     unit_m2_HxDxD = unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)
     if per_group:
         whole = (_combine_m2(n_G, sum_GxD, m2_HxDxD), _combine_m2(n_G, unit_sum_GxD, unit_m2_HxDxD))
     else:
         whole = (m2_HxDxD[0], unit_m2_HxDxD[0])
-    readout = _covariance_eigs if eigs else _covariances
+    readout = {"tridiagonal": _tridiagonals, "matrices": _covariances}[how]
     groups = jax.vmap(readout)(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) if per_group else None
     return readout(n_G.sum(), sum_GxD.sum(0), *whole), groups
 
@@ -165,6 +188,26 @@ def _gather_state(mesh):
     return jax.jit(take, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int) -> None:
+    """Compile the float64 read-outs that finalize and sample_metrics run on accelerators, for
+    second moments of [H, S, D, D] and num_groups groups, from shapes alone, into the persistent
+    compilation cache (api.use_compilation_cache): run in a background thread while the devices
+    measure, a first run's read-outs then load instead of compiling after the loop."""
+    h, s, _, d = m2_HxSxDxD_shape
+    per_group = h == num_groups and num_groups > 1
+    f64 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float64)
+    pair = stats.DFPair(jax.ShapeDtypeStruct((h, d, d, 2), np.float32))
+    with jax.enable_x64(True):
+        _state_spectra.lower(f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair,
+                             per_group=per_group, how="tridiagonal").compile()
+        parts = [(3,)] + ([(num_groups, 3)] if per_group else [])  # _state_spectra's whole, groups
+        _bisect.lower([f64(*k, d) for _ in range(s) for k in parts],
+                      [f64(*k, d - 1) for _ in range(s) for k in parts]).compile()
+        if sample_count >= BATCH:
+            x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32)
+            _batch_anisotropy.lower(x).compile()
+
+
 def finalize(acc: Accumulators, state_names: list[str],
              group_names: list[str] | None = None, token=None) -> dict:
     """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
@@ -199,20 +242,27 @@ def finalize(acc: Accumulators, state_names: list[str],
     eigs_GxS = [[None] * num_states for _ in range(num_groups)]
     on_cpu = jax.default_backend() == "cpu"
 
-    def dispatch(s):  # one state ahead: the devices work on state s + 1 while the host reads out s
+    def dispatch(s):
         with jax.enable_x64(True):
             return _state_spectra(n_GxS[:, s].astype(np.float64), sum_GxSxD[:, s], unit_sum_GxSxD[:, s],
                                   jax.tree.map(lambda x: _state_m2(x, s), m2_HxSxDxD),
                                   jax.tree.map(lambda x: _state_m2(x, s), unit_m2_HxSxDxD),
-                                  per_group=per_group_m2, eigs=not on_cpu)
+                                  per_group=per_group_m2, how="matrices" if on_cpu else "tridiagonal")
 
-    ahead = dispatch(0)
+    reduced, ahead = [], dispatch(0)
+    for s in range(num_states):  # one state ahead: at most two states' float64 matrices at a time
+        current, ahead = ahead, dispatch(s + 1) if s + 1 < num_states else None
+        if on_cpu:
+            whole, groups = jax.device_get(current)
+            reduced.append((_host_eigs(whole), _host_eigs(groups)))
+        else:
+            reduced.append(jax.block_until_ready(current))
+    if not on_cpu:
+        reduced = _bisect_states(reduced)
+
     for s, name in enumerate(state_names):
         n_G = n_GxS[:, s]
-        current, ahead = ahead, dispatch(s + 1) if s + 1 < num_states else None
-        whole, groups = jax.device_get(current)
-        if on_cpu:
-            whole, groups = _host_eigs(whole), _host_eigs(groups)
+        whole, groups = reduced[s]
         for g in range(num_groups):
             if group_eigs:
                 eigs_GxS[g][s] = (groups[0][g], groups[1][g]) if per_group_m2 else whole
@@ -306,9 +356,10 @@ def _batch_anisotropy(x_BxNxD):
             gram = x_NxD @ x_NxD.T
             r_N = gram.sum(1)
             centered = gram - r_N[:, None] / n - r_N[None, :] / n + r_N.sum() / (n * n)
-        return jnp.stack([_top_eigenvalue(g) / jnp.trace(g) for g in (centered, gram)])
+        both_2xMxM = jnp.stack([centered, gram])
+        return jax.vmap(_top_eigenvalue)(both_2xMxM) / jnp.trace(both_2xMxM, axis1=1, axis2=2)
 
-    return jax.lax.map(one, x)
+    return jax.vmap(one)(x)  # the 2B Lanczos runs side by side: their steps are latency, not work
 
 
 def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, k: int = 20,
@@ -320,12 +371,20 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
     from isojax import intrinsic as ids
     out = []
     batches = count // BATCH
-    for s, _ in enumerate(state_names):
+
+    def dispatch(s):
         x = states(s)
+        if not batches:
+            return x, None
+        with jax.enable_x64(True):
+            return x, _batch_anisotropy(x[:batches * BATCH].reshape(batches, BATCH, -1))
+
+    ahead = dispatch(0)
+    for s, _ in enumerate(state_names):  # one state ahead: the devices work while the host reads out
+        (x, ratios), ahead = ahead, dispatch(s + 1) if s + 1 < len(state_names) else None
         m: dict = {"sample_tokens": count, "anisotropy_batches": batches}
         if batches:
-            with jax.enable_x64(True):
-                ratios = np.asarray(_batch_anisotropy(x[:batches * BATCH].reshape(batches, BATCH, -1)))
+            ratios = np.asarray(ratios)
             for j, key in enumerate(("anisotropy_batch", "anisotropy_uncentered_batch")):
                 m[f"{key}_mean"] = float(ratios[:, j].mean())
                 m[f"{key}_std"] = float(ratios[:, j].std(ddof=1)) if batches > 1 else None

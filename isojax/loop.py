@@ -19,12 +19,13 @@ def log(msg: str) -> None:
 
 
 def consume(runner, batches, done: dict, total: int, *, max_tokens=None, checkpoint_every=None,
-            save_checkpoint=None, progress: bool = True, desc: str = "tokens") -> tuple[dict, float]:
+            save_checkpoint=None, progress: bool = True, desc: str = "tokens",
+            after_first_step=None) -> tuple[dict, float]:
     """Feed batches to the devices until they run out or max_tokens is reached (whole batches).
     The progress bar counts tokens the devices have finished, not dispatched, up to `total`: an
     int, or a function giving it once known and None before (the corpus still being tokenized:
-    the bar shows count and rate). Returns (done, seconds of the first step: compile and first
-    batch)."""
+    the bar shows count and rate). after_first_step() is called once the first step (its compile)
+    is done. Returns (done, seconds of the first step: compile and first batch)."""
     from tqdm import tqdm
 
     done = dict(done)
@@ -56,6 +57,8 @@ def consume(runner, batches, done: dict, total: int, *, max_tokens=None, checkpo
             if first_step is None:
                 finish(0)
                 first_step = time.time() - t
+                if after_first_step is not None:
+                    after_first_step()
             done = {"tokens": done["tokens"] + batch.n_tokens, "sequences": done["sequences"] + batch.n_sequences,
                     "batches": done["batches"] + 1}
             finish(IN_FLIGHT)

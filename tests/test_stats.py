@@ -368,26 +368,53 @@ def test_the_compiled_step_updates_grams_and_token_sums_in_place():
 
 
 def test_accelerator_spectra_equal_numpy_eigvalsh():
-    """What finalize runs on accelerators (the covariances reduced to tridiagonal form and
-    bisected, in float64 by XLA) against what it runs on CPUs (numpy eigvalsh of the same
-    covariances), for all groups together and each group, on anisotropic states."""
+    """What finalize runs on accelerators (each state's covariances reduced to tridiagonal form,
+    then all states' tridiagonals bisected in one call, in float64 by XLA) against what it runs on
+    CPUs (numpy eigvalsh of the same covariances), for all groups together and each group, on
+    two anisotropic states of different scales (each must get its own eigenvalues back)."""
     rng = np.random.default_rng(11)
     g, n, d = 3, 400, 40
-    x_GxNxD = rng.normal(size=(g, n, d)) * np.linspace(0.01, 2.0, d) + 4.0 * rng.normal(size=d)
-    x_GxNxD[1] += 1.5  # the groups differ in mean: the combination adds Chan's term
-    u_GxNxD = x_GxNxD / np.linalg.norm(x_GxNxD, axis=-1, keepdims=True)
     centered = lambda v: np.einsum("gnd,gne->gde", v - v.mean(1, keepdims=True), v - v.mean(1, keepdims=True))
     pair = lambda m: stats.DFPair(jnp.asarray(np.stack([m, m - m.astype(np.float32)], -1).astype(np.float32)))
-    args = (np.full(g, float(n)), x_GxNxD.sum(1), u_GxNxD.sum(1), pair(centered(x_GxNxD)), pair(centered(u_GxNxD)))
+    states = []
+    for scale in (1.0, 30.0):
+        x_GxNxD = scale * (rng.normal(size=(g, n, d)) * np.linspace(0.01, 2.0, d) + 4.0 * rng.normal(size=d))
+        x_GxNxD[1] += 1.5 * scale  # the groups differ in mean: the combination adds Chan's term
+        u_GxNxD = x_GxNxD / np.linalg.norm(x_GxNxD, axis=-1, keepdims=True)
+        args = (np.full(g, float(n)), x_GxNxD.sum(1), u_GxNxD.sum(1), pair(centered(x_GxNxD)), pair(centered(u_GxNxD)))
+        states.append((x_GxNxD, args))
     with jax.enable_x64(True):
-        got = jax.device_get(fz._state_spectra(*args, per_group=True, eigs=True))
-        want = [fz._host_eigs(part) for part in jax.device_get(fz._state_spectra(*args, per_group=True, eigs=False))]
-    for (eig, msn), (ref, ref_msn) in zip(got, want):
-        assert eig.shape == ref.shape and eig.shape[-2:] == (3, d)
-        assert np.all(np.diff(eig, axis=-1) <= 0)  # descending
-        np.testing.assert_allclose(eig, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
-        np.testing.assert_allclose(msn, ref_msn, rtol=1e-14)
-    # and the whole population's covariance is numpy's own, from the pooled rows
-    cov = np.cov(x_GxNxD.reshape(-1, d).T, bias=True)
-    np.testing.assert_allclose(got[0][0][0], np.linalg.eigvalsh(cov)[::-1], rtol=0,
-                               atol=1e-10 * np.linalg.eigvalsh(cov).max())
+        got_S = fz._bisect_states([fz._state_spectra(*a, per_group=True, how="tridiagonal") for _, a in states])
+        want_S = [[fz._host_eigs(part) for part in jax.device_get(fz._state_spectra(*a, per_group=True, how="matrices"))]
+                  for _, a in states]
+    for (x_GxNxD, _), got, want in zip(states, got_S, want_S):
+        for (eig, msn), (ref, ref_msn) in zip(got, want):
+            assert eig.shape == ref.shape and eig.shape[-2:] == (3, d)
+            assert np.all(np.diff(eig, axis=-1) <= 0)  # descending
+            np.testing.assert_allclose(eig, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
+            np.testing.assert_allclose(msn, ref_msn, rtol=1e-14)
+        # and the whole population's covariance is numpy's own, from the pooled rows
+        cov = np.cov(x_GxNxD.reshape(-1, d).T, bias=True)
+        np.testing.assert_allclose(got[0][0][0], np.linalg.eigvalsh(cov)[::-1], rtol=0,
+                                   atol=1e-10 * np.linalg.eigvalsh(cov).max())
+
+def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
+    """finalize.compile_ahead (run while the devices measure) compiles the accelerators' float64
+    read-outs from shapes alone; the calls finalize and sample_metrics then make compile nothing."""
+    import logging
+
+    g, h, s, d = 3, 3, 5, 24  # shapes no other test compiles
+    fz.compile_ahead((h, s, d, d), g, 2 * fz.BATCH)
+    rng = np.random.default_rng(2)
+    m = rng.normal(size=(h, d, d))
+    pair = stats.DFPair(jnp.asarray(np.stack([m @ m.transpose(0, 2, 1), np.zeros((h, d, d))], -1).astype(np.float32)))
+    x = jnp.asarray(rng.normal(size=(2 * fz.BATCH, d)).astype(np.float32))
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True), jax.enable_x64(True):
+        reduced = [fz._state_spectra(np.full(g, 50.0), rng.normal(size=(g, d)), rng.normal(size=(g, d)), pair, pair,
+                                     per_group=True, how="tridiagonal") for _ in range(s)]
+        eigs = fz._bisect_states(reduced)
+        ratios = np.asarray(fz._batch_anisotropy(x.reshape(2, fz.BATCH, d)))
+    compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert not [c for c in compiled if any(f in c for f in ("_state_spectra", "_bisect", "_batch_anisotropy"))], compiled
+    assert len(eigs) == s and eigs[0][1][0].shape == (g, 3, d) and ratios.shape == (2, 2)
