@@ -8,9 +8,11 @@ work the copy cost (blocked + slowed). Ways:
   asarray      a background thread calls np.asarray on a device copy (isojax <= 9c60022, part)
   async        copy_to_host_async on the device copy, then np.asarray in the thread (9c60022)
   pinned       jax.device_put of the device copy into the "pinned_host" memory space, then
-               np.asarray in the thread
+               np.asarray in the thread (name it twice: the second finds XLA's pinned pool grown)
   writer       isojax's checkpoint writer: a thread moves each array into pinned host memory
                one slice of the leading axis at a time and writes it to .npy files (disk included)
+  torch        what the link allows: PyTorch copies as many bytes from its own device buffer into
+               page-locked host memory it allocated beforehand (not isojax; needs torch)
 
     python bench/bench_transfer.py --gb 10
 """
@@ -73,6 +75,14 @@ def main() -> int:
         device_copy = copy(arrays)
         jax.block_until_ready(device_copy)
         done = {}
+        if way == "torch":
+            import torch
+            src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+            t = time.perf_counter()
+            dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            torch.cuda.synchronize()
+            print(f"(torch: {nbytes / 1e9:.1f} GB of page-locked host memory allocated in "
+                  f"{time.perf_counter() - t:.2f} s)", flush=True)
         t0 = time.perf_counter()
         if way == "asarray":
             parts = device_copy
@@ -82,7 +92,7 @@ def main() -> int:
             parts = device_copy
         elif way == "pinned":
             parts = [jax.device_put(x, pinned) for x in device_copy]
-        elif way == "writer":
+        elif way in ("writer", "torch"):
             parts = device_copy
         else:
             raise SystemExit(f"unknown way {way}")
@@ -95,6 +105,11 @@ def main() -> int:
                 Path(args.dir).mkdir(parents=True)
                 checkpointing._write_shards(Path(args.dir), [(f"a{i}.npy", p) for i, p in enumerate(parts)])
                 done["n"] = sum(p.nbytes for p in parts)
+            elif way == "torch":
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    dst.copy_(src, non_blocking=True)
+                    torch.cuda.current_stream().synchronize()
+                done["n"] = nbytes
             else:
                 done["n"] = sum(np.asarray(p).nbytes for p in parts)
             done["t"] = time.perf_counter() - t0

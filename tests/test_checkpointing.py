@@ -1,5 +1,5 @@
 """Run checkpoints: what load reads back equals what save wrote, bit for bit, for arrays written
-whole and a slice at a time; only the last two steps stay."""
+whole and a chunk of rows at a time; only the last two steps stay."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ def _tree(seed: int) -> dict:
     return {"sums": {"hi": jnp.asarray(rng.normal(size=(5, 7, 3)).astype(np.float32)),
                      "lo": jnp.asarray(rng.normal(size=(5, 7, 3)).astype(np.float32) * 1e-8)},
             "counts": jnp.asarray(rng.integers(0, 1 << 30, (5, 7)).astype(np.int32)),
+            "uneven": jnp.asarray(rng.normal(size=(4, 9, 3)).astype(np.float32)),  # 36 rows: a short last chunk
             "empty": jnp.zeros((5, 0, 3), jnp.float32), "scalar": jnp.asarray(np.int32(seed))}
 
 
 def test_save_load_round_trip_whole_and_sliced(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpointing, "SLICE_BYTES", 64)  # the [5, 7, 3] arrays go a slice at a time
+    monkeypatch.setattr(checkpointing, "SLICE_BYTES", 64)  # the [5, 7, 3] arrays go 5 rows of 3 at a time
     ckpt = checkpointing.Checkpointer(tmp_path / "ck")
     for step in (1, 2, 3):
         ckpt.save(step, _tree(step), {"step": step})
@@ -33,3 +34,12 @@ def test_save_load_round_trip_whole_and_sliced(tmp_path, monkeypatch):
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_to_host_by_chunks_equals_the_array(monkeypatch):
+    """The path taken when the devices have no room for a copy: chunks gathered into one array."""
+    monkeypatch.setattr(checkpointing, "SLICE_BYTES", 64)
+    for leaf in jax.tree.leaves(_tree(7)):
+        got = checkpointing._to_host(leaf)
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        np.testing.assert_array_equal(got, np.asarray(leaf))
