@@ -96,13 +96,15 @@ def hf_to_params(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNe
     return tensors_to_params({k: np.asarray(v, dtype) for k, v in hf_tensors(read, names, cfg).items()}, cfg)
 
 
-def read_hf_tensors(path: Path):
+def read_hf_tensors(path: Path, put: Callable | None = None):
     """Hugging Face checkpoint dir -> (config, its tensors as stored (bfloat16 read as float32),
-    checksum of the weight files)."""
+    checksum of the weight files). put: applied to each tensor as stored (bfloat16 too), a view of
+    the memory-mapped file (CheckpointReader.mapped), e.g. jax.device_put: no copy in host memory."""
     from isojax.hf_files import CheckpointReader
     cfg = read_hf_config(path, name=path.name)
     reader = CheckpointReader(path)
-    return cfg, hf_tensors(reader.read, reader.names(), cfg), files_checksum(reader.files())
+    read = reader.read if put is None else (lambda name: put(reader.mapped(name)))
+    return cfg, hf_tensors(read, reader.names(), cfg), files_checksum(reader.files())
 
 
 def files_checksum(files, samples: int = 16, sample_bytes: int = 1 << 16) -> str:

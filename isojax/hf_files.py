@@ -212,6 +212,7 @@ class CheckpointReader:
         self._files: dict[str, pathlib.Path] = {}  # tensor name -> file
         self._st: dict[pathlib.Path, object] = {}  # open safe_open handles
         self._bin: dict[pathlib.Path, dict] = {}
+        self._maps: dict[pathlib.Path, tuple] = {}  # file -> (uint8 memmap, data start, header)
         self._index: pathlib.Path | None = None
         for index, single, kind in (("model.safetensors.index.json", "model.safetensors", "st"),
                                     ("pytorch_model.bin.index.json", "pytorch_model.bin", "bin")):
@@ -291,6 +292,26 @@ class CheckpointReader:
         if f in self._st:
             return _to_numpy(lambda: self._st[f].get_tensor(name), name, f)
         return torch_to_numpy(self._bin[f][name])
+
+    def mapped(self, name) -> np.ndarray:
+        """One tensor as stored (bfloat16 too), a read-only view of the memory-mapped file where it
+        is safetensors: nothing is copied until the view is read (e.g. by jax.device_put, which
+        then reads the page cache once instead of a copy of it); else `read`."""
+        f = self._file(name)
+        if f not in self._st:
+            return self.read(name)
+        if f not in self._maps:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
+            self._maps[f] = (np.memmap(f, np.uint8, "r"), 8 + n, header)
+        buf, start, header = self._maps[f]
+        entry = header[name]
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None or dtype == "bool":
+            return self.read(name)
+        begin, end = entry["data_offsets"]
+        return buf[start + begin:start + end].view(np.dtype(dtype)).reshape(entry["shape"])
 
     def rows(self, name):
         """A 2-D tensor to read in row blocks (`isotropy.RowBlocks`; `.bin`: memory-mapped)."""

@@ -7,7 +7,7 @@ Accepted names:
   preset or hub id          the same, from huggingface_hub's cache (downloaded once)
 
 Weights are read in their stored dtype (safetensors; `.bin` only with weights_only=True), copied
-to the devices as they are, and stacked per layer, transposed and cast there. The checksum that
+to the devices as they are, one tensor while the next is read, and stacked per layer, transposed and cast there. The checksum that
 identifies a checkpoint (manifest, resume) is a sha256 of the weight files' names, sizes,
 headers and 16 evenly spaced 64 KiB samples of each: a full hash of pythia-1.4b took 15 s.
 """
@@ -150,7 +150,7 @@ def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str, 
                   "revision": meta.get("source", {}).get("revision", revision),
                   "path": str(path), "checksum": meta["checksum"]}
     else:
-        cfg, tensors, checksum = read_hf_tensors(path)
+        cfg, tensors, checksum = read_hf_tensors(path, put=jax.device_put)  # each copied as it is read
         params = place(tensors, dtype, mesh, build=lambda t: tensors_to_params(t, cfg, jnp))
         del tensors
         source = {"name": name, "revision": revision, "path": str(path), "checksum": checksum}

@@ -124,6 +124,28 @@ def test_float16_and_int_dtypes_reported(tmp_path):
     np.testing.assert_array_equal(r.read("i"), t["i"])
 
 
+def test_mapped_views_equal_reads_in_every_stored_dtype(sharded, tmp_path):
+    """CheckpointReader.mapped (what load_model copies to the devices): the tensor as stored, a
+    view of the mapped file, equal to `read` (bfloat16 kept, not upcast), in sharded files too."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(5)
+    t = {"h": rng.standard_normal((6, 3)).astype(np.float16), "f": rng.standard_normal((2, 5)).astype(np.float32),
+         "b": rng.standard_normal((4, 7)).astype(ml_dtypes.bfloat16), "i": np.arange(4, dtype=np.int64),
+         "scalar": np.asarray(2.5, np.float32)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    r = hf_files.CheckpointReader(tmp_path)
+    for name, want in t.items():
+        got = r.mapped(name)
+        assert got.dtype == want.dtype and got.shape == want.shape and not got.flags.writeable
+        np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64))
+    d, ref = sharded
+    r = hf_files.CheckpointReader(d)
+    for name, want in ref.items():
+        np.testing.assert_array_equal(r.mapped(name), want)
+
+
 def test_missing_shard_and_partial_open(sharded, tmp_path):
     d, _ = sharded
     shutil.copytree(d, tmp_path / "c")
