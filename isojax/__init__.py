@@ -13,9 +13,22 @@ import os
 # deprecated: noise the user cannot act on. Set TF_CPP_MIN_LOG_LEVEL to see XLA's warnings.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from isojax.api import Results, measure  # noqa: E402
-from isojax.config import GPTNeoXConfig, preset, preset_names  # noqa: E402
-from isojax.errors import UserError  # noqa: E402
-from isojax.loading import LoadedModel, load_model  # noqa: E402
+import importlib
 
-__all__ = ["GPTNeoXConfig", "LoadedModel", "Results", "UserError", "load_model", "measure", "preset", "preset_names"]
+# Loaded on first use: the tokenizer's worker processes import isojax.data alone, without JAX
+# (importing JAX in each of 16 workers held back a first run's first tokens by seconds).
+_WHERE = {"Results": "isojax.api", "measure": "isojax.api", "GPTNeoXConfig": "isojax.config",
+          "preset": "isojax.config", "preset_names": "isojax.config", "UserError": "isojax.errors",
+          "LoadedModel": "isojax.loading", "load_model": "isojax.loading"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'isojax' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

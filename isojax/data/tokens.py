@@ -119,7 +119,11 @@ def encode_chunk(unit: str, texts: list[str], srcs: list[int], tok: Tokenizer | 
 
 
 def _chunks(corpus: Corpus, names: dict[str, int], chunk_chars: int):
+    """(texts, source ids) of consecutive documents, about chunk_chars characters at a time; the
+    first chunks are smaller (from _CHUNK_CHARS_IN_PROCESS, doubling), so that a streamed run's
+    first tokens come after little reading and splitting."""
     texts, srcs, size = [], [], 0
+    want = min(chunk_chars, _CHUNK_CHARS_IN_PROCESS)
     for label, text in corpus.documents():
         if label not in names:
             if len(names) >= np.iinfo(np.int16).max:
@@ -128,9 +132,10 @@ def _chunks(corpus: Corpus, names: dict[str, int], chunk_chars: int):
         texts.append(text)
         srcs.append(names[label])
         size += len(text)
-        if size >= chunk_chars:
+        if size >= want:
             yield texts, srcs
             texts, srcs, size = [], [], 0
+            want = min(2 * want, chunk_chars)
     if texts:
         yield texts, srcs
 
@@ -179,7 +184,9 @@ def _build(corpus: Corpus, tok: Tokenizer, tmp: Path, workers: int, progress: bo
                 pending = collections.deque()  # bounded: the reader never runs far ahead
                 for texts, srcs in chunks(_CHUNK_CHARS):
                     pending.append(pool.submit(encode_chunk, corpus.unit, texts, srcs))
-                    if len(pending) >= 2 * workers:
+                    # in order, as soon as each is done (a streamed run reads them), and at most
+                    # 2 x workers in flight
+                    while pending and (pending[0].done() or len(pending) >= 2 * workers):
                         write(pending.popleft().result())
                 while pending:
                     write(pending.popleft().result())
