@@ -68,10 +68,12 @@ def build_checkpoint(directory: Path, shape: str) -> None:
     torch.cuda.empty_cache()
 
 
-def run_isojax(args: list[str], env: dict) -> dict:
+def run_isojax(args: list[str], env: dict, profile: str | None = None) -> dict:
+    """One `python -m isojax.extract` run; profile: a path for cProfile's stats of it."""
     t = time.time()
-    p = subprocess.run([sys.executable, "-m", "isojax.extract", *args], cwd=REPO, env=env, capture_output=True,
-                       text=True)
+    prefix = ["-m", "cProfile", "-o", profile] if profile else []
+    p = subprocess.run([sys.executable, *prefix, "-m", "isojax.extract", *args], cwd=REPO, env=env,
+                       capture_output=True, text=True)
     wall = time.time() - t
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-3000:])
@@ -79,7 +81,7 @@ def run_isojax(args: list[str], env: dict) -> dict:
     manifest = json.loads((out / "manifest.json").read_text())
     last = [ln for ln in p.stderr.splitlines() if ln.startswith("isojax:")]
     return {"process_s": wall, "wall_s": manifest["seconds_wall"], "tokens": manifest["tokens"],
-            "timings": manifest["timings"], "log": last[-4:]}
+            "timings": manifest["timings"], "timeline": manifest.get("timeline"), "log": last[-4:]}
 
 
 def run_peer(model_dir: Path, corpus: Path, batch_tokens: int) -> dict:
@@ -122,6 +124,7 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/e2e")
     ap.add_argument("--checkpoint-every", type=int, default=2_000_000, help="0: no run with checkpoints")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="one more cached run under cProfile: $OUT/cached.pstats")
     ap.add_argument("--peer-batch-tokens", type=int, default=16384)
     args = ap.parse_args()
     work = Path(args.workdir)
@@ -138,6 +141,10 @@ def main() -> int:
     print(json.dumps(rows["isojax first run"]), flush=True)
     rows["isojax cached"] = run_isojax(common + ["--out", str(work / "o2"), "--overwrite"], env)
     print(json.dumps(rows["isojax cached"]), flush=True)
+    if args.profile:
+        stats = str(Path(os.environ.get("OUT", work)) / "cached.pstats")
+        rows["isojax cached, cProfile"] = run_isojax(common + ["--out", str(work / "o4"), "--overwrite"], env, stats)
+        print(json.dumps(rows["isojax cached, cProfile"]), flush=True)
     if args.checkpoint_every:
         rows["isojax cached + checkpoints"] = run_isojax(
             common + ["--out", str(work / "o3"), "--overwrite", "--checkpoint-every-tokens", str(args.checkpoint_every)],

@@ -31,11 +31,13 @@ TIMED = ("load", "convert", "tokenize", "compile", "loop", "merge", "finalize", 
 
 
 class Timings(dict):
-    """Seconds per phase of a run (manifest "timings"); `with timings("loop"): ...` adds to one."""
+    """Seconds per phase of a run (manifest "timings"); `with timings("loop"): ...` adds to one.
+    timeline: [phase, start s, end s] of each such span since the run began (manifest "timeline")."""
 
     def __init__(self):
         super().__init__({k: 0.0 for k in TIMED})
         self.start = time.time()
+        self.timeline: list[list] = []
 
     def __call__(self, phase: str):
         timings = self
@@ -45,7 +47,9 @@ class Timings(dict):
                 self.t = time.time()
 
             def __exit__(self, *exc):
-                timings[phase] += time.time() - self.t
+                end = time.time()
+                timings[phase] += end - self.t
+                timings.timeline.append([phase, round(self.t - timings.start, 3), round(end - timings.start, 3)])
 
         return _Phase()
 
@@ -356,6 +360,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
 
     from isojax import checkpointing, parallel
     from isojax.data import TokenStream, pack_batches, plan_stats
+    from isojax import finalize as finalize_lib
     from isojax.finalize import finalize
     from isojax.manifest import build_manifest, build_metrics
 
@@ -421,12 +426,17 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     checkpointer = checkpointing.Checkpointer(Path(checkpoint_dir)) if checkpoint_every_tokens else None
     # matplotlib loads while the devices work (0.3-0.9 s of the demo's after-loop time otherwise)
     in_background(lambda: importlib.import_module("isojax.plots"))
+    # and, on accelerators, the float64 read-outs compile once the step has (a first run's finalize
+    # took ~3 s longer than a cached run's, compiling them after the loop)
+    heads = runner.acc.m2_HxSxDxD.hl.shape[-5]
+    compile_ahead = (lambda: in_background(lambda: finalize_lib.compile_ahead(
+        (heads, cfg.num_states, cfg.hidden_size, cfg.hidden_size), num_groups, sample_states))) if on_accel else None
     with timings("loop"):
         try:
             done, first = consume(
                 runner, pack_batches(tokens, rows=rows, row_len=row_len, start_cursor=cursor, row_subset=local),
                 done, total, max_tokens=max_tokens, checkpoint_every=checkpoint_every_tokens, progress=progress,
-                save_checkpoint=lambda d, c: checkpointer.save(d["batches"], runner.acc,
+                after_first_step=compile_ahead, save_checkpoint=lambda d, c: checkpointer.save(d["batches"], runner.acc,
                                                                 {"settings": settings, "cursor": c, "done": d}))
         finally:
             if checkpointer is not None:

@@ -123,6 +123,7 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
             with timings("plots"):
                 manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]
         manifest["timings"] = dict(timings)
+        manifest["timeline"] = getattr(timings, "timeline", [])
         manifest["seconds_wall"] = time.time() - timings.start
         (stage / "manifest.json").write_text(json.dumps(_clean(manifest), indent=1) + "\n")
         written = sorted(p.name for p in stage.iterdir())
