@@ -88,16 +88,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one(setup, tmp_path):
+@pytest.mark.parametrize("mesh", [None, "data=1,model=4"])
+def test_two_processes_equal_one(setup, tmp_path, mesh):
     """Two processes on localhost (2 host devices each, CPU collectives through jax.distributed)
-    against one process on one device; only process 0 writes results."""
+    against one process on one device; only process 0 writes results. model=4: parameters and
+    Grams split over the devices of both processes (D = 32 rows: 8 per device)."""
     common = ["--model", setup / "ckpt", "--data", setup / "pile.jsonl", "--unit", "document", "--seq-len", "64",
               "--batch-tokens", "1536", "--no-plots", "--sample-states", "500"]
     single = subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "one")],
                             cwd=REPO, env=_env(setup, 1), capture_output=True, text=True)
     assert single.returncode == 0, single.stderr[-2000:]
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "two"),
+    split = ["--mesh", mesh] if mesh else []
+    procs = [subprocess.Popen([sys.executable, "-m", "isojax.extract", *map(str, common), *split, "--out", str(tmp_path / "two"),
                                "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
                               cwd=REPO, env=_env(setup, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
@@ -105,6 +108,8 @@ def test_two_processes_equal_one(setup, tmp_path):
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert "devices: 4 x cpu, processes: 2" in outs[0][1]
+    if mesh:
+        assert "mesh data=1,model=4" in outs[0][1], outs[0][1][-2000:]
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     _assert_same(one, two, "2 processes")
