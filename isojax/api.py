@@ -428,9 +428,10 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     in_background(lambda: importlib.import_module("isojax.plots"))
     # and, on accelerators, the float64 read-outs compile once the step has (a first run's finalize
     # took ~3 s longer than a cached run's, compiling them after the loop)
-    heads = runner.acc.m2_HxSxDxD.hl.shape[-5]
+    heads, where = runner.acc.m2_HxSxDxD.hl.shape[-5], runner.acc.m2_HxSxDxD.hl.addressable_shards[0].device
     compile_ahead = (lambda: in_background(lambda: finalize_lib.compile_ahead(
-        (heads, cfg.num_states, cfg.hidden_size, cfg.hidden_size), num_groups, sample_states))) if on_accel else None
+        (heads, cfg.num_states, cfg.hidden_size, cfg.hidden_size), num_groups, sample_states, where))) \
+        if on_accel else None
     with timings("loop"):
         try:
             done, first = consume(

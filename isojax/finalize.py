@@ -188,23 +188,25 @@ def _gather_state(mesh):
     return jax.jit(take, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int) -> None:
+def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, device) -> None:
     """Compile the float64 read-outs that finalize and sample_metrics run on accelerators, for
-    second moments of [H, S, D, D] and num_groups groups, from shapes alone, into the persistent
-    compilation cache (api.use_compilation_cache): run in a background thread while the devices
-    measure, a first run's read-outs then load instead of compiling after the loop."""
+    second moments of [H, S, D, D] and num_groups groups read out on `device`, from shapes alone:
+    run in a background thread while the devices measure, so that a first run's read-outs do not
+    compile after the loop (jit reuses these executables; on an H100 they took 10 s to compile)."""
     h, s, _, d = m2_HxSxDxD_shape
     per_group = h == num_groups and num_groups > 1
-    f64 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float64)
-    pair = stats.DFPair(jax.ShapeDtypeStruct((h, d, d, 2), np.float32))
+    on = jax.sharding.SingleDeviceSharding(device)  # the arrays finalize passes are committed there
+    f64 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float64)  # numpy, on the host
+    f64_on = lambda *shape: jax.ShapeDtypeStruct(shape, np.float64, sharding=on)
+    pair = stats.DFPair(jax.ShapeDtypeStruct((h, d, d, 2), np.float32, sharding=on))
     with jax.enable_x64(True):
         _state_spectra.lower(f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair,
                              per_group=per_group, how="tridiagonal").compile()
         parts = [(3,)] + ([(num_groups, 3)] if per_group else [])  # _state_spectra's whole, groups
-        _bisect.lower([f64(*k, d) for _ in range(s) for k in parts],
-                      [f64(*k, d - 1) for _ in range(s) for k in parts]).compile()
+        _bisect.lower([f64_on(*k, d) for _ in range(s) for k in parts],
+                      [f64_on(*k, d - 1) for _ in range(s) for k in parts]).compile()
         if sample_count >= BATCH:
-            x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32)
+            x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
             _batch_anisotropy.lower(x).compile()
 
 

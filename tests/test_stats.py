@@ -404,11 +404,13 @@ def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
     import logging
 
     g, h, s, d = 3, 3, 5, 24  # shapes no other test compiles
-    fz.compile_ahead((h, s, d, d), g, 2 * fz.BATCH)
+    device = jax.devices()[0]  # finalize's device arrays are committed to a device
+    fz.compile_ahead((h, s, d, d), g, 2 * fz.BATCH, device)
     rng = np.random.default_rng(2)
     m = rng.normal(size=(h, d, d))
-    pair = stats.DFPair(jnp.asarray(np.stack([m @ m.transpose(0, 2, 1), np.zeros((h, d, d))], -1).astype(np.float32)))
-    x = jnp.asarray(rng.normal(size=(2 * fz.BATCH, d)).astype(np.float32))
+    pair = stats.DFPair(jax.device_put(np.stack([m @ m.transpose(0, 2, 1), np.zeros((h, d, d))], -1).astype(np.float32),
+                                       device))
+    x = jax.device_put(rng.normal(size=(2 * fz.BATCH, d)).astype(np.float32), device)
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True), jax.enable_x64(True):
         reduced = [fz._state_spectra(np.full(g, 50.0), rng.normal(size=(g, d)), rng.normal(size=(g, d)), pair, pair,
