@@ -15,6 +15,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -134,6 +135,7 @@ def main() -> int:
         print(f"corpus: {build_corpus(corpus, args.chars):,} characters", flush=True)
     if not model_dir.exists():
         build_checkpoint(model_dir, args.shape)
+    shutil.rmtree(work / "cache", ignore_errors=True)  # the first run starts with no token or compile cache
     env = {**os.environ, "ISOJAX_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
     common = ["--model", str(model_dir), "--data", str(corpus)]
     rows = {}
