@@ -131,7 +131,7 @@ def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how
 
 def _moments(n, sum_D, unit_sum_D, norm_sum, eigs=None):
     """State-level metrics of one population; eigs: ([3, D] eigenvalues, Sum |x|^2 / n) from
-    _covariance_eigs, or None (no second moments kept for it)."""
+    _bisect_states or _host_eigs, or None (no second moments kept for it)."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
