@@ -79,9 +79,11 @@ def _pinned(x) -> jax.sharding.Sharding | None:
     return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
-def _chunks(data):
-    """data (one device's array, > SLICE_BYTES) in host memory, SLICE_BYTES of rows at a time, as
-    flat uint8 views: through page-locked memory where there is some (no copy to read it)."""
+def _each_chunk(data, use) -> None:
+    """use(view) for each SLICE_BYTES of data's rows in order (data: one device's array), view a
+    flat uint8 array in host memory: page-locked where the device has such memory (reading it
+    copies nothing). One chunk is alive at a time, so XLA's page-locked pool, which grows at the
+    first checkpoint (pinning ran ~1.3 GB/s here) and is kept, holds one chunk per writing thread."""
     pinned = _pinned(data)
     per_chunk = max(1, SLICE_BYTES // (data.shape[-1] * data.dtype.itemsize))
     rows = data.size // data.shape[-1]
@@ -89,7 +91,8 @@ def _chunks(data):
         chunk = _rows(data, np.int32(start), min(per_chunk, rows - start))
         if pinned is not None:
             chunk = jax.device_put(chunk, pinned)
-        yield np.asarray(chunk).reshape(-1).view(np.uint8)
+        use(np.asarray(chunk).reshape(-1).view(np.uint8))
+        del chunk  # before the next one is taken from the pool
 
 
 def _is_big(data) -> bool:
@@ -97,22 +100,24 @@ def _is_big(data) -> bool:
 
 
 def _to_host(data) -> np.ndarray:
-    """A device array in host memory, by _chunks: np.asarray of a device array moved ~1.5 GB/s here."""
+    """A device array in host memory, by _each_chunk: np.asarray of a device array moved ~1.5 GB/s here."""
     if not _is_big(data):
         return np.asarray(data)
     out = np.empty(data.shape, data.dtype)
     flat, at = out.reshape(-1).view(np.uint8), 0
-    for view in _chunks(data):
+
+    def put(view):
+        nonlocal at
         flat[at:at + view.size] = view
         at += view.size
+
+    _each_chunk(data, put)
     return out
 
 
 def _write_shards(tmp: Path, shards: list) -> None:
-    """Write one device's shards as .npy files, SLICE_BYTES of rows at a time: each chunk goes to
-    page-locked host memory (25-30 GB/s on the H100s here once XLA's pool of it has grown, which
-    happens at the first checkpoint: pinning pages ran at ~1.3 GB/s) and is written from there,
-    so host memory holds one chunk per device, and the page-locked pool stays that small."""
+    """Write one device's shards as .npy files, a chunk at a time (_each_chunk: through page-locked
+    memory, 25-30 GB/s on the H100s here once XLA's pool holds it), each written from there."""
     for name, data in shards:
         if not _is_big(data):
             np.save(tmp / name, np.asarray(data))
@@ -121,9 +126,11 @@ def _write_shards(tmp: Path, shards: list) -> None:
                   "shape": tuple(data.shape)}
         with open(tmp / name, "wb", buffering=0) as f:
             np.lib.format.write_array_header_1_0(f, header)
-            for view in _chunks(data):
-                for at in range(0, view.size, 1 << 30):  # the write releases the GIL
+            def write(view):  # f.write releases the GIL
+                for at in range(0, view.size, 1 << 30):
                     f.write(view[at:at + (1 << 30)])
+
+            _each_chunk(data, write)
 
 
 def _process_dir() -> str:
