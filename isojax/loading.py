@@ -6,10 +6,11 @@ Accepted names:
   DIR with config.json      a Hugging Face checkpoint directory, read straight onto the devices
   preset or hub id          the same, from huggingface_hub's cache (downloaded once)
 
-Weights are read in their stored dtype (safetensors; `.bin` only with weights_only=True), copied
-to the devices as they are, one tensor while the next is read, and stacked per layer, transposed and cast there. The checksum that
-identifies a checkpoint (manifest, resume) is a sha256 of the weight files' names, sizes,
-headers and 16 evenly spaced 64 KiB samples of each: a full hash of pythia-1.4b took 15 s.
+Weights are copied to the devices in their stored dtype, straight from views of the memory-mapped
+safetensors files (`.bin` read with weights_only=True), one tensor while the next is read, and
+stacked per layer, transposed and cast there. The checksum that identifies a checkpoint
+(manifest, resume) is a sha256 of the weight files' names, sizes, headers and 16 evenly spaced
+64 KiB samples of each: a full hash of pythia-1.4b took 15 s.
 """
 
 from __future__ import annotations
