@@ -40,7 +40,8 @@ def per_device_batch(cfg) -> int:
 
 
 def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 512, model_axis: int = 1,
-        batch_per_device: int | None = None, token_stats: bool = True, profile: str | None = None) -> dict:
+        batch_per_device: int | None = None, token_stats: bool = True, profile: str | None = None,
+        reserve: bool = True) -> dict:
     import jax.numpy as jnp
 
     from isojax import checkpointing, parallel
@@ -91,6 +92,11 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     if checkpoint:  # two in a row: the first also grows XLA's page-locked pool, later ones find it
         shutil.rmtree(checkpoint, ignore_errors=True)
         ckpt = checkpointing.Checkpointer(Path(checkpoint))
+        if reserve:  # as isojax.extract does before its loop
+            t = time.perf_counter()
+            ckpt.reserve(runner.acc)
+            ckpt.wait()
+            out["reserve_s"] = time.perf_counter() - t
         for i in (1, 2):
             t = time.perf_counter()
             ckpt.save(i, runner.acc, {"bench": True})
@@ -121,7 +127,9 @@ def main() -> int:
     ap.add_argument("--profile", default=None, metavar="DIR", help="trace 3 steps of the largest device count "
                     "(with token stats) into DIR and print device time per kernel class")
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
-                    help="also time one asynchronous checkpoint on the largest device count")
+                    help="also time two asynchronous checkpoints on the largest device count")
+    ap.add_argument("--no-reserve", action="store_true",
+                    help="do not grow the page-locked pool before the first checkpoint (Checkpointer.reserve)")
     args = ap.parse_args()
     counts = [int(c) for c in args.devices.split(",")] if args.devices else sorted({1, jax.device_count()})
     dev = jax.devices()[0]
@@ -132,7 +140,8 @@ def main() -> int:
                 last = k == max(counts) and token_stats
                 res = run(name, k, args.steps, args.checkpoint if last else None,
                           model_axis=min(args.model_axis, k), batch_per_device=args.batch_per_device,
-                          token_stats=token_stats, profile=args.profile if last else None)
+                          token_stats=token_stats, profile=args.profile if last else None,
+                          reserve=not args.no_reserve)
                 results.append(res)
                 print(json.dumps(res), file=sys.stderr, flush=True)
     base = {(r["model"], r["token_stats"]): r["tokens_per_s"] for r in results if r["devices"] == 1}
@@ -149,7 +158,7 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     if os.environ.get("OUT"):
-        tag = f"{args.models.replace(',', '_')}_{'_'.join(map(str, counts))}"
+        tag = f"{args.models.replace(',', '_')}_{'_'.join(map(str, counts))}" + ("_noreserve" if args.no_reserve else "")
         Path(os.environ["OUT"], f"bench_scaling_{tag}.txt").write_text(table + "\n")
         Path(os.environ["OUT"], f"bench_scaling_{tag}.json").write_text(json.dumps(results, indent=1))
     return 0

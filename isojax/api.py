@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib
-import shutil
 import time
 from pathlib import Path
 
@@ -413,8 +412,8 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     cursor, done = None, {"tokens": 0, "sequences": 0, "batches": 0}
     if resume_run:
         cursor, done = resume(runner, Path(checkpoint_dir), settings, done)
-    elif checkpoint_dir is not None and Path(checkpoint_dir).exists() and parallel.is_main_process():
-        shutil.rmtree(checkpoint_dir)
+    elif checkpoint_dir is not None and parallel.is_main_process():
+        checkpointing.clear(Path(checkpoint_dir))
 
     def total():  # None while tokenizing: the bar shows count and rate
         if streamed and not tokens.done():
@@ -424,6 +423,8 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
 
     local = parallel.local_rows(mesh, rows) if jax.process_count() > 1 else None
     checkpointer = checkpointing.Checkpointer(Path(checkpoint_dir)) if checkpoint_every_tokens else None
+    if checkpointer is not None:
+        checkpointer.reserve(runner.acc)
     # matplotlib loads while the devices work (0.3-0.9 s of the demo's after-loop time otherwise)
     in_background(lambda: importlib.import_module("isojax.plots"))
     # and, on accelerators, the float64 read-outs compile once the step has (a first run's finalize

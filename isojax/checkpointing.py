@@ -71,9 +71,8 @@ def _rows(x, start, count: int):
     return jax.lax.dynamic_slice_in_dim(x.reshape(-1, x.shape[-1]), start, count)
 
 
-def _pinned(x) -> jax.sharding.Sharding | None:
-    """Page-locked host memory beside x's device, where the device has it (GPUs)."""
-    device = next(iter(x.devices()))
+def _pinned(device) -> jax.sharding.Sharding | None:
+    """Page-locked host memory beside a device, where the device has it (GPUs)."""
     if device.platform == "cpu" or "pinned_host" not in [m.kind for m in device.addressable_memories()]:
         return None
     return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
@@ -84,7 +83,7 @@ def _each_chunk(data, use) -> None:
     flat uint8 array in host memory: page-locked where the device has such memory (reading it
     copies nothing). One chunk is alive at a time, so XLA's page-locked pool, which grows at the
     first checkpoint (pinning ran ~1.3 GB/s here) and is kept, holds one chunk per writing thread."""
-    pinned = _pinned(data)
+    pinned = _pinned(next(iter(data.devices())))
     per_chunk = max(1, SLICE_BYTES // (data.shape[-1] * data.dtype.itemsize))
     rows = data.size // data.shape[-1]
     for start in range(0, rows, per_chunk):
@@ -145,8 +144,35 @@ class Checkpointer:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
+    def _in_background(self, fn, *args) -> None:
+        def guarded():
+            try:
+                fn(*args)
+            except BaseException as e:  # reported by the next save or close
+                self.error = e
+
+        self.thread = threading.Thread(target=guarded, daemon=True, name="isojax-checkpoint")
+        self.thread.start()
+
+    def reserve(self, acc) -> None:
+        """Grow XLA's page-locked pool now, in the background, by one chunk per device held at once:
+        what the writer threads take from it. The first checkpoint then finds the pool grown, as
+        later ones do (pinning new pages runs ~1.3 GB/s and slowed the loop: bench/RESULTS.md 7d)."""
+        if not any(_is_big(leaf) for leaf in jax.tree.leaves(acc)):
+            return
+        devices = {s.device for leaf in jax.tree.leaves(acc) for s in leaf.addressable_shards}
+        places = [(d, p) for d in devices if (p := _pinned(d)) is not None]
+
+        def grow():
+            held = [jax.device_put(jnp.zeros(SLICE_BYTES, jnp.uint8, device=d), p) for d, p in places]
+            jax.block_until_ready(held)
+
+        self.wait()
+        if places:
+            self._in_background(grow)
+
     def save(self, step: int, acc, meta: dict) -> None:
-        self.wait()  # never two in flight
+        self.wait()  # never two in flight (nor beside reserve's)
         room = _room_for_copy(acc)
         if room:
             acc = _copy(acc)
@@ -157,31 +183,26 @@ class Checkpointer:
         if not room:  # the arrays leave the devices before their buffers are reused
             log("checkpoint: no device memory for a copy; the loop waits for the transfer to host memory")
             by_device = {d: [(f, _to_host(x)) for f, x in shards] for d, shards in by_device.items()}
-        self.thread = threading.Thread(target=self._write, args=(step, list(by_device.values()), meta),
-                                       daemon=True, name="isojax-checkpoint")
-        self.thread.start()
+        self._in_background(self._write, step, list(by_device.values()), meta)
 
     def _write(self, step: int, per_device: list, meta: dict) -> None:
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f".tmp-{step}-{_process_dir()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            with ThreadPoolExecutor(len(per_device), thread_name_prefix="isojax-checkpoint") as pool:
-                for done in [pool.submit(_write_shards, tmp, shards) for shards in per_device]:
-                    done.result()
-            (tmp / "meta.json").write_text(json.dumps(meta))
-            final = self.directory / str(step) / _process_dir()
-            final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
-            # keep this and the step before (which stays whole if another process dies mid-write)
-            steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
-            for old in steps[:-2]:
-                shutil.rmtree(self.directory / str(old) / _process_dir(), ignore_errors=True)
-                if not any((self.directory / str(old)).iterdir()):
-                    (self.directory / str(old)).rmdir()
-        except BaseException as e:  # reported by the next save or close
-            self.error = e
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".tmp-{step}-{_process_dir()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        with ThreadPoolExecutor(len(per_device), thread_name_prefix="isojax-checkpoint") as pool:
+            for done in [pool.submit(_write_shards, tmp, shards) for shards in per_device]:
+                done.result()
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        final = self.directory / str(step) / _process_dir()
+        final.parent.mkdir(exist_ok=True)
+        os.replace(tmp, final)
+        # keep this and the step before (which stays whole if another process dies mid-write)
+        steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+        for old in steps[:-2]:
+            shutil.rmtree(self.directory / str(old) / _process_dir(), ignore_errors=True)
+            if not any((self.directory / str(old)).iterdir()):
+                (self.directory / str(old)).rmdir()
 
     def wait(self) -> None:
         if self.thread is not None:
@@ -193,6 +214,29 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+
+
+def clear(directory: Path) -> None:
+    """Remove the checkpoints under directory, for a run that starts over. A directory that holds
+    anything else is refused, never emptied."""
+    directory = Path(directory)
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise UserError(f"checkpoint directory {directory} is a file")
+    entries = list(directory.iterdir())
+
+    def ours(p: Path) -> bool:
+        if p.is_dir() and p.name.startswith(".tmp-"):
+            return True
+        return p.is_dir() and p.name.isdigit() and all(q.name.startswith("process_") for q in p.iterdir())
+
+    foreign = sorted(p.name for p in entries if not ours(p))
+    if foreign:
+        raise UserError(f"checkpoint directory {directory} holds what isojax did not write ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
+    for p in entries:
+        shutil.rmtree(p)
 
 
 def latest(directory: Path) -> tuple[int, dict] | None:
