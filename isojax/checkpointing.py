@@ -13,8 +13,9 @@ written from there into its .npy file. Without room the copies to host memory en
 returns. On the H100 machines here np.asarray and copy_to_host_async of device arrays moved
 ~1.5 GB/s; a 5 GB array put into page-locked memory took 3.8 s the first time and 0.1 s (54 GB/s)
 the next, once XLA's pool held the pages: pinning new pages is the slow part. Chunks keep that
-pool at about a chunk per device, grown at the first checkpoint. A checkpoint of pythia-1.4b costs
-the loop 0.1-0.3% of a 20M-token interval, the first 0.8-6.1% (bench/RESULTS.md 7d). The layout
+pool at a chunk per device, and `reserve` grows it before the loop. A checkpoint of pythia-1.4b
+costs the loop 0.1-0.3% of a 20M-token interval; on 4 H100s the first cost 1.1% with the pool
+grown beforehand, 3.4% without (bench/RESULTS.md 7d). The layout
 depends on the device count (runner.py), so a checkpoint resumes on as many devices and
 processes as wrote it.
 """
@@ -81,8 +82,8 @@ def _pinned(device) -> jax.sharding.Sharding | None:
 def _each_chunk(data, use) -> None:
     """use(view) for each SLICE_BYTES of data's rows in order (data: one device's array), view a
     flat uint8 array in host memory: page-locked where the device has such memory (reading it
-    copies nothing). One chunk is alive at a time, so XLA's page-locked pool, which grows at the
-    first checkpoint (pinning ran ~1.3 GB/s here) and is kept, holds one chunk per writing thread."""
+    copies nothing). One chunk is alive at a time, so XLA's page-locked pool (grown by
+    Checkpointer.reserve, kept after) needs one chunk per writing thread."""
     pinned = _pinned(next(iter(data.devices())))
     per_chunk = max(1, SLICE_BYTES // (data.shape[-1] * data.dtype.itemsize))
     rows = data.size // data.shape[-1]
