@@ -60,7 +60,7 @@ def bf16_matmul_rate() -> float:
     return 10 * 2 * n ** 3 / (time.perf_counter() - t)
 
 
-def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, warmup=2):
+def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, mlp_kernel="xla", warmup=2):
     from isojax.config import preset
     from isojax.loading import random_params
     from isojax import parallel
@@ -74,7 +74,7 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     # add several points of padding).
     batches = pack_in_memory(tokens, offsets, rows, row_len)[:-1]
     pack_s = time.perf_counter() - t0
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention))
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention, mlp_kernel=mlp_kernel))
     runner = Runner(module, random_params(cfg, "bfloat16"), parallel.make_mesh(devices=jax.devices()[:1]),
                     token_stats=token_stats)
     t0 = time.perf_counter()
@@ -93,7 +93,7 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     mem = jax.local_devices()[0].memory_stats() or {}
     out = dict(tokens_per_s=n_tok / secs, tokens=n_tok, seconds=secs, padding_fraction=1 - n_tok / slots,
                peak_mem_bytes=mem.get("peak_bytes_in_use"), compile_s=compile_s, pack_s=pack_s,
-               flops_per_token=cfg.flops_per_token(gram=True), rows=rows, row_len=row_len)
+               flops_per_token=cfg.flops_per_token(gram=True), rows=rows, row_len=row_len, mlp_kernel=mlp_kernel)
     del runner
     return out
 
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=None, help="default: by model (DEFAULT_BATCH_TOKENS)")
     ap.add_argument("--attention", default="cudnn", choices=["xla", "cudnn", "auto"])
     ap.add_argument("--no-token-stats", action="store_true")
+    ap.add_argument("--mlp-kernel", default=None,
+                    help="comma list of ForwardOptions.mlp_kernel to run (default: xla, and mosaic on Hopper GPUs)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--peer-batch-tokens", type=int, default=16384)
     ap.add_argument("--peer-seconds", type=float, default=40.0, help="cap on each peer run")
@@ -115,17 +117,24 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     lines = [f"card: {dev.device_kind}; jax {jax.__version__}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s"]
     rows_out = []
+    from isojax import kernels
+    mlp_kernels = args.mlp_kernel.split(",") if args.mlp_kernel else ["xla"] + ["mosaic"] * kernels.available()
     for name in args.models.split(","):
         n = int(args.tokens or DEFAULT_TOKENS.get(name, 1e6))
         lengths = sentence_lengths(n, seed=1, max_len=args.row_len)  # longer ones would be windows
         tokens, offsets = random_sentences(lengths, 50304, seed=2)
-        res = {"model": name, "isojax": run_isojax(name, tokens, offsets, row_len=args.row_len,
-                                                   batch_tokens=args.batch_tokens or DEFAULT_BATCH_TOKENS.get(name, 65536),
-                                                   attention=args.attention,
-                                                   token_stats=not args.no_token_stats)}
-        res["isojax"]["mfu"] = res["isojax"]["tokens_per_s"] * res["isojax"]["flops_per_token"] / rate
-        print(f"{name}: isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, compile {res['isojax']['compile_s']:.0f} s",
-              flush=True)
+        peer_row = len(rows_out)
+        for mlp in mlp_kernels:
+            res = {"model": name, "isojax": run_isojax(name, tokens, offsets, row_len=args.row_len,
+                                                       batch_tokens=args.batch_tokens or DEFAULT_BATCH_TOKENS.get(name, 65536),
+                                                       attention=args.attention, token_stats=not args.no_token_stats,
+                                                       mlp_kernel=mlp)}
+            res["isojax"]["mfu"] = res["isojax"]["tokens_per_s"] * res["isojax"]["flops_per_token"] / rate
+            print(f"{name} ({mlp}): isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, "
+                  f"compile {res['isojax']['compile_s']:.0f} s", flush=True)
+            rows_out.append(res)
+            jax.clear_caches()
+        res = rows_out[peer_row]
         jax.clear_caches()
         if not args.no_peer:
             import torch
@@ -135,15 +144,17 @@ def main(argv=None) -> int:
                                    gram=False, max_seconds=args.peer_seconds)
             res["peer"].pop("stats", None)
             torch.cuda.empty_cache()
-        rows_out.append(res)
-        print(json.dumps(res, default=str), file=sys.stderr, flush=True)
+            for r in rows_out[peer_row + 1:]:
+                r["peer"] = res["peer"]
+        for r in rows_out[peer_row:]:
+            print(json.dumps(r, default=str), file=sys.stderr, flush=True)
 
-    lines.append(f"{'model':<13}{'B x T':>10}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
+    lines.append(f"{'model':<13}{'MLP':>7}{'B x T':>10}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
                  f"{'peak GB':>9}{'peer GB':>9}{'compile s':>10}")
     for r in rows_out:
         iso, peer = r["isojax"], r.get("peer")
         ratio = iso["tokens_per_s"] / peer["tokens_per_s"] if peer else float("nan")
-        lines.append(f"{r['model']:<13}{str(iso['rows']) + 'x' + str(iso['row_len']):>10}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
+        lines.append(f"{r['model']:<13}{iso['mlp_kernel']:>7}{str(iso['rows']) + 'x' + str(iso['row_len']):>10}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
                      f"{ratio:>7.2f}{iso['mfu']:>7.1%}{iso['padding_fraction']:>7.1%}"
                      f"{(iso['peak_mem_bytes'] or 0) / 1e9:>9.1f}{((peer or {}).get('peak_mem_bytes') or 0) / 1e9:>9.1f}"
                      f"{iso['compile_s']:>10.1f}")

@@ -237,6 +237,29 @@ def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=
                   sample_size=sample_size)
 
 
+def check_mlp_kernel(mlp_kernel: str, dtype: str) -> None:
+    """Refuse what choose_mlp_kernel cannot honour, before any weights load."""
+    from isojax import kernels
+    if mlp_kernel not in ("auto", "xla", "mosaic"):
+        raise UserError(f"mlp_kernel must be auto, xla or mosaic, not {mlp_kernel!r}")
+    if mlp_kernel == "mosaic" and not (kernels.available() and dtype == "bfloat16"):
+        raise UserError("mlp kernel mosaic needs bfloat16 on an NVIDIA Hopper (sm_90) GPU")
+
+
+def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int) -> str:
+    """auto: the Mosaic kernel (isojax.kernels) where it applies (bfloat16, Hopper GPUs, a
+    device's rows and the model's widths tile), else XLA's path; mosaic where it does not: an error."""
+    from isojax import kernels
+    from isojax.config import ACTIVATIONS
+    from isojax.loading import DTYPES
+    fits = kernels.applies(device_rows, cfg.hidden_size, cfg.intermediate_size, DTYPES[dtype]) \
+        and not ACTIVATIONS[cfg.hidden_act]
+    if mlp_kernel == "mosaic" and not fits:
+        raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of "
+                        f"[{cfg.hidden_size}] x [{cfg.hidden_size}, {cfg.intermediate_size}] ({cfg.hidden_act})")
+    return "mosaic" if mlp_kernel != "xla" and fits else "xla"
+
+
 def default_sample_size(cfg, dtype: str) -> int:
     """16,384 tokens (4 batches of 4096), fewer for models whose states would take more than
     SAMPLE_BYTES per device; a multiple of 4096, at least 4096."""
@@ -289,8 +312,8 @@ def in_background(fn) -> concurrent.futures.Future:
 
 def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sources=None, dtype=None,
             seq_len=None, batch_tokens=None, max_tokens=None, token_stats: bool = True, centered: bool = False,
-            save_token_sums: bool = False, attention: str = "auto", mesh=None, checkpoint_dir=None,
-            checkpoint_every_tokens=None, resume_run: bool = False, progress: bool = True,
+            save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto", mesh=None,
+            checkpoint_dir=None, checkpoint_every_tokens=None, resume_run: bool = False, progress: bool = True,
             sample_states: int | None = None, intrinsic_k: int = 20) -> Results:
     """Measure every hidden state of `model` over `data` (README "A real run").
 
@@ -314,6 +337,7 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     dtype = dtype or ("bfloat16" if on_accel else "float32")
     if attention == "cudnn" and dtype != "bfloat16":
         raise UserError("attention cudnn needs dtype bfloat16 (cuDNN's fused attention has no float32 kernel)")
+    check_mlp_kernel(mlp_kernel, dtype)
     auto_attention = attention == "auto"
     if auto_attention:  # cuDNN on GPUs (bf16), Pallas flash attention on TPUs, else plain
         attention = {"gpu": "cudnn" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
@@ -341,8 +365,8 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
             with timings("tokenize"):
                 tokens = open_tokens(corpus, loaded.tokenizer, row_len, progress)
         return _measure(loaded, corpus, tokens, timings, row_len=row_len, mesh=mesh, unit=unit, sources=sources,
-                        data=data, auto_attention=auto_attention, batch_tokens=batch_tokens, max_tokens=max_tokens,
-                        token_stats=token_stats, centered=centered, save_token_sums=save_token_sums,
+                        data=data, auto_attention=auto_attention, mlp_kernel=mlp_kernel, batch_tokens=batch_tokens,
+                        max_tokens=max_tokens, token_stats=token_stats, centered=centered, save_token_sums=save_token_sums,
                         checkpoint_dir=checkpoint_dir, checkpoint_every_tokens=checkpoint_every_tokens,
                         resume_run=resume_run, progress=progress, sample_states=sample_states,
                         intrinsic_k=intrinsic_k)
@@ -351,9 +375,9 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
             tokens.cancel()
 
 
-def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, data, auto_attention, batch_tokens,
-             max_tokens, token_stats, centered, save_token_sums, checkpoint_dir, checkpoint_every_tokens,
-             resume_run, progress, sample_states, intrinsic_k) -> Results:
+def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, data, auto_attention, mlp_kernel,
+             batch_tokens, max_tokens, token_stats, centered, save_token_sums, checkpoint_dir,
+             checkpoint_every_tokens, resume_run, progress, sample_states, intrinsic_k) -> Results:
     """measure() once the weights are loaded and the tokens are cached or streaming."""
     import jax
 
@@ -376,6 +400,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
         loaded.attention_impl = "xla"
     batch_tokens = batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)
     rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
+    loaded.mlp_impl = choose_mlp_kernel(mlp_kernel, cfg, dtype, rows // n_dev * row_len)
     streamed = isinstance(tokens, TokenStream)
     finished = lambda: tokens.result() if streamed else tokens
     with timings("tokenize"):
@@ -386,7 +411,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     size = "tokenizing while the devices measure (first run)" if streamed else \
         f"{tokens.n_tokens:,} tokens in {tokens.n_sequences:,} {unit}s"
     log(f"corpus {corpus.describe()}: {size}, sources: {', '.join(labels)}; rows {rows} x {row_len}, "
-        f"attention {loaded.attention_impl}")
+        f"attention {loaded.attention_impl}, MLP {loaded.mlp_impl}")
     num_groups = len(labels)
     if max_tokens is None and data is None and not on_accel:
         max_tokens = CPU_DEFAULT_MAX_TOKENS

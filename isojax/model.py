@@ -59,13 +59,14 @@ _ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -
 
 
 def fast_erf(x):
-    """erf in float32 from 12 multiply-adds and one division (erf(4) == 1 in float32)."""
-    x = jnp.clip(x.astype(jnp.float32), -4.0, 4.0)
+    """erf in float32 from 12 multiply-adds and one division (erf(4) == 1 in float32); written with
+    the ops Mosaic GPU lowers, as isojax.kernels applies it inside a kernel too."""
+    x = jnp.minimum(jnp.maximum(x.astype(jnp.float32), -4.0), 4.0)
     x2 = x * x
-    p = jnp.float32(_ERF_P[0])
+    p = jnp.full_like(x, _ERF_P[0])
     for c in _ERF_P[1:]:
         p = p * x2 + c
-    q = jnp.float32(_ERF_Q[0])
+    q = jnp.full_like(x, _ERF_Q[0])
     for c in _ERF_Q[1:]:
         q = q * x2 + c
     return x * p / q
@@ -143,6 +144,44 @@ def _dense(parent: nn.Module, features: int, name: str) -> nn.Dense:
                     name=name, parent=parent)
 
 
+class DenseGelu(nn.Module):
+    """nn.Dense (the same parameters, "kernel" [D, F] and "bias" [F], and the same arithmetic)
+    followed by gelu; with options.mlp_kernel "mosaic", where isojax.kernels applies, one Hopper
+    kernel with the bias and GELU in its epilogue. Under an activation sharding the kernel runs
+    per device on its rows (shard_map)."""
+
+    features: int
+    dtype: Any
+    param_dtype: Any
+    precision: Any
+    approximate: bool
+    options: ForwardOptions
+
+    @nn.compact
+    def __call__(self, x_BxTxD):
+        d = x_BxTxD.shape[-1]
+        w_DxF = self.param("kernel", nn.initializers.lecun_normal(), (d, self.features), self.param_dtype)
+        bias_F = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+        x_BxTxD, w_DxF, bias_F = nn.dtypes.promote_dtype(x_BxTxD, w_DxF, bias_F, dtype=self.dtype)
+        if self.options.mlp_kernel == "mosaic" and not self.approximate:
+            from isojax import kernels
+            sharding = self.options.activation_sharding
+            b, t, _ = x_BxTxD.shape
+            rows = b * t // (sharding.mesh.size if sharding is not None else 1)
+            if kernels.applies(rows, d, self.features, x_BxTxD.dtype):
+                def local(x_BxTxD, w_DxF, bias_F):
+                    u_NxF = kernels.dense_gelu(x_BxTxD.reshape(-1, d), w_DxF, bias_F)
+                    return u_NxF.reshape(*x_BxTxD.shape[:2], self.features)
+
+                if sharding is None:
+                    return local(x_BxTxD, w_DxF, bias_F)
+                P = jax.sharding.PartitionSpec
+                return jax.shard_map(local, mesh=sharding.mesh, in_specs=(sharding.spec, P(), P()),
+                                     out_specs=sharding.spec, check_vma=False)(x_BxTxD, w_DxF, bias_F)
+        u_BxTxF = jax.lax.dot_general(x_BxTxD, w_DxF, (((2,), (0,)), ((), ())), precision=self.precision) + bias_F
+        return gelu(u_BxTxF, self.approximate, self.options.fast_gelu)
+
+
 class Attention(nn.Module):
     cfg: GPTNeoXConfig
     dtype: Any
@@ -187,8 +226,8 @@ class Block(nn.Module):
         dense = functools.partial(_dense, self)
 
         def mlp(h_BxTxD):
-            u_BxTxF = dense(cfg.intermediate_size, "dense_h_to_4h")(h_BxTxD)
-            u_BxTxF = gelu(u_BxTxF, ACTIVATIONS[cfg.hidden_act], self.options.fast_gelu)
+            u_BxTxF = DenseGelu(cfg.intermediate_size, self.dtype, self.param_dtype, self.precision,
+                                ACTIVATIONS[cfg.hidden_act], self.options, name="dense_h_to_4h")(h_BxTxD)
             return dense(cfg.hidden_size, "dense_4h_to_h")(u_BxTxF)
 
         attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.options,

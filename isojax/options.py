@@ -86,6 +86,10 @@ class ForwardOptions:
     # Tell cuDNN that the (already causal) mask is causal, so it skips the blocks above the
     # diagonal
     cudnn_causal: bool = True
+    # The MLP's first product with bias and GELU: "xla" (cuBLAS, then an elementwise pass) or
+    # "mosaic" (one Hopper kernel with GELU in its epilogue, isojax.kernels; where it does not
+    # apply, XLA's)
+    mlp_kernel: str = "xla"
     # Sharding the activations [B, T, D] keep between blocks (rows over every device, so that
     # XLA gathers sharded weights rather than splitting activations); None on one device
     activation_sharding: Any = None
@@ -93,6 +97,8 @@ class ForwardOptions:
     def __post_init__(self):
         if self.attention not in ("xla", "cudnn", "pallas", "auto"):
             raise ValueError(f"attention must be xla, cudnn, pallas or auto, not {self.attention!r}")
+        if self.mlp_kernel not in ("xla", "mosaic"):
+            raise ValueError(f"mlp_kernel must be xla or mosaic, not {self.mlp_kernel!r}")
 
     def constrain(self, x):
         if self.activation_sharding is None:

@@ -1,0 +1,151 @@
+"""A fused kernel for the forward on Hopper GPUs: the MLP's first product with its bias and exact
+GELU in the epilogue, gelu(x @ W + b), one Mosaic GPU (Pallas) kernel.
+
+XLA runs that product on cuBLAS and the GELU as a separate elementwise pass, which reads and
+writes the [N, 4D] activations once more (27 of 370 ms per pythia-1.4b batch). Here each output
+tile goes from the float32 accumulator through bias and GELU to bf16 in registers; the
+pre-activation never reaches memory. The kernel is adapted from jax's
+`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu` (persistent, warp-specialized: one
+warpgroup loads tiles by TMA, two multiply with wgmma, each on half of the tile's columns).
+
+Numbers: the accumulator plus the bias is rounded to bf16 first and GELU (model.fast_erf, in
+float32) is applied to that, then rounded again, as PyTorch's bf16 Linear + GELU round. XLA's path
+adds the bias in bf16 after the product is rounded; the two differ on a few elements by one bf16
+ulp (bench/RESULTS.md 10b). Used where `applies` holds (model.DenseGelu): bf16 on an sm_90 GPU and
+shapes that tile; elsewhere the XLA path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from isojax.model import fast_erf
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile shape and schedule. Each of the two compute warpgroups accumulates [tile_m, tile_n]
+    (float32 registers); a CTA covers [tile_m, 2 tile_n]; output leaves in [epi_m, epi_n] pieces."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4  # tiles of A and B in flight (shared memory: stages x 48 KB at these tiles)
+    epi_m: int = 64
+    epi_n: int = 64
+    grid_minor_n: bool = False  # the order tiles are visited in (jax's planar_snake)
+    grid_tile_width: int = 8
+
+
+def available() -> bool:
+    """An sm_90 (Hopper) GPU is the default device."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def applies(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
+    """Whether dense_gelu runs [m, k] x [k, n] in dtype here."""
+    return (available() and jnp.dtype(dtype) == jnp.bfloat16 and m % tiles.tile_m == 0
+            and n % (2 * tiles.tile_n) == 0 and k % tiles.tile_k == 0)
+
+
+def _gelu_bf16(u_f32):
+    u = u_f32.astype(jnp.bfloat16).astype(jnp.float32)
+    return (u * (0.5 + 0.5 * fast_erf(u * np.float32(np.sqrt(0.5))))).astype(jnp.bfloat16)
+
+
+def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
+
+    m, k = a_gmem.shape
+    n = b_gmem.shape[1]
+    t = tiles
+    cta_n = 2 * t.tile_n
+    m_iters, n_iters, k_iters = m // t.tile_m, n // cta_n, k // t.tile_k
+    swizzle = plgpu.find_swizzle(t.tile_k * 2 * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    out_swizzle = plgpu.find_swizzle(t.epi_n * 2 * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_iters,), memory_registers=40,
+            in_specs=[plgpu.BlockSpec((t.tile_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
+                                      memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec((t.tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms,
+                                      memory_space=plgpu.SMEM)],
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=context)
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+                       out_smem=plgpu.SMEM((2, 2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=out_transforms),
+                       collective_axes="wg")
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+        def _tiles(info):
+            (lin,) = info.index
+            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters),
+                                              MatmulDimension.N if t.grid_minor_n else MatmulDimension.M,
+                                              t.grid_tile_width)
+            rows, cols, wg_cols = pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * cta_n, cta_n), pl.ds(wg * t.tile_n, t.tile_n)
+
+            def context(run_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                def _acc(acc_ref):
+                    run_pipeline(acc_ref)
+                    acc = acc_ref[...]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for mi in range(t.tile_m // t.epi_m):
+                        for ni in range(t.tile_n // t.epi_n):
+                            sm, sn = slice(mi * t.epi_m, (mi + 1) * t.epi_m), slice(ni * t.epi_n, (ni + 1) * t.epi_n)
+                            slot = (mi * (t.tile_n // t.epi_n) + ni) % 2
+                            part = acc[sm, sn]
+                            if epilogue:
+                                n0 = n_idx * cta_n + wg * t.tile_n + ni * t.epi_n
+                                bias = plgpu.load(bias_gmem, (pl.ds(n0, t.epi_n),), layout=plgpu.Layout.WGMMA.reduce(0),
+                                                  optimized=False).astype(jnp.float32)
+                                part = _gelu_bf16(part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1]))
+                            else:
+                                part = part.astype(jnp.bfloat16)
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem[wg, slot] = part
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[rows, cols].at[:, wg_cols].at[sm, sn])
+
+            def mma(idxs, a_smem, b_smem, acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            pipeline(mma, context)(a_gmem.at[rows, :], b_gmem.at[:, cols], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = True):
+    """gelu(x @ w + bias) in bf16 (epilogue=False: x @ w alone, for benchmarks); bf16 inputs."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, k = x_MxK.shape
+    n = w_KxN.shape[1]
+    if m % tiles.tile_m or n % (2 * tiles.tile_n) or k % tiles.tile_k:
+        raise ValueError(f"[{m}, {k}] x [{k}, {n}] does not tile by {tiles}")
+    sms = getattr(jax.devices()[0], "core_count", 132)
+    call = plgpu.kernel(
+        functools.partial(_kernel, tiles=tiles, epilogue=epilogue),
+        out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        grid=(sms,), grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return call(x_MxK, w_KxN, bias_N)
