@@ -57,10 +57,12 @@ def main() -> int:
         g64 = u64 * 0.5 * (1 + erf(u64 / np.sqrt(2)))
         err = lambda out: np.max(np.abs(out[idx] - g64) / (np.abs(g64) + 1e-2))
         rows.append(("  (XLA's max error vs float64, rel.)", float("nan"), f"{err(ref):.2e}"))
-        for tm, tn, steps, width, minor_n in [*itertools.product((128,), (128,), (4,), (4, 8, 16), (True, False)), (128, 128, 3, 8, False)]:
-            cfg = Tiles(tile_m=tm, tile_n=tn, stages=steps, grid_tile_width=width, grid_minor_n=minor_n,
-                        epi_n=min(64, tn))
-            label = f"{tm}x{tn} s{steps} w{width} {'N' if minor_n else 'M'}"
+        configs = [Tiles(split_m=split, grid_tile_width=width, grid_minor_n=minor)
+                   for split, width, minor in itertools.product((False, True), (4, 8, 16), (True, False))]
+        configs += [Tiles(split_m=True, stages=3, grid_tile_width=8), Tiles(split_m=True, stages=3, grid_tile_width=16)]
+        for cfg in configs:
+            label = (f"{'rows' if cfg.split_m else 'cols'} s{cfg.stages} w{cfg.grid_tile_width} "
+                     f"{'N' if cfg.grid_minor_n else 'M'}")
             try:
                 plain = jax.jit(lambda a, w, b: dense_gelu(a, w, b, cfg, epilogue=False))
                 fused = jax.jit(lambda a, w, b: dense_gelu(a, w, b, cfg, epilogue=True))

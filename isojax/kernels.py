@@ -31,7 +31,7 @@ from isojax.model import fast_erf
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile shape and schedule. Each of the two compute warpgroups accumulates [tile_m, tile_n]
-    (float32 registers); a CTA covers [tile_m, 2 tile_n]; output leaves in [epi_m, epi_n] pieces."""
+    (float32 registers); a CTA covers two such tiles (`cta`); output leaves in [epi_m, epi_n] pieces."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -41,6 +41,11 @@ class Tiles:
     epi_n: int = 64
     grid_minor_n: bool = False  # the order tiles are visited in (jax's planar_snake)
     grid_tile_width: int = 8
+    split_m: bool = False  # the two warpgroups take a CTA tile's rows (True) or columns (False)
+
+    @property
+    def cta(self) -> tuple[int, int]:
+        return (2 * self.tile_m, self.tile_n) if self.split_m else (self.tile_m, 2 * self.tile_n)
 
 
 def available() -> bool:
@@ -51,8 +56,9 @@ def available() -> bool:
 
 def applies(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
     """Whether dense_gelu runs [m, k] x [k, n] in dtype here."""
-    return (available() and jnp.dtype(dtype) == jnp.bfloat16 and m % tiles.tile_m == 0
-            and n % (2 * tiles.tile_n) == 0 and k % tiles.tile_k == 0)
+    cta_m, cta_n = tiles.cta
+    return available() and jnp.dtype(dtype) == jnp.bfloat16 and m % cta_m == 0 and n % cta_n == 0 \
+        and k % tiles.tile_k == 0
 
 
 def _gelu_bf16(u_f32):
@@ -68,8 +74,8 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
     m, k = a_gmem.shape
     n = b_gmem.shape[1]
     t = tiles
-    cta_n = 2 * t.tile_n
-    m_iters, n_iters, k_iters = m // t.tile_m, n // cta_n, k // t.tile_k
+    cta_m, cta_n = t.cta
+    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // t.tile_k
     swizzle = plgpu.find_swizzle(t.tile_k * 2 * 8)
     transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
     out_swizzle = plgpu.find_swizzle(t.epi_n * 2 * 8)
@@ -78,7 +84,7 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40,
-            in_specs=[plgpu.BlockSpec((t.tile_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
+            in_specs=[plgpu.BlockSpec((cta_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
                                       memory_space=plgpu.SMEM),
                       plgpu.BlockSpec((t.tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms,
                                       memory_space=plgpu.SMEM)],
@@ -98,7 +104,11 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
             m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters),
                                               MatmulDimension.N if t.grid_minor_n else MatmulDimension.M,
                                               t.grid_tile_width)
-            rows, cols, wg_cols = pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * cta_n, cta_n), pl.ds(wg * t.tile_n, t.tile_n)
+            rows, cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * cta_n, cta_n)
+            # this warpgroup's part of the CTA tile
+            wg_rows = pl.ds(wg * t.tile_m, t.tile_m) if t.split_m else slice(None)
+            wg_cols = slice(None) if t.split_m else pl.ds(wg * t.tile_n, t.tile_n)
+            wg_col0 = 0 if t.split_m else wg * t.tile_n
 
             def context(run_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
@@ -112,8 +122,8 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
                             slot = (mi * (t.tile_n // t.epi_n) + ni) % 2
                             part = acc[sm, sn]
                             if epilogue:
-                                n0 = n_idx * cta_n + wg * t.tile_n + ni * t.epi_n
-                                bias = plgpu.load(bias_gmem, (pl.ds(n0, t.epi_n),), layout=plgpu.Layout.WGMMA.reduce(0),
+                                n0 = n_idx * cta_n + wg_col0 + ni * t.epi_n
+                                bias = plgpu.load(bias_gmem.at[pl.ds(n0, t.epi_n)], (), layout=plgpu.Layout.WGMMA.reduce(0),
                                                   optimized=False).astype(jnp.float32)
                                 part = _gelu_bf16(part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1]))
                             else:
@@ -121,10 +131,10 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                             out_smem[wg, slot] = part
                             plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[rows, cols].at[:, wg_cols].at[sm, sn])
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[rows, cols].at[wg_rows, wg_cols].at[sm, sn])
 
             def mma(idxs, a_smem, b_smem, acc_ref):
-                plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
+                plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
@@ -139,7 +149,7 @@ def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = Tr
 
     m, k = x_MxK.shape
     n = w_KxN.shape[1]
-    if m % tiles.tile_m or n % (2 * tiles.tile_n) or k % tiles.tile_k:
+    if m % tiles.cta[0] or n % tiles.cta[1] or k % tiles.tile_k:
         raise ValueError(f"[{m}, {k}] x [{k}, {n}] does not tile by {tiles}")
     sms = getattr(jax.devices()[0], "core_count", 132)
     call = plgpu.kernel(

