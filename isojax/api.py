@@ -239,25 +239,34 @@ def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=
 
 def check_mlp_kernel(mlp_kernel: str, dtype: str) -> None:
     """Refuse what choose_mlp_kernel cannot honour, before any weights load."""
-    from isojax import kernels
     if mlp_kernel not in ("auto", "xla", "mosaic"):
         raise UserError(f"mlp_kernel must be auto, xla or mosaic, not {mlp_kernel!r}")
-    if mlp_kernel == "mosaic" and not (kernels.available() and dtype == "bfloat16"):
-        raise UserError("mlp kernel mosaic needs bfloat16 on an NVIDIA Hopper (sm_90) GPU")
+    if mlp_kernel == "mosaic" and dtype != "bfloat16":
+        raise UserError("mlp kernel mosaic needs bfloat16")
+    if mlp_kernel == "mosaic":
+        from isojax import kernels
+        if (why := kernels.works()) is not None:
+            raise UserError(f"mlp kernel mosaic does not run here: {why}")
 
 
 def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int) -> str:
     """auto: the Mosaic kernel (isojax.kernels) where it applies (bfloat16, Hopper GPUs, a
-    device's rows and the model's widths tile), else XLA's path; mosaic where it does not: an error."""
+    device's rows and the model's widths tile) and works, else XLA's path; mosaic where it does not
+    apply: an error."""
     from isojax import kernels
     from isojax.config import ACTIVATIONS
     from isojax.loading import DTYPES
+    if mlp_kernel == "xla":
+        return "xla"
     fits = kernels.applies(device_rows, cfg.hidden_size, cfg.intermediate_size, DTYPES[dtype]) \
         and not ACTIVATIONS[cfg.hidden_act]
     if mlp_kernel == "mosaic" and not fits:
         raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of "
                         f"[{cfg.hidden_size}] x [{cfg.hidden_size}, {cfg.intermediate_size}] ({cfg.hidden_act})")
-    return "mosaic" if mlp_kernel != "xla" and fits else "xla"
+    if fits and (why := kernels.works()) is not None:
+        log(f"the fused MLP kernel does not run here ({why}): XLA's path instead")
+        return "xla"
+    return "mosaic" if fits else "xla"
 
 
 def default_sample_size(cfg, dtype: str) -> int:

@@ -42,9 +42,16 @@ def test_mosaic_refused_where_it_cannot_run():
         pytest.skip("this machine has a Hopper GPU")
     with pytest.raises(UserError, match="Hopper"):
         check_mlp_kernel("mosaic", "bfloat16")
+    with pytest.raises(UserError, match="bfloat16"):
+        check_mlp_kernel("mosaic", "float32")
     with pytest.raises(UserError, match="auto, xla or mosaic"):
         check_mlp_kernel("triton", "bfloat16")
     assert choose_mlp_kernel("auto", preset("pythia-70m"), "bfloat16", 65536) == "xla"
+
+
+@hopper
+def test_the_kernel_works_here():
+    assert kernels.works() is None
 
 
 @hopper
