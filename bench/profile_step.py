@@ -110,6 +110,7 @@ def main() -> int:
     ap.add_argument("--no-token-stats", action="store_true")
     ap.add_argument("--attention", default="cudnn")
     ap.add_argument("--no-causal", action="store_true", help="ForwardOptions(cudnn_causal=False)")
+    ap.add_argument("--mlp-kernel", default="xla", choices=["xla", "mosaic"], help="ForwardOptions.mlp_kernel")
     ap.add_argument("--out", default="/tmp/isojax_profile")
     args = ap.parse_args()
 
@@ -130,7 +131,8 @@ def main() -> int:
     batches = pack_in_memory(tokens, offsets, args.rows, args.row_len)[:n_batches]
     params = random_params(cfg, "bfloat16")
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                     options=ForwardOptions(attention=args.attention, cudnn_causal=not args.no_causal))
+                     options=ForwardOptions(attention=args.attention, cudnn_causal=not args.no_causal,
+                                            mlp_kernel=args.mlp_kernel))
     if args.forward_only:
         noop = lambda obs, s, x: obs + x[0, 0, 0].astype(jnp.float32)
         fwd = jax.jit(lambda p, a, b, c: module.apply({"params": p}, a, b, c, jnp.float32(0), noop))
