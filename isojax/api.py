@@ -346,7 +346,8 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     dtype = dtype or ("bfloat16" if on_accel else "float32")
     if attention == "cudnn" and dtype != "bfloat16":
         raise UserError("attention cudnn needs dtype bfloat16 (cuDNN's fused attention has no float32 kernel)")
-    check_mlp_kernel(mlp_kernel, dtype)
+    with timings("compile"):
+        check_mlp_kernel(mlp_kernel, dtype)
     auto_attention = attention == "auto"
     if auto_attention:  # cuDNN on GPUs (bf16), Pallas flash attention on TPUs, else plain
         attention = {"gpu": "cudnn" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
@@ -409,7 +410,8 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
         loaded.attention_impl = "xla"
     batch_tokens = batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)
     rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
-    loaded.mlp_impl = choose_mlp_kernel(mlp_kernel, cfg, dtype, rows // n_dev * row_len)
+    with timings("compile"):  # on Hopper GPUs: the fused MLP kernel's check compiles it once
+        loaded.mlp_impl = choose_mlp_kernel(mlp_kernel, cfg, dtype, rows // n_dev * row_len)
     streamed = isinstance(tokens, TokenStream)
     finished = lambda: tokens.result() if streamed else tokens
     with timings("tokenize"):
