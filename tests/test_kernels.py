@@ -34,6 +34,23 @@ def test_dense_gelu_is_flax_dense_then_gelu(dtype):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_rounding_bound_holds_for_xla_and_catches_a_wrong_result():
+    """kernels.rounding_error, the check of works() and of the GPU tests: XLA's CPU path, which
+    rounds twice (product, then product + bias), lies within the bound for that, and one rounding
+    of u (what the fused kernel does) within the strict one; a result without the bias, or off by
+    2 bf16 ulps, lies in neither."""
+    ka, kw, kb = jax.random.split(jax.random.key(11), 3)
+    x = jax.random.normal(ka, (64, 96), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (96, 128), jnp.float32) / 8).astype(jnp.bfloat16)
+    b = (2 * jax.random.normal(kb, (128,), jnp.float32)).astype(jnp.bfloat16)
+    xla = gelu(jnp.dot(x, w) + b, False)
+    assert kernels.rounding_error(xla, x, w, b, rounded_product=True) <= 0
+    u_once = (jnp.dot(x, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)).astype(jnp.bfloat16)
+    assert kernels.rounding_error(gelu(u_once, False), x, w, b) <= 0
+    for wrong in (gelu(jnp.dot(x, w), False), np.asarray(xla, np.float64) * (1 + 2.0 ** -6)):
+        assert kernels.rounding_error(wrong, x, w, b, rounded_product=True) > 0
+
+
 def test_mosaic_refused_where_it_cannot_run():
     from isojax.api import check_mlp_kernel, choose_mlp_kernel
     from isojax.config import preset
@@ -64,13 +81,9 @@ def test_fused_kernel_equals_the_xla_path(m, k, n):
     assert kernels.applies(m, k, n, jnp.bfloat16)
     got = np.asarray(jax.jit(kernels.dense_gelu)(x, w, b), np.float64)
     xla = np.asarray(jax.jit(lambda x, w, b: gelu(jnp.dot(x, w) + b, False))(x, w, b), np.float64)
-    # float64 truth from the same bf16 inputs
+    assert kernels.rounding_error(got, x, w, b) <= 0
     u = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
     exact = u * 0.5 * (1 + np.vectorize(math.erf)(u / math.sqrt(2)))
-    # each path rounds u to bf16 (8 significant bits: half an ulp <= 2^-8 |u|), applies GELU
-    # (|GELU'| <= 1.13) and rounds again: the bound of that
-    bound = 1.13 * np.abs(u) * 2.0 ** -8 + np.abs(exact) * 2.0 ** -8 + 1e-5
-    assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) - bound)
     # XLA's path may round the product before the bias is added (once more): the fused one is no worse
     differ = (got != xla).mean()
     assert differ < 0.5, differ
