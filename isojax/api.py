@@ -113,13 +113,21 @@ def use_compilation_cache() -> None:
     """Keep compiled programs under the isojax cache (ISOJAX_CACHE/xla): a second run of the same
     model and batch shape skips XLA's compiles, the small float64 read-outs included (on 2 CPU
     cores they were a third of the demo's time after the loop). JAX_COMPILATION_CACHE_DIR, if set,
-    wins."""
+    wins. Not in multi-process runs: JAX writes the cache from process 0 only, so a later run finds
+    the step in process 0's cache alone, unless every process shares one directory; process 0 then
+    skips the compile the others do, and XLA, which shards GPU autotuning over the processes of a
+    compile, can wait on it forever (a second two-process run on 2 H100s hung so)."""
     import jax
 
     from isojax.loading import cache_root
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if jax.config.jax_compilation_cache_dir:
+        return
+    if jax.process_count() > 1:
+        log("multi-process run: no persistent compilation cache (set JAX_COMPILATION_CACHE_DIR to one "
+            "directory all processes share to keep one)")
+        return
+    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def peek_config(name: str):

@@ -297,3 +297,23 @@ def test_the_step_compiles_once_on_two_devices(setup):
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(setup, 2), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "1", proc.stdout
+
+
+def test_no_persistent_compilation_cache_in_multi_process_runs(monkeypatch, tmp_path):
+    """A cache only process 0 writes made a second two-process GPU run hang (api.use_compilation_cache):
+    with several processes isojax keeps none; alone it keeps one under ISOJAX_CACHE/xla."""
+    import jax
+
+    from isojax import api
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path))
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        api.use_compilation_cache()
+        assert not jax.config.jax_compilation_cache_dir
+        monkeypatch.setattr(jax, "process_count", lambda: 1)
+        api.use_compilation_cache()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
