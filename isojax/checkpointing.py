@@ -179,6 +179,8 @@ class Checkpointer:
             acc = _copy(acc)
         by_device: dict = {}
         for name, leaf in _leaves(acc):
+            if not leaf.size:  # nothing to keep; load makes it again (its shards may carry no offsets)
+                continue
             for s in leaf.addressable_shards:
                 by_device.setdefault(s.device, []).append((_shard_name(name, s.index), s.data))
         if not room:  # the arrays leave the devices before their buffers are reused
@@ -263,6 +265,9 @@ def load(directory: Path, step: int, abstract_acc):
     here = Path(directory) / str(step) / _process_dir()
     leaves = []
     for name, a in _leaves(abstract_acc):
+        if not a.size:  # save writes no empty leaves
+            leaves.append(jax.make_array_from_callback(a.shape, a.sharding, lambda i, a=a: np.zeros(a.shape, a.dtype)[i]))
+            continue
         shards = []
         for device, index in a.sharding.addressable_devices_indices_map(a.shape).items():
             f = here / _shard_name(name, index)

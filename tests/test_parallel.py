@@ -122,6 +122,44 @@ def test_two_processes_equal_one(setup, tmp_path, mesh):
     assert manifest["device"]["processes"] == 2 and manifest["device"]["count"] == 4
 
 
+def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path):
+    """Two processes (2 host devices each) checkpointing, both SIGKILLed after the first
+    checkpoint every process finished, then resumed with --resume: the metrics of one process
+    on 4 devices, and nothing counted twice."""
+    import signal
+    import time
+    common = ["--model", setup / "ckpt", "--data", setup / "pile.jsonl", "--unit", "document", "--seq-len", "64",
+              "--batch-tokens", "512", "--no-plots", "--no-sample"]
+    whole = subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "one")],
+                           cwd=REPO, env=_env(setup, 4), capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    def launch(*extra):
+        port = _free_port()
+        return [subprocess.Popen([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "two"),
+                                  "--checkpoint-every-tokens", "1500", "--coordinator", f"localhost:{port}",
+                                  "--num-processes", "2", "--process-id", str(i), *extra],
+                                 cwd=REPO, env=_env(setup, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i in range(2)]
+
+    procs = launch()
+    ckpt, deadline = tmp_path / "two" / "checkpoint", time.time() + 300
+    while time.time() < deadline and not any(len(list(d.glob("process_*"))) == 2 for d in ckpt.glob("[0-9]*")):
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.communicate()
+    assert not (tmp_path / "two" / "metrics.json").exists(), "killed too late to test anything"
+    procs = launch("--resume")
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "resuming after" in outs[0][1]
+    one = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    _assert_same(one, two, "2 processes, killed and resumed")
+
+
 def test_bad_meshes_and_coordinators_exit_cleanly(setup, tmp_path):
     cases = [
         (["--mesh", "data=3"], 2, "does not divide"),
