@@ -122,14 +122,15 @@ def test_two_processes_equal_one(setup, tmp_path, mesh):
     assert manifest["device"]["processes"] == 2 and manifest["device"]["count"] == 4
 
 
-def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path):
+@pytest.mark.parametrize("extra", [["--no-sample"], ["--sample-states", "500", "--centered"]], ids=["plain", "sample+centered"])
+def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path, extra):
     """Two processes (2 host devices each) checkpointing, both SIGKILLed after the first
     checkpoint every process finished, then resumed with --resume: the metrics of one process
-    on 4 devices, and nothing counted twice."""
+    on 4 devices, and nothing counted twice; with a sample and --centered's second pass too."""
     import signal
     import time
     common = ["--model", setup / "ckpt", "--data", setup / "pile.jsonl", "--unit", "document", "--seq-len", "64",
-              "--batch-tokens", "512", "--no-plots", "--no-sample"]
+              "--batch-tokens", "512", "--no-plots", *extra]
     whole = subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "one")],
                            cwd=REPO, env=_env(setup, 4), capture_output=True, text=True)
     assert whole.returncode == 0, whole.stderr[-2000:]
@@ -158,6 +159,10 @@ def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path):
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     _assert_same(one, two, "2 processes, killed and resumed")
+    for a, b in zip(one["layers"], two["layers"]):  # the same sampled tokens after the resume
+        for key, value in (a.get("intrinsic_dimension") or {}).items():
+            other = b["intrinsic_dimension"][key]
+            assert value is None and other is None or abs(value - other) <= 1e-4 * value, (a["name"], key)
 
 
 def test_bad_meshes_and_coordinators_exit_cleanly(setup, tmp_path):
