@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax.kernels import Tiles, dense_gelu
+from isojax.kernels import Tiles, available, dense_gelu
 from isojax.model import gelu
 
 SHAPES = {"pythia-70m": (262144, 512, 2048), "pythia-410m": (262144, 1024, 4096), "pythia-1.4b": (65536, 2048, 8192)}
@@ -37,6 +37,9 @@ def timed(f, *args, reps: int = 20) -> float:
 
 
 def main() -> int:
+    if not available():
+        print("bench_gemm_gelu: needs an sm_90 (Hopper) GPU", file=sys.stderr)
+        return 2
     print(f"{jax.devices()[0].device_kind}; jax {jax.__version__}")
     for name, (m, k, n) in SHAPES.items():
         ka, kw, kb = jax.random.split(jax.random.key(0), 3)
