@@ -164,9 +164,12 @@ class Checkpointer:
         devices = {s.device for leaf in jax.tree.leaves(acc) for s in leaf.addressable_shards}
         places = [(d, p) for d in devices if (p := _pinned(d)) is not None]
 
-        def grow():
-            held = [jax.device_put(jnp.zeros(SLICE_BYTES, jnp.uint8, device=d), p) for d, p in places]
-            jax.block_until_ready(held)
+        def grow():  # only a head start: a failure here costs the first checkpoint time, not the run
+            try:
+                held = [jax.device_put(jnp.zeros(SLICE_BYTES, jnp.uint8, device=d), p) for d, p in places]
+                jax.block_until_ready(held)
+            except Exception as e:  # noqa: BLE001
+                log(f"checkpoint: page-locked memory not reserved ahead ({type(e).__name__}: {e})")
 
         self.wait()
         if places:
