@@ -122,11 +122,13 @@ def test_two_processes_equal_one(setup, tmp_path, mesh):
     assert manifest["device"]["processes"] == 2 and manifest["device"]["count"] == 4
 
 
-@pytest.mark.parametrize("extra", [["--no-sample"], ["--sample-states", "500", "--centered"]], ids=["plain", "sample+centered"])
+@pytest.mark.parametrize("extra", [["--no-sample"], ["--sample-states", "500", "--centered"], ["--mesh", "data=1,model=4"]],
+                         ids=["plain", "sample+centered", "grams split"])
 def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path, extra):
     """Two processes (2 host devices each) checkpointing, both SIGKILLed after the first
     checkpoint every process finished, then resumed with --resume: the metrics of one process
-    on 4 devices, and nothing counted twice; with a sample and --centered's second pass too."""
+    on 4 devices, and nothing counted twice; with a sample and --centered's second pass too, and
+    with the Grams split over model=4 (each device keeps its rows)."""
     import signal
     import time
     common = ["--model", setup / "ckpt", "--data", setup / "pile.jsonl", "--unit", "document", "--seq-len", "64",
