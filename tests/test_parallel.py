@@ -125,8 +125,8 @@ def test_two_processes_equal_one(setup, tmp_path, mesh):
 @pytest.mark.parametrize("extra", [["--no-sample"], ["--sample-states", "500", "--centered"], ["--mesh", "data=1,model=4"]],
                          ids=["plain", "sample+centered", "grams split"])
 def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path, extra):
-    """Two processes (2 host devices each) checkpointing, both SIGKILLed after the first
-    checkpoint every process finished, then resumed with --resume: the metrics of one process
+    """Two processes (2 host devices each) on a first run, each tokenizing into its own cache,
+    checkpointing, both SIGKILLed after the first checkpoint every process finished, then resumed: the metrics of one process
     on 4 devices, and nothing counted twice; with a sample and --centered's second pass too, and
     with the Grams split over model=4 (each device keeps its rows)."""
     import signal
@@ -142,10 +142,11 @@ def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path, extra):
         return [subprocess.Popen([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(tmp_path / "two"),
                                   "--checkpoint-every-tokens", "1500", "--coordinator", f"localhost:{port}",
                                   "--num-processes", "2", "--process-id", str(i), *extra],
-                                 cwd=REPO, env=_env(setup, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 cwd=REPO, env={**_env(setup, 2), "ISOJAX_CACHE": str(tmp_path / f"cache{i}")},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for i in range(2)]
 
-    procs = launch()
+    procs = launch()  # a first run: each process tokenizes into its own cache while it measures
     ckpt, deadline = tmp_path / "two" / "checkpoint", time.time() + 300
     while time.time() < deadline and not any(len(list(d.glob("process_*"))) == 2 for d in ckpt.glob("[0-9]*")):
         time.sleep(0.05)
