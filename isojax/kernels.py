@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from isojax.model import fast_erf
+from isojax.model import gelu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +98,6 @@ def applies(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
         and k % tiles.tile_k == 0
 
 
-def _gelu_bf16(u_f32):
-    u = u_f32.astype(jnp.bfloat16).astype(jnp.float32)
-    return (u * (0.5 + 0.5 * fast_erf(u * np.float32(np.sqrt(0.5))))).astype(jnp.bfloat16)
-
-
 def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -162,7 +157,8 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
                                 n0 = n_idx * cta_n + wg_col0 + ni * t.epi_n
                                 bias = plgpu.load(bias_gmem.at[pl.ds(n0, t.epi_n)], (), layout=plgpu.Layout.WGMMA.reduce(0),
                                                   optimized=False).astype(jnp.float32)
-                                part = _gelu_bf16(part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1]))
+                                u = part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1])
+                                part = gelu(u.astype(jnp.bfloat16), False)  # rounded once, as PyTorch
                             else:
                                 part = part.astype(jnp.bfloat16)
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
