@@ -13,6 +13,7 @@ padded batches, unit sums + per-token index_add_ (DESIGN.md's measured peer: no 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -93,7 +94,8 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     mem = jax.local_devices()[0].memory_stats() or {}
     out = dict(tokens_per_s=n_tok / secs, tokens=n_tok, seconds=secs, padding_fraction=1 - n_tok / slots,
                peak_mem_bytes=mem.get("peak_bytes_in_use"), compile_s=compile_s, pack_s=pack_s,
-               flops_per_token=cfg.flops_per_token(gram=True), rows=rows, row_len=row_len, mlp_kernel=mlp_kernel)
+               flops_per_token=cfg.flops_per_token(gram=True), rows=rows, row_len=row_len, mlp_kernel=mlp_kernel,
+               attention=attention)
     del runner
     return out
 
@@ -104,7 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=float, default=None, help="tokens per model (default: by size)")
     ap.add_argument("--row-len", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=None, help="default: by model (DEFAULT_BATCH_TOKENS)")
-    ap.add_argument("--attention", default="cudnn", choices=["xla", "cudnn", "auto"])
+    ap.add_argument("--attention", default="cudnn",
+                    help="comma-separated: xla, cudnn, packed, auto (each runs, as --mlp-kernel's)")
     ap.add_argument("--no-token-stats", action="store_true")
     ap.add_argument("--mlp-kernel", default=None,
                     help="comma list of ForwardOptions.mlp_kernel to run (default: xla, and mosaic on Hopper GPUs)")
@@ -124,13 +127,13 @@ def main(argv=None) -> int:
         lengths = sentence_lengths(n, seed=1, max_len=args.row_len)  # longer ones would be windows
         tokens, offsets = random_sentences(lengths, 50304, seed=2)
         peer_row = len(rows_out)
-        for mlp in mlp_kernels:
+        for attention, mlp in itertools.product(args.attention.split(","), mlp_kernels):
             res = {"model": name, "isojax": run_isojax(name, tokens, offsets, row_len=args.row_len,
                                                        batch_tokens=args.batch_tokens or DEFAULT_BATCH_TOKENS.get(name, 65536),
-                                                       attention=args.attention, token_stats=not args.no_token_stats,
+                                                       attention=attention, token_stats=not args.no_token_stats,
                                                        mlp_kernel=mlp)}
             res["isojax"]["mfu"] = res["isojax"]["tokens_per_s"] * res["isojax"]["flops_per_token"] / rate
-            print(f"{name} ({mlp}): isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, "
+            print(f"{name} ({attention}, {mlp}): isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, "
                   f"compile {res['isojax']['compile_s']:.0f} s", flush=True)
             rows_out.append(res)
             jax.clear_caches()
@@ -149,12 +152,12 @@ def main(argv=None) -> int:
         for r in rows_out[peer_row:]:
             print(json.dumps(r, default=str), file=sys.stderr, flush=True)
 
-    lines.append(f"{'model':<13}{'MLP':>7}{'B x T':>10}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
+    lines.append(f"{'model':<13}{'attention':>10}{'MLP':>7}{'B x T':>10}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
                  f"{'peak GB':>9}{'peer GB':>9}{'compile s':>10}")
     for r in rows_out:
         iso, peer = r["isojax"], r.get("peer")
         ratio = iso["tokens_per_s"] / peer["tokens_per_s"] if peer else float("nan")
-        lines.append(f"{r['model']:<13}{iso['mlp_kernel']:>7}{str(iso['rows']) + 'x' + str(iso['row_len']):>10}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
+        lines.append(f"{r['model']:<13}{iso['attention']:>10}{iso['mlp_kernel']:>7}{str(iso['rows']) + 'x' + str(iso['row_len']):>10}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
                      f"{ratio:>7.2f}{iso['mfu']:>7.1%}{iso['padding_fraction']:>7.1%}"
                      f"{(iso['peak_mem_bytes'] or 0) / 1e9:>9.1f}{((peer or {}).get('peak_mem_bytes') or 0) / 1e9:>9.1f}"
                      f"{iso['compile_s']:>10.1f}")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Kernel classes, first match wins (names of cuBLAS/cuDNN/XLA kernels on Hopper).
 CLASSES = [
     ("collective (NCCL)", r"nccl|all_to_all|all-to-all|collective"),
-    ("attention (cuDNN)", r"cudnn|fmha|flash|sdpa"),
+    ("attention (cuDNN or packed)", r"cudnn|fmha|flash|sdpa|packed_attention"),
     ("matmul", r"gemm|nvjet|xmma|cutlass|sm90_|triton_gemm|dot"),
     ("scatter", r"scatter"),
     ("gather", r"gather"),

@@ -277,6 +277,34 @@ def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int) -> str
     return "mosaic" if fits else "xla"
 
 
+def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int) -> str:
+    """The attention kernel for these rows. packed (isojax.packed_attention) where it applies
+    (powers-of-two head and rotary dims, rows of a multiple of 64) and works here, else, under
+    auto, cuDNN; cuDNN and Pallas's TPU kernel need rows of a multiple of 64 and 128, else, under
+    auto, plain XLA. An explicit choice that cannot run is an error."""
+    from isojax import packed_attention
+    from isojax.loading import DTYPES
+    why = None
+    if attention == "packed":
+        if not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, DTYPES[dtype]):
+            why = (f"needs head and rotary dims that are powers of two >= 16 (here {cfg.head_dim} and "
+                   f"{cfg.rotary_dims}) and rows of a multiple of 64 tokens (seq_len {row_len})")
+        else:
+            why = packed_attention.works(cfg.head_dim, cfg.rotary_dims)
+        if why is None:
+            return "packed"
+        if not auto:
+            raise UserError(f"attention packed {why}")
+        log(f"packed attention does not run here ({why}): cuDNN's instead")
+        attention = "cudnn"
+    multiple = {"cudnn": 64, "pallas": 128}.get(attention, 1)
+    if row_len % multiple:
+        if not auto:
+            raise UserError(f"attention {attention} needs rows of a multiple of {multiple} tokens (seq_len {row_len})")
+        return "xla"
+    return attention
+
+
 def default_sample_size(cfg, dtype: str) -> int:
     """16,384 tokens (4 batches of 4096), fewer for models whose states would take more than
     SAMPLE_BYTES per device; a multiple of 4096, at least 4096."""
@@ -352,13 +380,15 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
     use_compilation_cache()
     on_accel = jax.default_backend() != "cpu"
     dtype = dtype or ("bfloat16" if on_accel else "float32")
-    if attention == "cudnn" and dtype != "bfloat16":
-        raise UserError("attention cudnn needs dtype bfloat16 (cuDNN's fused attention has no float32 kernel)")
+    if attention in ("cudnn", "packed") and dtype != "bfloat16":
+        raise UserError(f"attention {attention} needs dtype bfloat16 (its kernel has no float32 version)")
+    if attention == "packed" and jax.default_backend() != "gpu":
+        raise UserError("attention packed is a GPU kernel; this run has no GPU")
     with timings("compile"):
         check_mlp_kernel(mlp_kernel, dtype)
     auto_attention = attention == "auto"
-    if auto_attention:  # cuDNN on GPUs (bf16), Pallas flash attention on TPUs, else plain
-        attention = {"gpu": "cudnn" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
+    if auto_attention:  # packed (else cuDNN) on GPUs in bf16, Pallas flash attention on TPUs, else plain
+        attention = {"gpu": "packed" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
     for name, value in (("max_tokens", max_tokens), ("batch_tokens", batch_tokens), ("seq_len", seq_len),
                         ("checkpoint_every_tokens", checkpoint_every_tokens), ("intrinsic_k", intrinsic_k)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
@@ -410,12 +440,8 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     n_dev = mesh.size
     log(f"model {loaded.source['name']} ({loaded.weights} weights, {cfg.num_layers} layers, d={cfg.hidden_size}), "
         f"{dtype}, devices: {n_dev} x {mesh.devices.flat[0].device_kind}, processes: {jax.process_count()}")
-    attention = loaded.attention_impl
-    if attention == "cudnn" and row_len % 64 or attention == "pallas" and row_len % 128:
-        if not auto_attention:
-            raise UserError(f"attention {attention} needs rows of a multiple of {64 if attention == 'cudnn' else 128} "
-                            f"tokens (seq_len {row_len})")
-        loaded.attention_impl = "xla"
+    with timings("compile"):  # the packed kernel's check compiles it once
+        loaded.attention_impl = choose_attention(loaded.attention_impl, auto_attention, cfg, dtype, row_len)
     batch_tokens = batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)
     rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
     with timings("compile"):  # on Hopper GPUs: the fused MLP kernel's check compiles it once

@@ -78,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="neighbours for the MLE and MoM intrinsic dimension (default: 20)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "pallas"],
-                    help="attention kernel: auto (default) = cudnn for bfloat16 on GPUs, pallas (flash attention "
-                         "with segment ids) on TPUs, else xla (plain, the exact reference)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "packed", "pallas"],
+                    help="attention kernel: auto (default) = packed for bfloat16 on GPUs (one kernel with rotary "
+                         "that skips the key blocks outside each sequence; cudnn where it does not apply), pallas "
+                         "(flash attention with segment ids) on TPUs, else xla (plain, the exact reference)")
     ap.add_argument("--mlp-kernel", default="auto", choices=["auto", "xla", "mosaic"],
                     help="the MLP's first product with bias and GELU: auto (default) = mosaic (one fused kernel) "
                          "for bfloat16 on Hopper GPUs where the shapes tile, else xla (cuBLAS + a GELU pass)")

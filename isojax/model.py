@@ -165,19 +165,13 @@ class DenseGelu(nn.Module):
         x_BxTxD, w_DxF, bias_F = nn.dtypes.promote_dtype(x_BxTxD, w_DxF, bias_F, dtype=self.dtype)
         if self.options.mlp_kernel == "mosaic" and not self.approximate:
             from isojax import kernels
-            sharding = self.options.activation_sharding
             b, t, _ = x_BxTxD.shape
-            rows = b * t // (sharding.mesh.size if sharding is not None else 1)
-            if kernels.applies(rows, d, self.features, x_BxTxD.dtype):
+            if kernels.applies(b * t // self.options.devices(), d, self.features, x_BxTxD.dtype):
                 def local(x_BxTxD, w_DxF, bias_F):
                     u_NxF = kernels.dense_gelu(x_BxTxD.reshape(-1, d), w_DxF, bias_F)
                     return u_NxF.reshape(*x_BxTxD.shape[:2], self.features)
 
-                if sharding is None:
-                    return local(x_BxTxD, w_DxF, bias_F)
-                P = jax.sharding.PartitionSpec
-                return jax.shard_map(local, mesh=sharding.mesh, in_specs=(sharding.spec, P(), P()),
-                                     out_specs=sharding.spec, check_vma=False)(x_BxTxD, w_DxF, bias_F)
+                return self.options.per_device(local, (x_BxTxD,), (w_DxF, bias_F))
         u_BxTxF = jax.lax.dot_general(x_BxTxD, w_DxF, (((2,), (0,)), ((), ())), precision=self.precision) + bias_F
         return gelu(u_BxTxF, self.approximate, self.options.fast_gelu)
 
@@ -196,10 +190,15 @@ class Attention(nn.Module):
         dense = functools.partial(_dense, self)
         # Hugging Face's fused layout: output columns grouped per head as (q, k, v).
         qkv_BxTxHx3xK = dense(3 * d, "query_key_value")(x_BxTxD).reshape(b, t, h, 3, k)
+        attention = self.options.attention
+        if attention == "packed":  # rotary, slicing and segments inside one kernel, per device
+            from isojax import packed_attention
+            out_BxTxHxK = self.options.per_device(packed_attention.attention,
+                                                  (qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT), ())
+            return dense(d, "dense")(out_BxTxHxK.reshape(b, t, d))
         q = apply_rotary(qkv_BxTxHx3xK[..., 0, :], cos_BxTxR, sin_BxTxR)
         kk = apply_rotary(qkv_BxTxHx3xK[..., 1, :], cos_BxTxR, sin_BxTxR)
         v = qkv_BxTxHx3xK[..., 2, :]
-        attention = self.options.attention
         if attention == "xla":
             out_BxTxHxK = attention_xla(q, kk, v, mask_Bx1xTxT, self.precision)
         elif attention == "pallas":
@@ -287,7 +286,7 @@ class GPTNeoX(nn.Module):
         x_BxTxD = self.options.constrain(jnp.take(embed_VxD, tokens_BxT, axis=0).astype(self.dtype))
         cos_BxTxR, sin_BxTxR = rotary_tables(positions_BxT, cfg)
         # the pallas kernel takes the segment ids themselves: no [B, 1, T, T] mask is built
-        mask_Bx1xTxT = None if self.options.attention == "pallas" else segment_mask(segment_ids_BxT)
+        mask_Bx1xTxT = None if self.options.attention in ("pallas", "packed") else segment_mask(segment_ids_BxT)
         layers = nn.scan(ObservedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers)
         (x_BxTxD, obs), _ = layers(cfg, self.dtype, self.param_dtype, self.precision, self.options,

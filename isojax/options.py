@@ -78,7 +78,9 @@ class ForwardOptions:
 
     # "xla" (plain attention, the exact reference), "cudnn" (jax.nn.dot_product_attention's
     # cuDNN kernel, bf16/fp16 only), "pallas" (Pallas flash attention for TPUs, with segment ids;
-    # rows a multiple of 128) or "auto" (jax picks)
+    # rows a multiple of 128), "packed" (isojax.packed_attention: a Pallas kernel for GPUs that
+    # reads the fused projection, rotates q and k itself and skips the key blocks outside each
+    # query block's sequences) or "auto" (jax picks)
     attention: str = "xla"
     # Exact GELU of bf16 activations in float32 with a cheap rational erf (model.gelu); False:
     # jax's erf (bench/breakdown.py measures the difference)
@@ -95,10 +97,26 @@ class ForwardOptions:
     activation_sharding: Any = None
 
     def __post_init__(self):
-        if self.attention not in ("xla", "cudnn", "pallas", "auto"):
-            raise ValueError(f"attention must be xla, cudnn, pallas or auto, not {self.attention!r}")
+        if self.attention not in ("xla", "cudnn", "pallas", "packed", "auto"):
+            raise ValueError(f"attention must be xla, cudnn, pallas, packed or auto, not {self.attention!r}")
         if self.mlp_kernel not in ("xla", "mosaic"):
             raise ValueError(f"mlp_kernel must be xla or mosaic, not {self.mlp_kernel!r}")
+
+    def devices(self) -> int:
+        return 1 if self.activation_sharding is None else self.activation_sharding.mesh.size
+
+    def per_device(self, fn, sharded, replicated):
+        """fn(*sharded, *replicated) on each device's rows (shard_map over the activation
+        sharding; the leading axis of every `sharded` array is the rows'); a kernel XLA cannot
+        partition would otherwise be gathered onto every device."""
+        if self.activation_sharding is None:
+            return fn(*sharded, *replicated)
+        P = jax.sharding.PartitionSpec
+        spec = self.activation_sharding.spec
+        row_spec = lambda x: P(spec[0], *([None] * (x.ndim - 1)))
+        return jax.shard_map(fn, mesh=self.activation_sharding.mesh,
+                             in_specs=tuple(map(row_spec, sharded)) + (P(),) * len(replicated),
+                             out_specs=spec if len(spec) else P(), check_vma=False)(*sharded, *replicated)
 
     def constrain(self, x):
         if self.activation_sharding is None:

@@ -1,0 +1,192 @@
+"""The packed attention kernel (isojax.packed_attention), in Pallas' interpret mode on CPU (and
+compiled where a GPU is): its rotary equals Hugging Face's bf16 rotary bit for bit, its output
+lands within bf16 rounding of float64 attention on packed rows whose sequences cross blocks, and
+the model's states with it equal those with plain attention; per device under a mesh; explicit
+choices it cannot honour are refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import max_rel_error
+from isojax import packed_attention
+from isojax.config import GPTNeoXConfig
+from isojax.model import apply_rotary, attention_xla, rotary_tables, segment_mask
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+def packed_rows(lengths_per_row, t):
+    seg, pos = np.zeros((len(lengths_per_row), t), np.int32), np.zeros((len(lengths_per_row), t), np.int32)
+    for b, lengths in enumerate(lengths_per_row):
+        c = 0
+        for i, n in enumerate(lengths):
+            seg[b, c:c + n], pos[b, c:c + n] = i + 1, np.arange(n)
+            c += n
+    return seg, pos
+
+
+def inputs(b, t, h, k, pct, lengths_per_row, seed=0):
+    cfg = GPTNeoXConfig(vocab_size=8, hidden_size=h * k, num_layers=1, num_heads=h, intermediate_size=8,
+                        rotary_pct=pct, max_position_embeddings=4096)
+    rng = np.random.default_rng(seed)
+    qkv = jnp.asarray(rng.normal(size=(b, t, h, 3, k)) * 2, jnp.bfloat16)
+    seg, pos = packed_rows(lengths_per_row, t)
+    cos, sin = rotary_tables(jnp.asarray(pos), cfg)
+    return qkv, cos, sin, jnp.asarray(seg)
+
+
+def test_rotation_is_hugging_faces_bf16_rotary_bit_for_bit():
+    """The kernel's rotate-half (a signed-permutation product, then HF's three bf16 roundings)
+    equals model.apply_rotary on the rotary dims."""
+    for k, r in ((64, 16), (128, 32), (32, 32)):
+        qkv, cos, sin, _ = inputs(2, 64, 2, k, r / k, [[64], [30, 34]], seed=k)
+        x = qkv[..., 0, :]
+        want = apply_rotary(x, cos, sin)[..., :r]
+        p = jnp.asarray(packed_attention.rotate_half_matrix(r), jnp.bfloat16)
+        c, s = (a[:, :, None, :].astype(jnp.bfloat16) for a in (cos, sin))
+        got = packed_attention._rotate(x[..., :r], c, s, p)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_segment_starts():
+    seg = np.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 2, 2, 2, 2, 2, 2, 2]], np.int32)
+    want = np.array([[0, 0, 0, 3, 3, 5, 6, 6], [0, 1, 1, 1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(np.asarray(packed_attention.segment_starts(jnp.asarray(seg))), want)
+
+
+# (B, T, H, K, rotary pct, blocks, sequences per row): sequences that start and end inside
+# blocks and span several, a row of one sequence (nothing skipped), padding at a row's end.
+CASES = [
+    (2, 128, 2, 64, 0.25, (32, 32), [[5, 40, 70, 13], [100, 3, 9]]),
+    (1, 128, 1, 128, 0.25, (64, 32), [[128]]),
+    (2, 64, 2, 32, 1.0, (16, 32), [[1, 1, 17, 45], [33, 20]]),
+    (1, 256, 2, 64, 0.5, (32, 64), [[3] * 20 + [150, 40]]),
+]
+
+
+@pytest.mark.parametrize("b,t,h,k,pct,blocks,lengths", CASES)
+def test_kernel_within_bf16_rounding_of_float64(b, t, h, k, pct, blocks, lengths):
+    """Against float64 attention of the same rotated q and k: the kernel's error is that of one
+    bf16 rounding of the probabilities and output, no larger than plain bf16 attention's."""
+    qkv, cos, sin, seg = inputs(b, t, h, k, pct, lengths, seed=t + k)
+    got = np.asarray(packed_attention.attention(qkv, cos, sin, seg, block_q=blocks[0], block_k=blocks[1],
+                                                interpret=True).astype(jnp.float32), np.float64)
+    want = packed_attention.reference(qkv, cos, sin, seg)
+    q, kk = (apply_rotary(qkv[..., i, :], cos, sin) for i in (0, 1))
+    plain = np.asarray(attention_xla(q, kk, qkv[..., 2, :], segment_mask(seg), None).astype(jnp.float32))
+    real = np.asarray(seg) > 0
+    scale = np.abs(want[real]).max()
+    err, plain_err = np.abs(got - want)[real].max() / scale, np.abs(plain - want)[real].max() / scale
+    assert err < 2 ** -7, err
+    assert err <= plain_err * 1.5, (err, plain_err)
+
+
+def test_skipped_blocks_hold_nothing_the_kernel_needed():
+    """Keys of other sequences set to huge values: any key block the kernel skips or visits from
+    another sequence would change the output; it does not."""
+    qkv, cos, sin, seg = inputs(1, 128, 1, 64, 0.25, [[20, 20, 20, 60, 8]], seed=5)
+    out = packed_attention.attention(qkv, cos, sin, seg, block_q=32, block_k=16, interpret=True)
+    poisoned = qkv.at[0, :60, :, 1:].set(1e4)  # k and v of the first three sequences
+    out2 = packed_attention.attention(poisoned, cos, sin, seg, block_q=32, block_k=16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out[0, 60:120], np.float32), np.asarray(out2[0, 60:120], np.float32))
+
+
+def test_shapes_it_does_not_take():
+    assert packed_attention.applies(512, 128, 32, jnp.bfloat16)
+    assert not packed_attention.applies(512, 80, 20, jnp.bfloat16)  # pythia-2.8b's heads
+    assert not packed_attention.applies(512, 64, 16, jnp.float32)
+    assert not packed_attention.applies(500, 64, 16, jnp.bfloat16)
+    assert not packed_attention.applies(512, 64, 8, jnp.bfloat16)
+    qkv, cos, sin, seg = inputs(1, 96, 1, 64, 0.25, [[96]])
+    with pytest.raises(ValueError, match="does not take"):
+        packed_attention.attention(qkv, cos, sin, seg, interpret=True)  # 96 % 64
+
+
+def test_model_states_equal_plain_attention():
+    """The whole bf16 model on packed rows: states with the kernel (interpret mode) equal those with
+    plain attention within bf16 rounding (plain attention rounds its scores to bf16; the kernel
+    keeps them in float32)."""
+    from isojax.loading import random_params
+    from isojax.model import GPTNeoX, collect_states
+    from isojax.options import ForwardOptions
+
+    cfg = GPTNeoXConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
+                        rotary_pct=0.25, max_position_embeddings=256)
+    params = random_params(cfg, "bfloat16", seed=3)
+    tokens = np.random.default_rng(3).integers(0, 300, (2, 128)).astype(np.int32)
+    seg, pos = packed_rows([[5, 40, 70, 13], [100, 3, 9]], 128)
+    buf = jnp.zeros((cfg.num_states, 2, 128, 128), jnp.float32)
+    states = {}
+    for attention in ("xla", "packed"):
+        module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention))
+        states[attention] = np.asarray(module.apply({"params": params}, tokens, seg, pos, buf, collect_states))
+    real = seg > 0
+    errors = [max_rel_error(states["packed"][s][real], states["xla"][s][real]) for s in range(cfg.num_states)]
+    assert max(errors) < 2e-2, errors
+    assert errors[0] == 0 and max(errors) > 0  # the embedding precedes attention; the rest ran the kernel
+
+
+SHARDED = r'''
+import jax, jax.numpy as jnp, numpy as np
+from isojax import packed_attention, parallel
+from isojax.loading import random_params
+from isojax.config import GPTNeoXConfig
+from isojax.model import GPTNeoX, collect_states
+from isojax.options import ForwardOptions
+calls = []
+kernel = packed_attention.attention
+def counted(qkv, *a, **k):
+    calls.append(qkv.shape)
+    return kernel(qkv, *a, **k)
+packed_attention.attention = counted
+cfg = GPTNeoXConfig(vocab_size=300, hidden_size=128, num_layers=1, num_heads=2, intermediate_size=256,
+                    rotary_pct=0.25, max_position_embeddings=256)
+params = random_params(cfg, "bfloat16", seed=3)
+tokens = np.random.default_rng(3).integers(0, 300, (4, 64)).astype(np.int32)
+seg = np.repeat(np.array([[1] * 20 + [2] * 30 + [0] * 14]), 4, 0).astype(np.int32)
+pos = np.where(seg == 1, np.arange(64), np.arange(64) - 20) * (seg > 0)
+buf = jnp.zeros((cfg.num_states, 4, 64, 128), jnp.float32)
+mesh = parallel.make_mesh({"data": 2, "model": 2})
+plain = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention="packed"))
+sharded = plain.clone(options=ForwardOptions(attention="packed", activation_sharding=parallel.rows(mesh)))
+want = plain.apply({"params": params}, tokens, seg, pos, buf, collect_states)
+got = jax.jit(sharded.apply, static_argnums=5)({"params": params}, tokens, seg, pos, buf, collect_states)
+np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+print("rows per call", sorted(set(c[0] for c in calls)))
+'''
+
+
+def test_sharded_rows_go_to_the_kernel_per_device():
+    """Under an activation sharding over 4 devices each device's kernel gets its own row, and the
+    states equal the unsharded run's."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rows per call [1, 4]" in proc.stdout, proc.stdout  # 4 rows unsharded, 1 per device sharded
+
+
+def test_explicit_packed_refused_without_a_gpu(tmp_path):
+    from isojax.api import choose_attention, measure
+    from isojax.config import preset
+    from isojax.errors import UserError
+    if jax.default_backend() != "gpu":
+        with pytest.raises(UserError, match="GPU kernel"):
+            measure("random:pythia-70m", data=[str(tmp_path / "none.txt")], dtype="bfloat16", attention="packed")
+    with pytest.raises(UserError, match="powers of two"):
+        choose_attention("packed", False, preset("pythia-2.8b"), "bfloat16", 512)
+    assert choose_attention("packed", True, preset("pythia-2.8b"), "bfloat16", 512) == "cudnn"
+    assert choose_attention("packed", True, preset("pythia-2.8b"), "bfloat16", 500) == "xla"
+
+
+@gpu
+def test_kernel_works_on_this_gpu():
+    assert packed_attention.works(64, 16) is None
+    assert packed_attention.works(128, 32) is None
