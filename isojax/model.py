@@ -144,6 +144,24 @@ def _dense(parent: nn.Module, features: int, name: str) -> nn.Dense:
                     name=name, parent=parent)
 
 
+class Product(nn.Module):
+    """nn.Dense's parameters ("kernel" [D, F], "bias" [F]) and product, with the bias returned
+    rather than added, for a kernel that adds it as it loads the product: (x @ W, b)."""
+
+    features: int
+    dtype: Any
+    param_dtype: Any
+    precision: Any
+
+    @nn.compact
+    def __call__(self, x_BxTxD):
+        d = x_BxTxD.shape[-1]
+        w_DxF = self.param("kernel", nn.initializers.lecun_normal(), (d, self.features), self.param_dtype)
+        bias_F = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+        x_BxTxD, w_DxF, bias_F = nn.dtypes.promote_dtype(x_BxTxD, w_DxF, bias_F, dtype=self.dtype)
+        return jax.lax.dot_general(x_BxTxD, w_DxF, (((2,), (0,)), ((), ())), precision=self.precision), bias_F
+
+
 class DenseGelu(nn.Module):
     """nn.Dense (the same parameters, "kernel" [D, F] and "bias" [F], and the same arithmetic)
     followed by gelu; with options.mlp_kernel "mosaic", where isojax.kernels applies, one Hopper
@@ -189,13 +207,16 @@ class Attention(nn.Module):
         h, k = self.cfg.num_heads, self.cfg.head_dim
         dense = functools.partial(_dense, self)
         # Hugging Face's fused layout: output columns grouped per head as (q, k, v).
-        qkv_BxTxHx3xK = dense(3 * d, "query_key_value")(x_BxTxD).reshape(b, t, h, 3, k)
         attention = self.options.attention
-        if attention == "packed":  # rotary, slicing and segments inside one kernel, per device
+        if attention == "packed":  # bias, rotary, slicing and segments inside one kernel, per device
             from isojax import packed_attention
-            out_BxTxHxK = self.options.per_device(packed_attention.attention,
-                                                  (qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT), ())
+            product, bias = Product(3 * d, self.dtype, self.param_dtype, self.precision,
+                                    name="query_key_value")(x_BxTxD)
+            out_BxTxHxK = self.options.per_device(
+                packed_attention.attention, (product.reshape(b, t, h, 3, k), cos_BxTxR, sin_BxTxR, segment_ids_BxT),
+                (bias.reshape(h, 3, k),))
             return dense(d, "dense")(out_BxTxHxK.reshape(b, t, d))
+        qkv_BxTxHx3xK = dense(3 * d, "query_key_value")(x_BxTxD).reshape(b, t, h, 3, k)
         q = apply_rotary(qkv_BxTxHx3xK[..., 0, :], cos_BxTxR, sin_BxTxR)
         kk = apply_rotary(qkv_BxTxHx3xK[..., 1, :], cos_BxTxR, sin_BxTxR)
         v = qkv_BxTxHx3xK[..., 2, :]

@@ -73,25 +73,31 @@ def _rotate(x_NxR, cos_NxR, sin_NxR, p_RxR):
     return (a.astype(_F32) + b.astype(_F32)).astype(bf)
 
 
-def _kernel(q_ref, k_ref, v_ref, cos_ref, sin_ref, p_ref, seg_ref, start_ref, o_ref, *,
+def _add(x, bias):
+    """x + bias rounded to x's dtype, as XLA adds a bf16 bias to a bf16 product."""
+    return (x.astype(_F32) + bias.astype(_F32)[None, :]).astype(x.dtype)
+
+
+def _kernel(q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, cos_ref, sin_ref, p_ref, seg_ref, start_ref, o_ref, *,
             block_q: int, block_k: int, rot: int, scale: float):
-    """One (query block, row, head): q_ref [block_q, K]; k_ref, v_ref [T, K]; cos/sin [T, R];
-    seg_ref, start_ref [T] -> o_ref [block_q, K]."""
+    """One (query block, row, head): q_ref [block_q, K]; k_ref, v_ref [T, K]; their biases [K];
+    cos/sin [T, R]; seg_ref, start_ref [T] -> o_ref [block_q, K]."""
     i = pl.program_id(0)
     head_dim = q_ref.shape[-1]
-    qs = pl.ds(i * block_q, block_q)
+    qs, rs = pl.ds(i * block_q, block_q), pl.ds(0, rot)
     p_RxR = p_ref[...]
-    q_QxK = q_ref[...]
+    q_QxK = _add(q_ref[...], bq_ref[...])
     q_pass = jnp.where(jnp.arange(head_dim)[None, :] < rot, 0.0, q_QxK.astype(_F32)).astype(q_QxK.dtype)
-    q_rot = _rotate(q_ref[:, pl.ds(0, rot)], cos_ref[qs, :], sin_ref[qs, :], p_RxR)
+    q_rot = _rotate(_add(q_ref[:, rs], bq_ref[rs]), cos_ref[qs, :], sin_ref[qs, :], p_RxR)
+    bias_k, bias_kr, bias_v = bk_ref[...], bk_ref[rs], bv_ref[...]
     seg_q = seg_ref[qs]
     pos_q = i * block_q + jnp.arange(block_q)
 
     def body(j, carry):
         o, m_prev, l_prev = carry
         ks = pl.ds(j * block_k, block_k)
-        k_rot = _rotate(k_ref[ks, pl.ds(0, rot)], cos_ref[ks, :], sin_ref[ks, :], p_RxR)
-        qk = (jnp.dot(q_pass, k_ref[ks, :].T, preferred_element_type=_F32)
+        k_rot = _rotate(_add(k_ref[ks, rs], bias_kr), cos_ref[ks, :], sin_ref[ks, :], p_RxR)
+        qk = (jnp.dot(q_pass, _add(k_ref[ks, :], bias_k).T, preferred_element_type=_F32)
               + jnp.dot(q_rot, k_rot.T, preferred_element_type=_F32)) * scale
         pos_k = j * block_k + jnp.arange(block_k)
         keep = (seg_q[:, None] == seg_ref[ks][None, :]) & (pos_q[:, None] >= pos_k[None, :])
@@ -99,7 +105,7 @@ def _kernel(q_ref, k_ref, v_ref, cos_ref, sin_ref, p_ref, seg_ref, start_ref, o_
         m_next = jnp.maximum(m_prev, jnp.max(qk, axis=1))
         corr = jnp.exp2(m_prev - m_next)
         s = jnp.exp2(qk - m_next[:, None])
-        v = v_ref[ks, :]
+        v = _add(v_ref[ks, :], bias_v)
         o = corr[:, None] * o + jnp.dot(s.astype(v.dtype), v, preferred_element_type=_F32)
         return o, m_next, corr * l_prev + jnp.sum(s, axis=1)
 
@@ -111,11 +117,12 @@ def _kernel(q_ref, k_ref, v_ref, cos_ref, sin_ref, p_ref, seg_ref, start_ref, o_
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_warps", "num_stages", "interpret"))
-def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, *, block_q: int = 64, block_k: int = 64,
+def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=None, *, block_q: int = 64,
+              block_k: int = 64,
               num_warps: int = 4, num_stages: int | None = None, interpret: bool | None = None):
     """Causal attention within segments from Hugging Face's fused projection [B, T, H, 3, K]
-    (per head q, k, v) before rotary; cos/sin [B, T, R] float32 (model.rotary_tables). Returns
-    [B, T, H, K]. The defaults are the fastest of bench/bench_attention.py's sweep on an H100 at
+    (per head q, k, v) before rotary, and its bias [H, 3, K], added as the kernel loads q, k and
+    v (None: zero); cos/sin [B, T, R] float32 (model.rotary_tables). Returns [B, T, H, K]. The defaults are the fastest of bench/bench_attention.py's sweep on an H100 at
     pythia-70m, 410m and 1.4b (stages None: 3 for K <= 64, else 2). interpret None: Pallas'
     interpret mode unless the backend is a GPU."""
     b, t, h, _, k = qkv_BxTxHx3xK.shape
@@ -129,6 +136,7 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, *, block_q: 
     cos_BxTxR, sin_BxTxR = cos_BxTxR.astype(dt), sin_BxTxR.astype(dt)  # as Hugging Face: tables in bf16
     starts_BxT = segment_starts(segment_ids_BxT)
     p_RxR = jnp.asarray(rotate_half_matrix(r), dt)
+    bias_Hx3xK = jnp.zeros((h, 3, k), dt) if bias_Hx3xK is None else bias_Hx3xK.astype(dt)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -141,6 +149,9 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, *, block_q: 
         in_specs=[pl.BlockSpec((None, block_q, None, None, k), lambda i, bi, hi: (bi, i, hi, 0, 0)),
                   pl.BlockSpec((None, t, None, None, k), lambda i, bi, hi: (bi, 0, hi, 1, 0)),
                   pl.BlockSpec((None, t, None, None, k), lambda i, bi, hi: (bi, 0, hi, 2, 0)),
+                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 0, 0)),
+                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 1, 0)),
+                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 2, 0)),
                   pl.BlockSpec((None, t, r), lambda i, bi, hi: (bi, 0, 0)),
                   pl.BlockSpec((None, t, r), lambda i, bi, hi: (bi, 0, 0)),
                   pl.BlockSpec((r, r), lambda i, bi, hi: (0, 0)),
@@ -148,14 +159,16 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, *, block_q: 
         out_specs=pl.BlockSpec((None, block_q, None, k), lambda i, bi, hi: (bi, i, hi, 0)),
         out_shape=jax.ShapeDtypeStruct((b, t, h, k), dt),
         interpret=interpret, name="isojax_packed_attention", **params,
-    )(qkv_BxTxHx3xK, qkv_BxTxHx3xK, qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, p_RxR,
+    )(qkv_BxTxHx3xK, qkv_BxTxHx3xK, qkv_BxTxHx3xK, bias_Hx3xK, bias_Hx3xK, bias_Hx3xK, cos_BxTxR, sin_BxTxR, p_RxR,
       segment_ids_BxT.astype(jnp.int32), starts_BxT)
 
 
-def reference(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT):
+def reference(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=None):
     """What the kernel computes, in float64 numpy from the bf16-rotated q and k (the reference
     of works() and of the tests)."""
     from isojax.model import apply_rotary, segment_mask
+    if bias_Hx3xK is not None:
+        qkv_BxTxHx3xK = qkv_BxTxHx3xK + bias_Hx3xK.astype(qkv_BxTxHx3xK.dtype)
     q = apply_rotary(qkv_BxTxHx3xK[..., 0, :], cos_BxTxR, sin_BxTxR)
     k = apply_rotary(qkv_BxTxHx3xK[..., 1, :], cos_BxTxR, sin_BxTxR)
     q, k, v = (np.asarray(x.astype(_F32), np.float64) for x in (q, k, qkv_BxTxHx3xK[..., 2, :]))
@@ -174,15 +187,16 @@ def works(head_dim: int, rotary_dims: int) -> str | None:
     key = (head_dim, rotary_dims)
     if key not in _WORKS:
         t = 128
-        qkv = jax.random.normal(jax.random.key(0), (1, t, 1, 3, head_dim), _F32).astype(jnp.bfloat16)
+        qkv, bias = (jax.random.normal(key, shape, _F32).astype(jnp.bfloat16) for key, shape in
+                     zip(jax.random.split(jax.random.key(0)), ((1, t, 1, 3, head_dim), (1, 3, head_dim))))
         seg = jnp.asarray(np.repeat([1, 2, 3, 0], [50, 40, 30, 8])[None], jnp.int32)
         pos = jnp.asarray(np.concatenate([np.arange(n) for n in (50, 40, 30, 8)])[None], jnp.int32)
         inv = 1.0 / 10000 ** (np.arange(0, rotary_dims, 2) / rotary_dims)
         emb = np.concatenate([pos[..., None] * inv] * 2, -1)
         cos, sin = jnp.asarray(np.cos(emb), _F32), jnp.asarray(np.sin(emb), _F32)
         try:
-            got = np.asarray(attention(qkv, cos, sin, seg).astype(_F32), np.float64)
-            want = reference(qkv, cos, sin, seg)
+            got = np.asarray(attention(qkv, cos, sin, seg, bias).astype(_F32), np.float64)
+            want = reference(qkv, cos, sin, seg, bias)
             real = np.asarray(seg)[0] > 0
             err = float(np.abs(got - want)[:, real].max() / np.abs(want[:, real]).max())
             _WORKS[key] = None if err < 2 ** -6 else f"its result is {err:.3g} (relative) from float64"
