@@ -78,8 +78,8 @@ def test_kernel_within_bf16_rounding_of_float64(b, t, h, k, pct, blocks, lengths
     roundings of the probabilities and the output (one ulp is 2^-8 relative), on CPU and GPU."""
     qkv, cos, sin, seg = inputs(b, t, h, k, pct, lengths, seed=t + k)
     bias = jnp.asarray(np.random.default_rng(k).normal(size=(h, 3, k)), jnp.bfloat16)
-    got = np.asarray(packed_attention.attention(qkv, cos, sin, seg, bias, block_q=blocks[0], block_k=blocks[1],
-                                                interpret=True).astype(jnp.float32), np.float64)
+    got = np.asarray(packed_attention.attention(qkv, cos, sin, seg, bias, block_q=blocks[0], block_k=blocks[1])
+                     .astype(jnp.float32), np.float64)  # compiled on a GPU, interpreted elsewhere
     want = packed_attention.reference(qkv, cos, sin, seg, bias)
     qkv = qkv + bias
     q, kk = (apply_rotary(qkv[..., i, :], cos, sin) for i in (0, 1))
@@ -95,9 +95,9 @@ def test_skipped_blocks_hold_nothing_the_kernel_needed():
     """Keys of other sequences set to huge values: any key block the kernel skips or visits from
     another sequence would change the output; it does not."""
     qkv, cos, sin, seg = inputs(1, 128, 1, 64, 0.25, [[20, 20, 20, 60, 8]], seed=5)
-    out = packed_attention.attention(qkv, cos, sin, seg, block_q=32, block_k=16, interpret=True)
+    out = packed_attention.attention(qkv, cos, sin, seg, block_q=32, block_k=16)
     poisoned = qkv.at[0, :60, :, 1:].set(1e4)  # k and v of the first three sequences
-    out2 = packed_attention.attention(poisoned, cos, sin, seg, block_q=32, block_k=16, interpret=True)
+    out2 = packed_attention.attention(poisoned, cos, sin, seg, block_q=32, block_k=16)
     np.testing.assert_array_equal(np.asarray(out[0, 60:120], np.float32), np.asarray(out2[0, 60:120], np.float32))
 
 
