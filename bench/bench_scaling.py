@@ -41,7 +41,7 @@ def per_device_batch(cfg) -> int:
 
 def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 512, model_axis: int = 1,
         batch_per_device: int | None = None, token_stats: bool = True, profile: str | None = None,
-        reserve: bool = True, mlp_kernel: str = "xla") -> dict:
+        reserve: bool = True, mlp_kernel: str = "xla", attention: str | None = None) -> dict:
     import jax.numpy as jnp
 
     from isojax import checkpointing, parallel
@@ -56,7 +56,8 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     lengths = sentence_lengths(int(rows * row_len * (steps + 3) * 1.02), seed=1, max_len=row_len)
     tokens, offsets = random_sentences(lengths, 50304, seed=2)
     batches = pack_in_memory(tokens, offsets, rows, row_len)[:steps + 2]
-    options = ForwardOptions(attention="cudnn" if jax.default_backend() == "gpu" else "xla", mlp_kernel=mlp_kernel,
+    attention = attention or ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    options = ForwardOptions(attention=attention, mlp_kernel=mlp_kernel,
                              activation_sharding=parallel.rows(mesh) if k > 1 else None)
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options)
     runner = Runner(module, random_params(cfg, "bfloat16", mesh=mesh), mesh, token_stats=token_stats)
@@ -78,6 +79,7 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     half = 2 + steps // 2
     n_tok, secs = loop(batches[2:half])
     out = dict(model=name, devices=k, model_axis=model_axis, rows=rows, token_stats=token_stats, mlp_kernel=mlp_kernel,
+               attention=attention,
                tokens_per_s=n_tok / secs, compile_s=compile_s,
                acc_gb_per_device=runner.accumulator_bytes() / 1e9,
                peak_gb=[(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9 for d in mesh.local_devices])
@@ -130,6 +132,8 @@ def main() -> int:
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
                     help="also time two asynchronous checkpoints on the largest device count")
     ap.add_argument("--mlp-kernel", default="xla", choices=["xla", "mosaic"], help="ForwardOptions.mlp_kernel")
+    ap.add_argument("--attention", default=None, choices=["xla", "cudnn", "packed"],
+                    help="ForwardOptions.attention (default: cudnn on GPUs, else xla)")
     ap.add_argument("--no-reserve", action="store_true",
                     help="do not grow the page-locked pool before the first checkpoint (Checkpointer.reserve)")
     args = ap.parse_args()
@@ -143,7 +147,7 @@ def main() -> int:
                 res = run(name, k, args.steps, args.checkpoint if last else None,
                           model_axis=min(args.model_axis, k), batch_per_device=args.batch_per_device,
                           token_stats=token_stats, profile=args.profile if last else None,
-                          reserve=not args.no_reserve, mlp_kernel=args.mlp_kernel)
+                          reserve=not args.no_reserve, mlp_kernel=args.mlp_kernel, attention=args.attention)
                 results.append(res)
                 print(json.dumps(res), file=sys.stderr, flush=True)
     base = {(r["model"], r["token_stats"]): r["tokens_per_s"] for r in results if r["devices"] == 1}
@@ -160,7 +164,7 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     if os.environ.get("OUT"):
-        tag = f"{args.models.replace(',', '_')}_{'_'.join(map(str, counts))}" + ("_noreserve" if args.no_reserve else "") + f"_{args.mlp_kernel}"
+        tag = f"{args.models.replace(',', '_')}_{'_'.join(map(str, counts))}" + ("_noreserve" if args.no_reserve else "") + f"_{args.mlp_kernel}" + (f"_{args.attention}" if args.attention else "")
         Path(os.environ["OUT"], f"bench_scaling_{tag}.txt").write_text(table + "\n")
         Path(os.environ["OUT"], f"bench_scaling_{tag}.json").write_text(json.dumps(results, indent=1))
     return 0
