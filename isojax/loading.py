@@ -64,8 +64,14 @@ class LoadedModel:
                                                                                  mlp_kernel=self.mlp_impl))
 
     def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
-        """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]."""
+        """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]. Segment ids: 0 for
+        padding, and each sequence's id one contiguous run of its row (what the packed attention
+        kernel assumes, and what isojax's packing makes)."""
         b, t = np.shape(tokens_BxT)
+        for row in np.asarray(segment_ids_BxT):
+            runs = row[np.r_[True, row[1:] != row[:-1]]]
+            if len(set(runs[runs != 0].tolist())) != np.count_nonzero(runs):
+                raise UserError("segment ids: each sequence must be one contiguous run of its row")
         buf = jnp.zeros((self.config.num_states, b, t, self.config.hidden_size), jnp.float32)
         out = _forward_states(self.module, self.params, jnp.asarray(tokens_BxT), jnp.asarray(segment_ids_BxT),
                               jnp.asarray(positions_BxT), buf)

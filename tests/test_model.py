@@ -62,6 +62,14 @@ def test_packed_rows_equal_separate_sequences(tiny_checkpoint):
         np.testing.assert_allclose(packed[:, row, col:col + len(s)], alone, rtol=0, atol=2e-5)
 
 
+def test_packed_rows_refuse_a_sequence_in_two_runs(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    ours = load_model(path)
+    tokens = np.ones((1, 8), np.int32)
+    with pytest.raises(UserError, match="contiguous run"):
+        ours.hidden_states_packed(tokens, np.array([[1, 1, 2, 2, 1, 1, 0, 0]]), np.zeros((1, 8), np.int32))
+
+
 def test_bfloat16_states_within_documented_tolerance(tiny_checkpoint):
     """bf16 compute (bf16 weights, float32 LayerNorm statistics and softmax): per-vector relative
     error against float32 under 3e-2 (README: 'bfloat16'); typical values are ~1e-2."""
