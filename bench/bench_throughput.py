@@ -31,6 +31,10 @@ import numpy as np  # noqa: E402
 
 from workload import random_sentences, sentence_lengths  # noqa: E402
 
+from isojax.extract import use_cuda_graphs_for_loops  # noqa: E402
+
+use_cuda_graphs_for_loops()  # as isojax.extract does (XLA_FLAGS that set command buffers win)
+
 DEFAULT_TOKENS = {"pythia-70m": 1.2e7, "pythia-410m": 4e6, "pythia-1.4b": 1.5e6}
 # Token slots per batch, by model (bench/breakdown.py: the small models gain 10-15% from
 # 262,144-token batches; isojax.extract's default does the same by width).
