@@ -298,3 +298,18 @@ def test_sample_states_intrinsic_dimension_and_batch_anisotropy(tmp_path, monkey
     for args, needle in ((["--sample-states", str(tokens + 1)], "more than"), (["--sample-states", "15"], "too small")):
         assert main(common + ["--out", str(tmp_path / "bad")] + args) == 2
         assert not (tmp_path / "bad" / "metrics.json").exists()
+
+
+def test_cuda_graphs_for_loops_respects_the_users_xla_flags(monkeypatch):
+    from isojax.extract import use_cuda_graphs_for_loops
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    use_cuda_graphs_for_loops()
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_gpu_enable_command_buffer=+WHILE",
+                                               "--xla_gpu_enable_command_buffer=+CONDITIONAL"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    use_cuda_graphs_for_loops()
+    assert os.environ["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=4 --xla_gpu_enable_command_buffer=+WHILE")
+    mine = "--xla_gpu_enable_command_buffer=FUSION"
+    monkeypatch.setenv("XLA_FLAGS", mine)
+    use_cuda_graphs_for_loops()
+    assert os.environ["XLA_FLAGS"] == mine
