@@ -317,8 +317,12 @@ class GPTNeoX(nn.Module):
         # The last block's output and the final LayerNorm's are observed in a loop too: an update
         # of the scan's output outside any loop makes XLA copy every accumulator it touches (a
         # second copy of every Gram: 13 GB per device at gpt-neox-20b; bench/RESULTS.md 7b).
+        # The state is taken out of the stack first (a barrier: a copy of [B, T, D]); fused into the
+        # per-token scatter, the dynamic slice made that scatter 30x slower at pythia-410m on an
+        # H100 (10 ms per batch; bench/RESULTS.md 10e).
         last_2xBxTxD = jnp.stack([x_BxTxD, h_BxTxD.astype(x_BxTxD.dtype)])
-        return jax.lax.fori_loop(0, 2, lambda i, obs: observe(obs, cfg.num_layers + i, last_2xBxTxD[i]), obs)
+        return jax.lax.fori_loop(0, 2, lambda i, obs: observe(
+            obs, cfg.num_layers + i, jax.lax.optimization_barrier(last_2xBxTxD[i])), obs)
 
 
 def collect_states(buf_SxBxTxD, s, x_BxTxD):
