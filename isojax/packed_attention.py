@@ -5,9 +5,10 @@ cuDNN's fused attention (the default on GPUs) takes the rotated q and k and a de
 first slices the fused [B, T, H, 3, K] projection and rotates q and k: three passes over the
 activations (18.6 of 366 ms per pythia-1.4b batch, bench/RESULTS.md). It then visits every key
 block on and below the diagonal, although in a packed row a query sees only its own sequence.
-This kernel reads q, k and v straight from the fused projection, applies Hugging Face's
-rotate-half rotary to the first R dims of q and k as it loads them, and starts each query
-block's loop at the key block that holds the start of its first query's sequence.
+This kernel reads q, k and v straight from the fused projection (before its bias, which XLA
+would otherwise add in a pass of its own), adds the bias and applies Hugging Face's rotate-half
+rotary to the first R dims of q and k as it loads them, and starts each query block's loop at
+the key block that holds the start of its first query's sequence.
 
 Numbers: the rotation rounds as PyTorch's bf16 rotary does (q*cos, rotate_half(q)*sin and
 their sum, each to bf16; rotate_half is a product with a signed permutation, exact); scores and
@@ -118,13 +119,13 @@ def _kernel(q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, cos_ref, sin_ref, p_ref
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_warps", "num_stages", "interpret"))
 def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=None, *, block_q: int = 64,
-              block_k: int = 64,
-              num_warps: int = 4, num_stages: int | None = None, interpret: bool | None = None):
+              block_k: int = 64, num_warps: int = 4, num_stages: int | None = None, interpret: bool | None = None):
     """Causal attention within segments from Hugging Face's fused projection [B, T, H, 3, K]
-    (per head q, k, v) before rotary, and its bias [H, 3, K], added as the kernel loads q, k and
-    v (None: zero); cos/sin [B, T, R] float32 (model.rotary_tables). Returns [B, T, H, K]. The defaults are the fastest of bench/bench_attention.py's sweep on an H100 at
-    pythia-70m, 410m and 1.4b (stages None: 3 for K <= 64, else 2). interpret None: Pallas'
-    interpret mode unless the backend is a GPU."""
+    (per head q, k, v) before bias and rotary, and its bias [H, 3, K], added as the kernel loads
+    q, k and v (None: zero); cos/sin [B, T, R] float32 (model.rotary_tables). Returns [B, T, H, K].
+    The defaults are the fastest of bench/bench_attention.py's sweep on an H100 at pythia-70m,
+    410m and 1.4b (stages None: 3 for K <= 64, else 2). interpret None: Pallas' interpret mode
+    unless the backend is a GPU."""
     b, t, h, _, k = qkv_BxTxHx3xK.shape
     r = cos_BxTxR.shape[-1]
     if not applies(t, k, r, qkv_BxTxHx3xK.dtype, block_q, block_k):
