@@ -11,7 +11,6 @@ Each kernel output is compared with the cuDNN path's on the real (non-padding) p
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import time
@@ -54,6 +53,10 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="pythia-70m,pythia-410m,pythia-1.4b")
     ap.add_argument("--row-len", type=int, default=512)
     ap.add_argument("--blocks", default="64x64,128x64,64x32,128x128")
+    ap.add_argument("--mean-tokens", type=float, default=None,
+                    help="mean sequence length (default: the benchmark's sentences, 33); 1e6 fills every row "
+                         "with one sequence (documents: nothing to skip)")
+    ap.add_argument("--configs", default="4x2,4x3,8x2,8x3", help="warps x stages to try")
     args = ap.parse_args(argv)
     print(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; row length {args.row_len}")
     print(f"{'model':<13}{'path':<28}{'ms/layer':>10}{'vs cuDNN':>10}{'max |diff|':>12}{'visited':>9}")
@@ -61,7 +64,8 @@ def main(argv=None) -> int:
         cfg = preset(name)
         t = args.row_len
         rows = DEFAULT_BATCH_TOKENS.get(name, 65536) // t
-        lengths = sentence_lengths(rows * t * 2, seed=1, max_len=t)
+        kw = {} if args.mean_tokens is None else {"mean": args.mean_tokens}
+        lengths = sentence_lengths(rows * t * 2, seed=1, max_len=t, **kw)
         tokens, offsets = random_sentences(lengths, 50304, seed=2)
         _, seg, pos, _ = pack_in_memory(tokens, offsets, rows, t)[0]
         seg, pos = jnp.asarray(seg), jnp.asarray(pos)
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
             first = starts[:, ::bq] // bk
             last = (np.arange(t // bq) + 1) * bq // bk + ((np.arange(t // bq) + 1) * bq % bk > 0)
             visited = (last[None] - first).sum() / (last[None].repeat(rows, 0)).sum()
-            for warps, stages in itertools.product((4, 8), (2, 3)):
+            for warps, stages in (map(int, c.split("x")) for c in args.configs.split(",")):
                 f = jax.jit(lambda qkv, cos, sin, seg, bq=bq, bk=bk, w=warps, s=stages: packed_attention.attention(
                     qkv, cos, sin, seg, block_q=bq, block_k=bk, num_warps=w, num_stages=s))
                 try:
