@@ -206,8 +206,8 @@ class Attention(nn.Module):
         b, t, d = x_BxTxD.shape
         h, k = self.cfg.num_heads, self.cfg.head_dim
         dense = functools.partial(_dense, self)
-        # Hugging Face's fused layout: output columns grouped per head as (q, k, v).
         attention = self.options.attention
+        # Hugging Face's fused layout: output columns grouped per head as (q, k, v).
         if attention == "packed":  # bias, rotary, slicing and segments inside one kernel, per device
             from isojax import packed_attention
             product, bias = Product(3 * d, self.dtype, self.param_dtype, self.precision,
