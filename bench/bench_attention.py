@@ -11,9 +11,7 @@ Each kernel output is compared with the cuDNN path's on the real (non-padding) p
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -23,22 +21,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_gemm_gelu import timed  # noqa: E402
 from bench_throughput import DEFAULT_BATCH_TOKENS, pack_in_memory  # noqa: E402
 from workload import random_sentences, sentence_lengths  # noqa: E402
 
 from isojax import packed_attention  # noqa: E402
 from isojax.config import preset  # noqa: E402
 from isojax.model import apply_rotary, rotary_tables, segment_mask  # noqa: E402
-
-
-def timed(f, *args, reps: int = 20) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def cudnn_path(qkv, cos, sin, seg):

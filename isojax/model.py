@@ -144,6 +144,20 @@ def _dense(parent: nn.Module, features: int, name: str) -> nn.Dense:
                     name=name, parent=parent)
 
 
+def _dense_params(module: nn.Module, x_BxTxD):
+    """nn.Dense's parameters, "kernel" [D, F] and "bias" [F] (module.features wide), and x, all
+    promoted to module.dtype as nn.Dense promotes them."""
+    d = x_BxTxD.shape[-1]
+    w_DxF = module.param("kernel", nn.initializers.lecun_normal(), (d, module.features), module.param_dtype)
+    bias_F = module.param("bias", nn.initializers.zeros_init(), (module.features,), module.param_dtype)
+    return nn.dtypes.promote_dtype(x_BxTxD, w_DxF, bias_F, dtype=module.dtype)
+
+
+def _matmul(x_BxTxD, w_DxF, precision):
+    """x @ W over the last axis, as nn.Dense computes it."""
+    return jax.lax.dot_general(x_BxTxD, w_DxF, (((2,), (0,)), ((), ())), precision=precision)
+
+
 class Product(nn.Module):
     """nn.Dense's parameters ("kernel" [D, F], "bias" [F]) and product, with the bias returned
     rather than added, for a kernel that adds it as it loads the product: (x @ W, b)."""
@@ -155,11 +169,8 @@ class Product(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD):
-        d = x_BxTxD.shape[-1]
-        w_DxF = self.param("kernel", nn.initializers.lecun_normal(), (d, self.features), self.param_dtype)
-        bias_F = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
-        x_BxTxD, w_DxF, bias_F = nn.dtypes.promote_dtype(x_BxTxD, w_DxF, bias_F, dtype=self.dtype)
-        return jax.lax.dot_general(x_BxTxD, w_DxF, (((2,), (0,)), ((), ())), precision=self.precision), bias_F
+        x_BxTxD, w_DxF, bias_F = _dense_params(self, x_BxTxD)
+        return _matmul(x_BxTxD, w_DxF, self.precision), bias_F
 
 
 class DenseGelu(nn.Module):
@@ -178,9 +189,7 @@ class DenseGelu(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD):
         d = x_BxTxD.shape[-1]
-        w_DxF = self.param("kernel", nn.initializers.lecun_normal(), (d, self.features), self.param_dtype)
-        bias_F = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
-        x_BxTxD, w_DxF, bias_F = nn.dtypes.promote_dtype(x_BxTxD, w_DxF, bias_F, dtype=self.dtype)
+        x_BxTxD, w_DxF, bias_F = _dense_params(self, x_BxTxD)
         if self.options.mlp_kernel == "mosaic" and not self.approximate:
             from isojax import kernels
             b, t, _ = x_BxTxD.shape
@@ -190,7 +199,7 @@ class DenseGelu(nn.Module):
                     return u_NxF.reshape(*x_BxTxD.shape[:2], self.features)
 
                 return self.options.per_device(local, (x_BxTxD,), (w_DxF, bias_F))
-        u_BxTxF = jax.lax.dot_general(x_BxTxD, w_DxF, (((2,), (0,)), ((), ())), precision=self.precision) + bias_F
+        u_BxTxF = _matmul(x_BxTxD, w_DxF, self.precision) + bias_F
         return gelu(u_BxTxF, self.approximate, self.options.fast_gelu)
 
 
