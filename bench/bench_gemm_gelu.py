@@ -61,10 +61,10 @@ def main() -> int:
         err = lambda out: np.max(np.abs(out - g64) / (np.abs(g64) + 1e-2))
         rows.append(("  (XLA's max error vs float64, rel.)", float("nan"), f"{err(ref):.2e}"))
         configs = [Tiles(grid_tile_width=width, grid_minor_n=minor, in_flight=fl)
-                   for fl, width, minor in itertools.product((0, 1), (4, 8, 16), (True, False))]
-        configs += [Tiles(stages=3, epi_n=128), Tiles(stages=3, epi_n=128, in_flight=1), Tiles(split_m=True)]
+                   for fl, width, minor in itertools.product((1, 0), (8, 16), (True, False))]
+        configs += [Tiles(stages=s) for s in (3, 5, 6)] + [Tiles(epi_n=128)]
         for cfg in configs:
-            label = (f"{'rows' if cfg.split_m else 'cols'} s{cfg.stages} w{cfg.grid_tile_width} "
+            label = (f"s{cfg.stages} w{cfg.grid_tile_width} "
                      f"{'N' if cfg.grid_minor_n else 'M'} f{cfg.in_flight} e{cfg.epi_m}x{cfg.epi_n}")
             try:
                 plain = jax.jit(lambda a, w, b: dense_gelu(a, w, b, cfg, epilogue=False))

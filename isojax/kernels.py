@@ -4,12 +4,13 @@ GELU in the epilogue, gelu(x @ W + b), one Mosaic GPU (Pallas) kernel.
 XLA runs that product on cuBLAS and the GELU as a separate elementwise pass, which reads and
 writes the [N, 4D] activations once more (26 of 366 ms per pythia-1.4b batch). Here each output
 tile goes from the float32 accumulator through bias and GELU to bf16 in registers; the
-pre-activation never reaches memory. The kernel is adapted from jax's
-`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu` (persistent, warp-specialized: one
-warpgroup loads tiles by TMA, two multiply with wgmma, each on half of the tile's columns). On an
-H100 the step gains 3.4% at pythia-70m, 2.7% at 410m and nothing measurable at 1.4b, where cuBLAS's
-product in the step is faster than this kernel by about what the GELU pass costs
-(bench/RESULTS.md 10b).
+pre-activation never reaches memory. The kernel is persistent and warp-specialized, after jax's
+`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu` (one warpgroup loads tiles by TMA, two
+multiply with wgmma), but with a ping-pong schedule in place of that kernel's cooperative one: each
+compute warpgroup owns whole output tiles and the two take turns, so one's epilogue (bias, GELU,
+store) runs while the other's products keep the tensor cores busy. On an H100 the cooperative
+version gained 3.4% / 2.7% / 1.6% of the step at pythia-70m / 410m / 1.4b (bench/RESULTS.md 10b);
+the ping-pong schedule adds 1.4% at 410m and nothing measurable at 70m and 1.4b (10g).
 
 Numbers: the accumulator plus the bias is rounded to bf16 once and GELU (model.fast_erf, in
 float32) is applied to that, then rounded again, as PyTorch's bf16 Linear + GELU round. XLA's path
@@ -34,23 +35,19 @@ from isojax.model import gelu
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Tile shape and schedule. Each of the two compute warpgroups accumulates [tile_m, tile_n]
-    (float32 registers); a CTA covers two such tiles (`cta`); output leaves in [epi_m, epi_n] pieces."""
+    """Tile shape and schedule (_kernel). Each compute warpgroup accumulates whole [tile_m, tile_n]
+    output tiles in float32 registers; the memory warpgroup keeps `stages` k-steps of A and B in
+    shared memory (32 KB each at these tiles); output leaves in [epi_m, epi_n] pieces."""
 
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 64
-    stages: int = 4  # tiles of A and B in flight (shared memory: stages x 48 KB at these tiles)
+    stages: int = 4
     epi_m: int = 64
     epi_n: int = 64
-    grid_minor_n: bool = False  # the order tiles are visited in (jax's planar_snake)
+    grid_minor_n: bool = True  # the order tiles are visited in (jax's planar_snake)
     grid_tile_width: int = 8
-    split_m: bool = False  # the two warpgroups take a CTA tile's rows (True) or columns (False)
-    in_flight: int = 0  # wgmma groups left running when the next k-step's tiles are waited for
-
-    @property
-    def cta(self) -> tuple[int, int]:
-        return (2 * self.tile_m, self.tile_n) if self.split_m else (self.tile_m, 2 * self.tile_n)
+    in_flight: int = 1  # 0 or 1: wgmma groups left running when the next k-step's tiles are waited for
 
 
 def available() -> bool:
@@ -93,87 +90,140 @@ def works() -> str | None:
 
 def applies(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
     """Whether dense_gelu runs [m, k] x [k, n] in dtype here."""
-    cta_m, cta_n = tiles.cta
-    return available() and jnp.dtype(dtype) == jnp.bfloat16 and m % cta_m == 0 and n % cta_n == 0 \
+    return available() and jnp.dtype(dtype) == jnp.bfloat16 and m % tiles.tile_m == 0 and n % tiles.tile_n == 0 \
         and k % tiles.tile_k == 0
 
 
-def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool):
+def _store_tile(acc, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: bool):
+    """One warpgroup's [tile_m, tile_n] float32 accumulator -> (bias, GELU) -> bf16 -> out_gmem
+    (its [tile_m, tile_n] view), in [epi_m, epi_n] pieces through the two slots of out_smem;
+    n0: the tile's first output column (for the bias)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for mi in range(t.tile_m // t.epi_m):
+        for ni in range(t.tile_n // t.epi_n):
+            sm, sn = slice(mi * t.epi_m, (mi + 1) * t.epi_m), slice(ni * t.epi_n, (ni + 1) * t.epi_n)
+            slot = (mi * (t.tile_n // t.epi_n) + ni) % 2
+            part = acc[sm, sn]
+            if epilogue:
+                bias = plgpu.load(bias_gmem.at[pl.ds(n0 + ni * t.epi_n, t.epi_n)], (),
+                                  layout=plgpu.Layout.WGMMA.reduce(0), optimized=False).astype(jnp.float32)
+                u = part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1])
+                part = gelu(u.astype(jnp.bfloat16), False)  # rounded once, as PyTorch
+            else:
+                part = part.astype(jnp.bfloat16)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[slot] = part
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[sm, sn])
+
+
+def _transforms(cols: int):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    swizzle = plgpu.find_swizzle(cols * 2 * 8)
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
+def _tile_origin(lin, m_iters, n_iters, t: Tiles):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
+    return plgpu.planar_snake(lin, (m_iters, n_iters), MatmulDimension.N if t.grid_minor_n else MatmulDimension.M,
+                              t.grid_tile_width)
+
+
+def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, sms: int):
+    """CTA c takes tiles c, c + sms, c + 2 sms, ... (in planar_snake order); its j-th goes to compute
+    warpgroup j % 2, and the warpgroups take turns (the `turn` barriers): one issues its tile's
+    products once the other has issued its own, then runs its epilogue while the other multiplies.
+    Warpgroup 2 loads k-step kk of tile j, the CTA's step g = j * k_iters + kk, into slot g % stages
+    of one ring. Barriers are kept per compute warpgroup, [2, stages]: full[j % 2, slot] counts the
+    step's two copies, and free[j % 2, slot] is where warpgroup j % 2 releases the slot, so the
+    loader waits on free[(owner of step g - stages), slot] before reusing it. Every warpgroup thus
+    waits on each completion of its barriers in order, as barrier_wait's per-thread phase bits
+    require."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
 
     m, k = a_gmem.shape
     n = b_gmem.shape[1]
     t = tiles
-    cta_m, cta_n = t.cta
-    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // t.tile_k
-    swizzle = plgpu.find_swizzle(t.tile_k * 2 * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-    out_swizzle = plgpu.find_swizzle(t.epi_n * 2 * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
+    m_iters, n_iters, k_iters = m // t.tile_m, n // t.tile_n, k // t.tile_k
+    cta = lax.axis_index("cluster_grid")
+    cta_tiles = (m_iters * n_iters - cta + sms - 1) // sms  # tiles of this CTA (all CTAs: < sms apart)
 
-    def pipeline(body, context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_iters,), memory_registers=40,
-            in_specs=[plgpu.BlockSpec((cta_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
-                                      memory_space=plgpu.SMEM, delay_release=t.in_flight),
-                      plgpu.BlockSpec((t.tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms,
-                                      memory_space=plgpu.SMEM, delay_release=t.in_flight)],
-            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=context)
+    def barrier(g):
+        """Index into full and free of the CTA's step g: (owner, slot)."""
+        return lax.rem(g // k_iters, 2) * t.stages + lax.rem(g, t.stages)
 
-    ignore = lambda *_, **__: None
-
-    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-                       out_smem=plgpu.SMEM((2, 2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=out_transforms),
-                       collective_axes="wg")
-    def _scope(allocs, out_smem):
+    def body(a_smem, b_smem, out_smem, full, free, turn):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-        def _tiles(info):
-            (lin,) = info.index
-            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters),
-                                              MatmulDimension.N if t.grid_minor_n else MatmulDimension.M,
-                                              t.grid_tile_width)
-            rows, cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * cta_n, cta_n)
-            # this warpgroup's part of the CTA tile
-            wg_rows = pl.ds(wg * t.tile_m, t.tile_m) if t.split_m else slice(None)
-            wg_cols = slice(None) if t.split_m else pl.ds(wg * t.tile_n, t.tile_n)
-            wg_col0 = 0 if t.split_m else wg * t.tile_n
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
 
-            def context(run_pipeline):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
-                def _acc(acc_ref):
-                    run_pipeline(acc_ref)
-                    acc = acc_ref[...]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for mi in range(t.tile_m // t.epi_m):
-                        for ni in range(t.tile_n // t.epi_n):
-                            sm, sn = slice(mi * t.epi_m, (mi + 1) * t.epi_m), slice(ni * t.epi_n, (ni + 1) * t.epi_n)
-                            slot = (mi * (t.tile_n // t.epi_n) + ni) % 2
-                            part = acc[sm, sn]
-                            if epilogue:
-                                n0 = n_idx * cta_n + wg_col0 + ni * t.epi_n
-                                bias = plgpu.load(bias_gmem.at[pl.ds(n0, t.epi_n)], (), layout=plgpu.Layout.WGMMA.reduce(0),
-                                                  optimized=False).astype(jnp.float32)
-                                u = part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1])
-                                part = gelu(u.astype(jnp.bfloat16), False)  # rounded once, as PyTorch
-                            else:
-                                part = part.astype(jnp.bfloat16)
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            out_smem[wg, slot] = part
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[rows, cols].at[wg_rows, wg_cols].at[sm, sn])
+            def tile(i, carry):
+                j = 2 * i + wg
+                m_idx, n_idx = _tile_origin(cta + j * sms, m_iters, n_iters, t)
+                pl.when(j > 0)(lambda: plgpu.barrier_wait(turn.at[wg]))
 
-            def mma(idxs, a_smem, b_smem, acc_ref):
-                plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
-                plgpu.wgmma_wait(t.in_flight)
-                return acc_ref
+                def steps(acc_ref):
+                    def step(kk, acc_ref):
+                        g = j * k_iters + kk
+                        plgpu.barrier_wait(full.at[barrier(g)])
+                        slot = lax.rem(g, t.stages)
+                        plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot])
+                        plgpu.wgmma_wait(t.in_flight)
+                        if t.in_flight:  # the previous step's products are done: its slot is free
+                            pl.when(kk > 0)(lambda: plgpu.barrier_arrive(free.at[barrier(g - 1)]))
+                        else:
+                            plgpu.barrier_arrive(free.at[barrier(g)])
+                        return acc_ref
+                    lax.fori_loop(0, k_iters, step, acc_ref)
+                    plgpu.barrier_arrive(turn.at[1 - wg])  # all issued: the other warpgroup's turn
+                    if t.in_flight:
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(free.at[barrier(j * k_iters + k_iters - 1)])
+                    return acc_ref[...]
 
-            pipeline(mma, context)(a_gmem.at[rows, :], b_gmem.at[:, cols], allocations=allocs)
+                acc = pl.run_scoped(steps, plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                view = out_gmem.at[pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)]
+                _store_tile(acc, out_smem.at[wg], view, bias_gmem, n_idx * t.tile_n, t, epilogue)
+                return carry
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            lax.fori_loop(0, (cta_tiles - wg + 1) // 2, tile, None)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def tile(j, carry):
+                m_idx, n_idx = _tile_origin(cta + j * sms, m_iters, n_iters, t)
+                rows, cols = pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)
+
+                def step(kk, carry):
+                    g = j * k_iters + kk
+                    pl.when(g >= t.stages)(lambda: plgpu.barrier_wait(free.at[barrier(g - t.stages)]))
+                    slot, ks = lax.rem(g, t.stages), pl.ds(kk * t.tile_k, t.tile_k)
+                    plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], full.at[barrier(g)])
+                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], full.at[barrier(g)])
+                    return carry
+                return lax.fori_loop(0, k_iters, step, carry)
+
+            lax.fori_loop(0, cta_tiles, tile, None)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((t.stages, t.tile_m, t.tile_k), jnp.bfloat16, transforms=_transforms(t.tile_k)),
+        plgpu.SMEM((t.stages, t.tile_k, t.tile_n), jnp.bfloat16, transforms=_transforms(t.tile_k)),
+        plgpu.SMEM((2, 2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=_transforms(t.epi_n)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2 * t.stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2 * t.stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        collective_axes="wg")
 
 
 def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = True):
@@ -182,11 +232,11 @@ def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = Tr
 
     m, k = x_MxK.shape
     n = w_KxN.shape[1]
-    if m % tiles.cta[0] or n % tiles.cta[1] or k % tiles.tile_k:
+    if m % tiles.tile_m or n % tiles.tile_n or k % tiles.tile_k:
         raise ValueError(f"[{m}, {k}] x [{k}, {n}] does not tile by {tiles}")
     sms = getattr(jax.devices()[0], "core_count", 132)
     call = plgpu.kernel(
-        functools.partial(_kernel, tiles=tiles, epilogue=epilogue),
+        functools.partial(_kernel, tiles=tiles, epilogue=epilogue, sms=sms),
         out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
         grid=(sms,), grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",),
         num_threads=3, thread_name="wg",
