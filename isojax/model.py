@@ -268,6 +268,9 @@ class Block(nn.Module):
         return mlp(ln("post_attention_layernorm")(h)) + h
 
 
+BARRIER_FROM_WIDTH = 1024
+
+
 class ObservedBlock(nn.Module):
     """One scan step: hand the block's input (state s - 1) to the observer, run block s. The
     observer's work does not feed the block, so XLA may overlap the two (the statistics'
@@ -283,7 +286,11 @@ class ObservedBlock(nn.Module):
     @nn.compact
     def __call__(self, carry, s, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
         x_BxTxD, obs = carry
-        obs = self.observe(obs, s - 1, x_BxTxD)
+        # From this width on, the observer reads the state through a barrier: without it XLA copies
+        # the scan's carry every layer (14 ms per pythia-410m batch on an H100); at pythia-70m the
+        # barrier cost more than the copy (bench/RESULTS.md 10e, 10h).
+        seen_BxTxD = jax.lax.optimization_barrier(x_BxTxD) if x_BxTxD.shape[-1] >= BARRIER_FROM_WIDTH else x_BxTxD
+        obs = self.observe(obs, s - 1, seen_BxTxD)
         x_BxTxD = Block(self.cfg, self.dtype, self.param_dtype, self.precision, self.options,
                         name="block")(x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
         return (self.options.constrain(x_BxTxD), obs), None
