@@ -65,7 +65,8 @@ def bf16_matmul_rate() -> float:
     return 10 * 2 * n ** 3 / (time.perf_counter() - t)
 
 
-def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, mlp_kernel="xla", warmup=2):
+def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, mlp_kernel="xla",
+               norm_kernel="xla", warmup=2):
     from isojax.config import preset
     from isojax.loading import random_params
     from isojax import parallel
@@ -79,7 +80,8 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     # add several points of padding).
     batches = pack_in_memory(tokens, offsets, rows, row_len)[:-1]
     pack_s = time.perf_counter() - t0
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention, mlp_kernel=mlp_kernel))
+    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention, mlp_kernel=mlp_kernel,
+                                                                                             norm_kernel=norm_kernel))
     runner = Runner(module, random_params(cfg, "bfloat16"), parallel.make_mesh(devices=jax.devices()[:1]),
                     token_stats=token_stats)
     t0 = time.perf_counter()
@@ -99,6 +101,7 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     out = dict(tokens_per_s=n_tok / secs, tokens=n_tok, seconds=secs, padding_fraction=1 - n_tok / slots,
                peak_mem_bytes=mem.get("peak_bytes_in_use"), compile_s=compile_s, pack_s=pack_s,
                flops_per_token=cfg.flops_per_token(gram=True), rows=rows, row_len=row_len, mlp_kernel=mlp_kernel,
+               norm_kernel=norm_kernel,
                attention=attention)
     del runner
     return out
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-token-stats", action="store_true")
     ap.add_argument("--mlp-kernel", default=None,
                     help="comma list of ForwardOptions.mlp_kernel to run (default: xla, and mosaic on Hopper GPUs)")
+    ap.add_argument("--norm-kernel", default="xla",
+                    help="comma list of ForwardOptions.norm_kernel to run (xla, pallas; default: xla)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--peer-batch-tokens", type=int, default=16384)
     ap.add_argument("--peer-seconds", type=float, default=40.0, help="cap on each peer run")
@@ -131,13 +136,14 @@ def main(argv=None) -> int:
         lengths = sentence_lengths(n, seed=1, max_len=args.row_len)  # longer ones would be windows
         tokens, offsets = random_sentences(lengths, 50304, seed=2)
         peer_row = len(rows_out)
-        for attention, mlp in itertools.product(args.attention.split(","), mlp_kernels):
+        for attention, mlp, norm in itertools.product(args.attention.split(","), mlp_kernels,
+                                                      args.norm_kernel.split(",")):
             res = {"model": name, "isojax": run_isojax(name, tokens, offsets, row_len=args.row_len,
                                                        batch_tokens=args.batch_tokens or DEFAULT_BATCH_TOKENS.get(name, 65536),
                                                        attention=attention, token_stats=not args.no_token_stats,
-                                                       mlp_kernel=mlp)}
+                                                       mlp_kernel=mlp, norm_kernel=norm)}
             res["isojax"]["mfu"] = res["isojax"]["tokens_per_s"] * res["isojax"]["flops_per_token"] / rate
-            print(f"{name} ({attention}, {mlp}): isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, "
+            print(f"{name} ({attention}, {mlp}, {norm}): isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, "
                   f"compile {res['isojax']['compile_s']:.0f} s", flush=True)
             rows_out.append(res)
             jax.clear_caches()
@@ -156,12 +162,12 @@ def main(argv=None) -> int:
         for r in rows_out[peer_row:]:
             print(json.dumps(r, default=str), file=sys.stderr, flush=True)
 
-    lines.append(f"{'model':<13}{'attention':>10}{'MLP':>7}{'B x T':>10}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
+    lines.append(f"{'model':<13}{'attention':>10}{'MLP':>7}{'norm':>7}{'B x T':>10}{'isojax tok/s':>14}{'peer tok/s':>12}{'ratio':>7}{'MFU':>7}{'pad':>7}"
                  f"{'peak GB':>9}{'peer GB':>9}{'compile s':>10}")
     for r in rows_out:
         iso, peer = r["isojax"], r.get("peer")
         ratio = iso["tokens_per_s"] / peer["tokens_per_s"] if peer else float("nan")
-        lines.append(f"{r['model']:<13}{iso['attention']:>10}{iso['mlp_kernel']:>7}{str(iso['rows']) + 'x' + str(iso['row_len']):>10}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
+        lines.append(f"{r['model']:<13}{iso['attention']:>10}{iso['mlp_kernel']:>7}{iso['norm_kernel']:>7}{str(iso['rows']) + 'x' + str(iso['row_len']):>10}{iso['tokens_per_s']:>14,.0f}{(peer or {}).get('tokens_per_s', float('nan')):>12,.0f}"
                      f"{ratio:>7.2f}{iso['mfu']:>7.1%}{iso['padding_fraction']:>7.1%}"
                      f"{(iso['peak_mem_bytes'] or 0) / 1e9:>9.1f}{((peer or {}).get('peak_mem_bytes') or 0) / 1e9:>9.1f}"
                      f"{iso['compile_s']:>10.1f}")

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CLASSES = [
     ("collective (NCCL)", r"nccl|all_to_all|all-to-all|collective"),
     ("attention (cuDNN or packed)", r"cudnn|fmha|flash|sdpa|packed_attention"),
+    ("LayerNorm pair (Pallas)", r"layer_norm_pair"),
     ("matmul", r"gemm|nvjet|xmma|cutlass|sm90_|triton_gemm|dot"),
     ("scatter", r"scatter"),
     ("gather", r"gather"),
@@ -111,6 +112,7 @@ def main() -> int:
     ap.add_argument("--attention", default="cudnn")
     ap.add_argument("--no-causal", action="store_true", help="ForwardOptions(cudnn_causal=False)")
     ap.add_argument("--mlp-kernel", default="xla", choices=["xla", "mosaic"], help="ForwardOptions.mlp_kernel")
+    ap.add_argument("--norm-kernel", default="xla", choices=["xla", "pallas"], help="ForwardOptions.norm_kernel")
     ap.add_argument("--out", default="/tmp/isojax_profile")
     args = ap.parse_args()
 
@@ -132,7 +134,7 @@ def main() -> int:
     params = random_params(cfg, "bfloat16")
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                      options=ForwardOptions(attention=args.attention, cudnn_causal=not args.no_causal,
-                                            mlp_kernel=args.mlp_kernel))
+                                            mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel))
     if args.forward_only:
         noop = lambda obs, s, x: obs + x[0, 0, 0].astype(jnp.float32)
         fwd = jax.jit(lambda p, a, b, c: module.apply({"params": p}, a, b, c, jnp.float32(0), noop))

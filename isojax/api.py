@@ -277,6 +277,38 @@ def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int) -> str
     return "mosaic" if fits else "xla"
 
 
+def check_norm_kernel(norm_kernel: str, dtype: str) -> None:
+    """Refuse what choose_norm_kernel cannot honour, before any weights load."""
+    import jax
+    if norm_kernel not in ("auto", "xla", "pallas"):
+        raise UserError(f"norm_kernel must be auto, xla or pallas, not {norm_kernel!r}")
+    if norm_kernel == "pallas" and (dtype != "bfloat16" or jax.default_backend() != "gpu"):
+        raise UserError("norm kernel pallas is a GPU kernel for bfloat16 runs")
+
+
+def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> str:
+    """auto: one Pallas kernel for a parallel-residual block's two LayerNorms (isojax.norm_kernel)
+    where it applies (bfloat16 on a GPU, a power-of-two width) and works, else XLA's; pallas where
+    it does not apply: an error."""
+    import jax
+
+    from isojax import norm_kernel as kernel
+    from isojax.loading import DTYPES
+    if norm_kernel == "xla" or not cfg.use_parallel_residual:
+        return "xla"
+    d = cfg.hidden_size
+    fits = jax.default_backend() == "gpu" and kernel.applies(d, DTYPES[dtype]) \
+        and device_rows % kernel.rows_per_block(d) == 0
+    if norm_kernel == "pallas" and not fits:
+        raise UserError(f"norm kernel pallas does not apply to {device_rows} rows per device of width {d}")
+    why = kernel.works(d) if fits else None
+    if why is not None:
+        if norm_kernel == "pallas":
+            raise UserError(f"norm kernel pallas does not run here: {why}")
+        log(f"the LayerNorm kernel does not run here ({why}): XLA's LayerNorms instead")
+    return "pallas" if fits and why is None else "xla"
+
+
 def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int) -> str:
     """The attention kernel for these rows. packed (isojax.packed_attention) where it applies
     (powers-of-two head and rotary dims, rows of a multiple of 64) and works here, else, under
@@ -357,7 +389,8 @@ def in_background(fn) -> concurrent.futures.Future:
 
 def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sources=None, dtype=None,
             seq_len=None, batch_tokens=None, max_tokens=None, token_stats: bool = True, centered: bool = False,
-            save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto", mesh=None,
+            save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto",
+            norm_kernel: str = "auto", mesh=None,
             checkpoint_dir=None, checkpoint_every_tokens=None, resume_run: bool = False, progress: bool = True,
             sample_states: int | None = None, intrinsic_k: int = 20) -> Results:
     """Measure every hidden state of `model` over `data` (README "A real run").
@@ -386,6 +419,7 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
         raise UserError("attention packed is a GPU kernel; this run has no GPU")
     with timings("compile"):
         check_mlp_kernel(mlp_kernel, dtype)
+        check_norm_kernel(norm_kernel, dtype)
     auto_attention = attention == "auto"
     if auto_attention:  # packed (else cuDNN) on GPUs in bf16, Pallas flash attention on TPUs, else plain
         attention = {"gpu": "packed" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
@@ -413,7 +447,8 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
             with timings("tokenize"):
                 tokens = open_tokens(corpus, loaded.tokenizer, row_len, progress)
         return _measure(loaded, corpus, tokens, timings, row_len=row_len, mesh=mesh, unit=unit, sources=sources,
-                        data=data, auto_attention=auto_attention, mlp_kernel=mlp_kernel, batch_tokens=batch_tokens,
+                        data=data, auto_attention=auto_attention, mlp_kernel=mlp_kernel, norm_kernel=norm_kernel,
+                        batch_tokens=batch_tokens,
                         max_tokens=max_tokens, token_stats=token_stats, centered=centered, save_token_sums=save_token_sums,
                         checkpoint_dir=checkpoint_dir, checkpoint_every_tokens=checkpoint_every_tokens,
                         resume_run=resume_run, progress=progress, sample_states=sample_states,
@@ -424,7 +459,7 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
 
 
 def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, data, auto_attention, mlp_kernel,
-             batch_tokens, max_tokens, token_stats, centered, save_token_sums, checkpoint_dir,
+             norm_kernel, batch_tokens, max_tokens, token_stats, centered, save_token_sums, checkpoint_dir,
              checkpoint_every_tokens, resume_run, progress, sample_states, intrinsic_k) -> Results:
     """measure() once the weights are loaded and the tokens are cached or streaming."""
     import jax
@@ -446,6 +481,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
     with timings("compile"):  # on Hopper GPUs: the fused MLP kernel's check compiles it once
         loaded.mlp_impl = choose_mlp_kernel(mlp_kernel, cfg, dtype, rows // n_dev * row_len)
+        loaded.norm_impl = choose_norm_kernel(norm_kernel, cfg, dtype, rows // n_dev * row_len)
     streamed = isinstance(tokens, TokenStream)
     finished = lambda: tokens.result() if streamed else tokens
     with timings("tokenize"):
@@ -456,7 +492,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     size = "tokenizing while the devices measure (first run)" if streamed else \
         f"{tokens.n_tokens:,} tokens in {tokens.n_sequences:,} {unit}s"
     log(f"corpus {corpus.describe()}: {size}, sources: {', '.join(labels)}; rows {rows} x {row_len}, "
-        f"attention {loaded.attention_impl}, MLP {loaded.mlp_impl}")
+        f"attention {loaded.attention_impl}, MLP {loaded.mlp_impl}, LayerNorms {loaded.norm_impl}")
     num_groups = len(labels)
     if max_tokens is None and data is None and not on_accel:
         max_tokens = CPU_DEFAULT_MAX_TOKENS

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mlp-kernel", default="auto", choices=["auto", "xla", "mosaic"],
                     help="the MLP's first product with bias and GELU: auto (default) = mosaic (one fused kernel) "
                          "for bfloat16 on Hopper GPUs where the shapes tile, else xla (cuBLAS + a GELU pass)")
+    ap.add_argument("--norm-kernel", default="auto", choices=["auto", "xla", "pallas"],
+                    help="a parallel-residual block's two LayerNorms: auto (default) = pallas (one kernel reading "
+                         "the state once) for bfloat16 on GPUs where the width is a power of two, else xla")
     scale = ap.add_argument_group("devices and hosts")
     scale.add_argument("--mesh", default=None, metavar="data=N,model=M",
                        help="device mesh: batch rows are split over all devices; parameters are "
@@ -132,7 +135,7 @@ def run(args) -> Path:
     options = dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
                    batch_tokens=args.batch_tokens, max_tokens=args.max_tokens, token_stats=not args.no_token_stats,
                    centered=args.centered, save_token_sums=args.save_token_sums, attention=args.attention,
-                   mlp_kernel=args.mlp_kernel,
+                   mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel,
                    mesh=parallel.parse_mesh(args.mesh) or None, checkpoint_every_tokens=args.checkpoint_every_tokens,
                    sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k)
     models = args.model or [None]

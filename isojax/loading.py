@@ -48,6 +48,7 @@ class LoadedModel:
     dtype: str = "float32"
     attention_impl: str = "xla"
     mlp_impl: str = "xla"              # ForwardOptions.mlp_kernel
+    norm_impl: str = "xla"             # ForwardOptions.norm_kernel
     tokenizer_dir: Path | None = None  # where tokenizer.json is looked for; None: the hub repo's
     hub_repo: str | None = None
 
@@ -61,7 +62,8 @@ class LoadedModel:
     def module(self) -> GPTNeoX:
         dt = DTYPES[self.dtype]
         return GPTNeoX(self.config, dtype=dt, param_dtype=dt, options=ForwardOptions(attention=self.attention_impl,
-                                                                                 mlp_kernel=self.mlp_impl))
+                                                                                 mlp_kernel=self.mlp_impl,
+                                                                                 norm_kernel=self.norm_impl))
 
     def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
         """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]. Segment ids: 0 for

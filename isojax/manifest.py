@@ -41,7 +41,7 @@ def build_manifest(model, cache, corpus, done, plan, seconds, wall, settings) ->
         "corpus_sources": cache.source_counts(), "bad_records_skipped": corpus.bad_records,
         "tokens": done["tokens"], "sequences": done["sequences"], "batches": done["batches"],
         "padding_fraction": plan.padding_fraction, "settings": settings,
-        "kernels": {"attention": model.attention_impl, "mlp": model.mlp_impl},
+        "kernels": {"attention": model.attention_impl, "mlp": model.mlp_impl, "norm": model.norm_impl},
         "seconds_device_loop": seconds, "seconds_wall": wall,
         "tokens_per_second": done["tokens"] / max(seconds, 1e-9),
         "device": {"platform": dev.platform, "kind": dev.device_kind, "count": settings.get("devices"),

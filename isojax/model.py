@@ -39,15 +39,35 @@ class LayerNorm(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BxTxD):
+    def __call__(self, x_BxTxD, params_only: bool = False):
+        """LayerNorm(x); params_only: (scale, bias) in float32 instead (layer_norm_pair)."""
         d = x_BxTxD.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype)
         bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
+        if params_only:
+            return scale.astype(jnp.float32), bias.astype(jnp.float32)
         x = x_BxTxD.astype(jnp.float32)
         xc = x - x.mean(-1, keepdims=True)
         var = (xc * xc).mean(-1, keepdims=True)
         y = xc * jax.lax.rsqrt(var + self.eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         return y.astype(self.dtype)
+
+
+def layer_norm_pair(first: LayerNorm, second: LayerNorm, x_BxTxD, options):
+    """(first(x), second(x)): one Pallas kernel reading x once (isojax.norm_kernel) with
+    options.norm_kernel "pallas" where it applies, else the two LayerNorms."""
+    if options.norm_kernel == "pallas":
+        from isojax import norm_kernel
+        b, t, d = x_BxTxD.shape
+        rows = b * t // options.devices()
+        if norm_kernel.applies(d, first.dtype) and rows % norm_kernel.rows_per_block(d) == 0:
+            def local(x_BxTxD, s1, b1, s2, b2):
+                y1, y2 = norm_kernel.layer_norm_pair(x_BxTxD.reshape(-1, d), s1, b1, s2, b2, eps=first.eps)
+                return y1.reshape(x_BxTxD.shape), y2.reshape(x_BxTxD.shape)
+
+            x_BxTxD = x_BxTxD.astype(first.dtype)
+            return options.per_device(local, (x_BxTxD,), (*first(x_BxTxD, True), *second(x_BxTxD, True)))
+    return first(x_BxTxD), second(x_BxTxD)
 
 
 # Rational approximation of erf on [-4, 4] (odd degree-13 numerator, even degree-8
@@ -259,11 +279,15 @@ class Block(nn.Module):
                                 ACTIVATIONS[cfg.hidden_act], self.options, name="dense_h_to_4h")(h_BxTxD)
             return dense(cfg.hidden_size, "dense_4h_to_h")(u_BxTxF)
 
+        if cfg.use_parallel_residual:  # both LayerNorms read x
+            h_attn, h_mlp = layer_norm_pair(ln("input_layernorm"), ln("post_attention_layernorm"), x_BxTxD,
+                                            self.options)
+            attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.options,
+                             name="attention")(h_attn, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
+            return mlp(h_mlp) + attn + x_BxTxD
         attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.options,
                          name="attention")(ln("input_layernorm")(x_BxTxD), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT,
                                            segment_ids_BxT)
-        if cfg.use_parallel_residual:
-            return mlp(ln("post_attention_layernorm")(x_BxTxD)) + attn + x_BxTxD
         h = attn + x_BxTxD
         return mlp(ln("post_attention_layernorm")(h)) + h
 

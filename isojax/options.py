@@ -92,6 +92,9 @@ class ForwardOptions:
     # "mosaic" (one Hopper kernel with GELU in its epilogue, isojax.kernels; where it does not
     # apply, XLA's)
     mlp_kernel: str = "xla"
+    # A parallel-residual block's two LayerNorms: "xla" (two kernels) or "pallas" (one Triton
+    # kernel reading the state once, isojax.norm_kernel; where it does not apply, XLA's)
+    norm_kernel: str = "xla"
     # Sharding the activations [B, T, D] keep between blocks (rows over every device, so that
     # XLA gathers sharded weights rather than splitting activations); None on one device
     activation_sharding: Any = None
@@ -101,6 +104,8 @@ class ForwardOptions:
             raise ValueError(f"attention must be xla, cudnn, pallas, packed or auto, not {self.attention!r}")
         if self.mlp_kernel not in ("xla", "mosaic"):
             raise ValueError(f"mlp_kernel must be xla or mosaic, not {self.mlp_kernel!r}")
+        if self.norm_kernel not in ("xla", "pallas"):
+            raise ValueError(f"norm_kernel must be xla or pallas, not {self.norm_kernel!r}")
 
     def devices(self) -> int:
         return 1 if self.activation_sharding is None else self.activation_sharding.mesh.size
