@@ -205,6 +205,7 @@ def test_bad_inputs_exit_cleanly(tmp_path, small_vocab_checkpoint):
         (["--model", "random:pythia-70m", "--attention", "cudnn", "--dtype", "float32"], "cudnn"),
         (["--model", "random:pythia-70m", "--attention", "packed", "--dtype", "bfloat16"], "GPU kernel"),
         (["--model", "random:pythia-70m", "--mlp-kernel", "mosaic", "--dtype", "bfloat16"], "mlp kernel mosaic"),
+        (["--model", "random:pythia-70m", "--norm-kernel", "pallas", "--dtype", "bfloat16"], "norm kernel pallas"),
         (["--model", "random:pythia-70m", "--mesh", "data=3"], "does not divide"),
         (["--max-tokens", "0"], "positive integer"),
     ]
