@@ -294,6 +294,9 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> s
 
     from isojax import norm_kernel as kernel
     from isojax.loading import DTYPES
+    if norm_kernel == "pallas" and not cfg.use_parallel_residual:
+        raise UserError("norm kernel pallas fuses a parallel-residual block's two LayerNorms; this model "
+                        "has sequential residuals")
     if norm_kernel == "xla" or not cfg.use_parallel_residual:
         return "xla"
     d = cfg.hidden_size

@@ -3,6 +3,7 @@ mode on CPU; compiled on a GPU by the GPU-only test), against float64 and agains
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -130,6 +131,10 @@ def test_chosen_on_gpus_only(tmp_path):
     with pytest.raises(UserError, match="does not apply"):
         choose_norm_kernel("pallas", preset("pythia-2.8b"), "bfloat16", 65536)
     assert choose_norm_kernel("auto", preset("pythia-2.8b"), "bfloat16", 65536) == "xla"
+    sequential = dataclasses.replace(preset("pythia-410m"), use_parallel_residual=False)
+    with pytest.raises(UserError, match="sequential residuals"):
+        choose_norm_kernel("pallas", sequential, "bfloat16", 65536)
+    assert choose_norm_kernel("auto", sequential, "bfloat16", 65536) == "xla"
     assert choose_norm_kernel("xla", preset("pythia-410m"), "bfloat16", 65536) == "xla"
     if jax.default_backend() != "gpu":
         with pytest.raises(UserError, match="GPU kernel"):
