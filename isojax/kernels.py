@@ -94,13 +94,10 @@ def applies(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
         and k % tiles.tile_k == 0
 
 
-def _store_tile(acc, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: str, res=None):
-    """One warpgroup's [tile_m, tile_n] float32 accumulator -> epilogue -> bf16 -> out_gmem (its
-    [tile_m, tile_n] view), in [epi_m, epi_n] pieces through the two slots of out_smem; n0: the
-    tile's first output column (for the bias). epilogue "gelu": GELU(acc + bias); "residual":
-    (acc + bias) + r1 + r2, rounded after each add as bf16 tensors add, with res = (r_smem
-    [2, epi_m, epi_n], barrier, r1 and r2's [tile_m, tile_n] views) to bring r1, r2 in by TMA;
-    "none": acc alone."""
+def _store_tile(acc, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: bool):
+    """One warpgroup's [tile_m, tile_n] float32 accumulator -> (bias, GELU) -> bf16 -> out_gmem
+    (its [tile_m, tile_n] view), in [epi_m, epi_n] pieces through the two slots of out_smem;
+    n0: the tile's first output column (for the bias)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -109,21 +106,12 @@ def _store_tile(acc, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: str,
         for ni in range(t.tile_n // t.epi_n):
             sm, sn = slice(mi * t.epi_m, (mi + 1) * t.epi_m), slice(ni * t.epi_n, (ni + 1) * t.epi_n)
             slot = (mi * (t.tile_n // t.epi_n) + ni) % 2
-            if res is not None:  # r1, r2 pieces on their way while the bias is added
-                r_smem, r_barrier, r1_gmem, r2_gmem = res
-                plgpu.copy_gmem_to_smem(r1_gmem.at[sm, sn], r_smem.at[0], r_barrier)
-                plgpu.copy_gmem_to_smem(r2_gmem.at[sm, sn], r_smem.at[1], r_barrier)
             part = acc[sm, sn]
-            if epilogue != "none":
+            if epilogue:
                 bias = plgpu.load(bias_gmem.at[pl.ds(n0 + ni * t.epi_n, t.epi_n)], (),
                                   layout=plgpu.Layout.WGMMA.reduce(0), optimized=False).astype(jnp.float32)
-                part = (part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1])).astype(jnp.bfloat16)
-            if epilogue == "gelu":
-                part = gelu(part, False)  # the sum rounded once, as PyTorch
-            elif epilogue == "residual":
-                plgpu.barrier_wait(r_barrier)
-                part = (part.astype(jnp.float32) + r_smem[0].astype(jnp.float32)).astype(jnp.bfloat16)
-                part = (part.astype(jnp.float32) + r_smem[1].astype(jnp.float32)).astype(jnp.bfloat16)
+                u = part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1])
+                part = gelu(u.astype(jnp.bfloat16), False)  # rounded once, as PyTorch
             else:
                 part = part.astype(jnp.bfloat16)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -145,7 +133,7 @@ def _tile_origin(lin, m_iters, n_iters, t: Tiles):
                               t.grid_tile_width)
 
 
-def _kernel(a_gmem, b_gmem, bias_gmem, *rest, tiles: Tiles, epilogue: str, sms: int):
+def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, sms: int):
     """CTA c takes tiles c, c + sms, c + 2 sms, ... (in planar_snake order); its j-th goes to compute
     warpgroup j % 2, and the warpgroups take turns (the `turn` barriers): one issues its tile's
     products once the other has issued its own, then runs its epilogue while the other multiplies.
@@ -158,7 +146,6 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *rest, tiles: Tiles, epilogue: str, sms: 
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    *res_gmem, out_gmem = rest  # "residual": r1, r2 [m, n]
     m, k = a_gmem.shape
     n = b_gmem.shape[1]
     t = tiles
@@ -170,7 +157,7 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *rest, tiles: Tiles, epilogue: str, sms: 
         """Index into full and free of the CTA's step g: (owner, slot)."""
         return lax.rem(g // k_iters, 2) * t.stages + lax.rem(g, t.stages)
 
-    def body(a_smem, b_smem, out_smem, full, free, turn, *res_scratch):
+    def body(a_smem, b_smem, out_smem, full, free, turn):
         wg = lax.axis_index("wg")
 
         @pl.when(wg < 2)
@@ -202,9 +189,8 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *rest, tiles: Tiles, epilogue: str, sms: 
                     return acc_ref[...]
 
                 acc = pl.run_scoped(steps, plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
-                tile_of = lambda g: g.at[pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)]
-                res = (res_scratch[0].at[wg], res_scratch[1].at[wg], *map(tile_of, res_gmem)) if res_gmem else None
-                _store_tile(acc, out_smem.at[wg], tile_of(out_gmem), bias_gmem, n_idx * t.tile_n, t, epilogue, res)
+                view = out_gmem.at[pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)]
+                _store_tile(acc, out_smem.at[wg], view, bias_gmem, n_idx * t.tile_n, t, epilogue)
                 return carry
 
             lax.fori_loop(0, (cta_tiles - wg + 1) // 2, tile, None)
@@ -237,12 +223,11 @@ def _kernel(a_gmem, b_gmem, bias_gmem, *rest, tiles: Tiles, epilogue: str, sms: 
         plgpu.Barrier(num_arrivals=2, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
-        *([plgpu.SMEM((2, 2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=_transforms(t.epi_n)),  # r1, r2 pieces
-           plgpu.Barrier(num_arrivals=2, num_barriers=2)] if res_gmem else []),
         collective_axes="wg")
 
 
-def _call(x_MxK, w_KxN, bias_N, residuals, tiles: Tiles, epilogue: str):
+def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = True):
+    """gelu(x @ w + bias) in bf16 (epilogue=False: x @ w alone, for benchmarks); bf16 inputs."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     m, k = x_MxK.shape
@@ -256,15 +241,4 @@ def _call(x_MxK, w_KxN, bias_N, residuals, tiles: Tiles, epilogue: str):
         grid=(sms,), grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return call(x_MxK, w_KxN, bias_N, *residuals)
-
-
-def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = True):
-    """gelu(x @ w + bias) in bf16 (epilogue=False: x @ w alone, for benchmarks); bf16 inputs."""
-    return _call(x_MxK, w_KxN, bias_N, (), tiles, "gelu" if epilogue else "none")
-
-
-def dense_residual(x_MxK, w_KxN, bias_N, r1_MxN, r2_MxN, tiles: Tiles = Tiles()):
-    """((x @ w + bias) + r1) + r2 in bf16, each sum rounded (a parallel-residual block's output:
-    mlp + attention + state, as Hugging Face adds them); bf16 inputs."""
-    return _call(x_MxK, w_KxN, bias_N, (r1_MxN, r2_MxN), tiles, "residual")
+    return call(x_MxK, w_KxN, bias_N)

@@ -223,39 +223,6 @@ class DenseGelu(nn.Module):
         return gelu(u_BxTxF, self.approximate, self.options.fast_gelu)
 
 
-RESIDUAL_KERNEL = True  # bench A/B switch: the 4h -> h product with the residual adds in its epilogue
-
-
-class DenseResidual(nn.Module):
-    """A parallel-residual block's output, dense_4h_to_h(u) + attn + x: nn.Dense's parameters and
-    arithmetic, then the two adds, each rounded; with options.mlp_kernel "mosaic", where
-    isojax.kernels applies, one Hopper kernel with the bias and both adds in its epilogue (no pass
-    over three [N, D] arrays after it). Per device under an activation sharding."""
-
-    features: int
-    dtype: Any
-    param_dtype: Any
-    precision: Any
-    options: ForwardOptions
-
-    @nn.compact
-    def __call__(self, u_BxTxF, attn_BxTxD, x_BxTxD):
-        f = u_BxTxF.shape[-1]
-        u_BxTxF, w_FxD, bias_D = _dense_params(self, u_BxTxF)
-        if self.options.mlp_kernel == "mosaic" and RESIDUAL_KERNEL:
-            from isojax import kernels
-            b, t, d = x_BxTxD.shape
-            if kernels.applies(b * t // self.options.devices(), f, d, u_BxTxF.dtype) \
-                    and attn_BxTxD.dtype == x_BxTxD.dtype == u_BxTxF.dtype:
-                def local(u_BxTxF, attn_BxTxD, x_BxTxD, w_FxD, bias_D):
-                    out_NxD = kernels.dense_residual(u_BxTxF.reshape(-1, f), w_FxD, bias_D,
-                                                     attn_BxTxD.reshape(-1, d), x_BxTxD.reshape(-1, d))
-                    return out_NxD.reshape(x_BxTxD.shape)
-
-                return self.options.per_device(local, (u_BxTxF, attn_BxTxD, x_BxTxD), (w_FxD, bias_D))
-        return _matmul(u_BxTxF, w_FxD, self.precision) + bias_D + attn_BxTxD + x_BxTxD
-
-
 class Attention(nn.Module):
     cfg: GPTNeoXConfig
     dtype: Any
@@ -307,23 +274,22 @@ class Block(nn.Module):
         ln = lambda name: LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name=name)
         dense = functools.partial(_dense, self)
 
-        def up(h_BxTxD):
-            return DenseGelu(cfg.intermediate_size, self.dtype, self.param_dtype, self.precision,
-                             ACTIVATIONS[cfg.hidden_act], self.options, name="dense_h_to_4h")(h_BxTxD)
+        def mlp(h_BxTxD):
+            u_BxTxF = DenseGelu(cfg.intermediate_size, self.dtype, self.param_dtype, self.precision,
+                                ACTIVATIONS[cfg.hidden_act], self.options, name="dense_h_to_4h")(h_BxTxD)
+            return dense(cfg.hidden_size, "dense_4h_to_h")(u_BxTxF)
 
         if cfg.use_parallel_residual:  # both LayerNorms read x
             h_attn, h_mlp = layer_norm_pair(ln("input_layernorm"), ln("post_attention_layernorm"), x_BxTxD,
                                             self.options)
             attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.options,
                              name="attention")(h_attn, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
-            # mlp + attn + x, as Hugging Face adds them
-            return DenseResidual(cfg.hidden_size, self.dtype, self.param_dtype, self.precision, self.options,
-                                 name="dense_4h_to_h")(up(h_mlp), attn, x_BxTxD)
+            return mlp(h_mlp) + attn + x_BxTxD
         attn = Attention(cfg, self.dtype, self.param_dtype, self.precision, self.options,
                          name="attention")(ln("input_layernorm")(x_BxTxD), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT,
                                            segment_ids_BxT)
         h = attn + x_BxTxD
-        return dense(cfg.hidden_size, "dense_4h_to_h")(up(ln("post_attention_layernorm")(h))) + h
+        return mlp(ln("post_attention_layernorm")(h)) + h
 
 
 BARRIER_FROM_WIDTH = 1024
