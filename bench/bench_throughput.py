@@ -66,12 +66,12 @@ def bf16_matmul_rate() -> float:
 
 
 def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, mlp_kernel="xla",
-               norm_kernel="xla", warmup=2):
+               norm_kernel="xla", gram_block=512, warmup=2):
     from isojax.config import preset
     from isojax.loading import random_params
     from isojax import parallel
     from isojax.model import GPTNeoX
-    from isojax.options import ForwardOptions
+    from isojax.options import ForwardOptions, StatsOptions
     from isojax.runner import Runner
     cfg = preset(name)
     rows = max(1, batch_tokens // row_len)
@@ -83,7 +83,7 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention, mlp_kernel=mlp_kernel,
                                                                                              norm_kernel=norm_kernel))
     runner = Runner(module, random_params(cfg, "bfloat16"), parallel.make_mesh(devices=jax.devices()[:1]),
-                    token_stats=token_stats)
+                    token_stats=token_stats, options=StatsOptions(gram_block=gram_block))
     t0 = time.perf_counter()
     for tok, seg, pos, _ in batches[:warmup]:
         runner.step(tok, seg, pos, 0)
@@ -101,7 +101,7 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     out = dict(tokens_per_s=n_tok / secs, tokens=n_tok, seconds=secs, padding_fraction=1 - n_tok / slots,
                peak_mem_bytes=mem.get("peak_bytes_in_use"), compile_s=compile_s, pack_s=pack_s,
                flops_per_token=cfg.flops_per_token(gram=True), rows=rows, row_len=row_len, mlp_kernel=mlp_kernel,
-               norm_kernel=norm_kernel,
+               norm_kernel=norm_kernel, gram_block=gram_block,
                attention=attention)
     del runner
     return out
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
                     help="comma list of ForwardOptions.mlp_kernel to run (default: xla, and mosaic on Hopper GPUs)")
     ap.add_argument("--norm-kernel", default="xla",
                     help="comma list of ForwardOptions.norm_kernel to run (xla, pallas; default: xla)")
+    ap.add_argument("--gram-block", type=int, default=512, help="StatsOptions.gram_block (default 512)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--peer-batch-tokens", type=int, default=16384)
     ap.add_argument("--peer-seconds", type=float, default=40.0, help="cap on each peer run")
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
             res = {"model": name, "isojax": run_isojax(name, tokens, offsets, row_len=args.row_len,
                                                        batch_tokens=args.batch_tokens or DEFAULT_BATCH_TOKENS.get(name, 65536),
                                                        attention=attention, token_stats=not args.no_token_stats,
-                                                       mlp_kernel=mlp, norm_kernel=norm)}
+                                                       mlp_kernel=mlp, norm_kernel=norm, gram_block=args.gram_block)}
             res["isojax"]["mfu"] = res["isojax"]["tokens_per_s"] * res["isojax"]["flops_per_token"] / rate
             print(f"{name} ({attention}, {mlp}, {norm}): isojax {res['isojax']['tokens_per_s']:,.0f} tok/s, "
                   f"compile {res['isojax']['compile_s']:.0f} s", flush=True)
