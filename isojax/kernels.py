@@ -48,7 +48,6 @@ class Tiles:
     grid_minor_n: bool = True  # the order tiles are visited in (jax's planar_snake)
     grid_tile_width: int = 8
     in_flight: int = 1  # 0 or 1: wgmma groups left running when the next k-step's tiles are waited for
-    cluster: int = 1  # 2: CTA pairs take vertically adjacent tiles and share each B tile by TMA multicast
 
 
 def available() -> bool:
@@ -91,8 +90,8 @@ def works() -> str | None:
 
 def applies(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
     """Whether dense_gelu runs [m, k] x [k, n] in dtype here."""
-    return available() and jnp.dtype(dtype) == jnp.bfloat16 and m % (tiles.tile_m * tiles.cluster) == 0 \
-        and n % tiles.tile_n == 0 and k % tiles.tile_k == 0
+    return available() and jnp.dtype(dtype) == jnp.bfloat16 and m % tiles.tile_m == 0 and n % tiles.tile_n == 0 \
+        and k % tiles.tile_k == 0
 
 
 def _store_tile(acc, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: bool):
@@ -151,16 +150,8 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
     n = b_gmem.shape[1]
     t = tiles
     m_iters, n_iters, k_iters = m // t.tile_m, n // t.tile_n, k // t.tile_k
-    cl = t.cluster
-    clusters = sms // cl
-    group = lax.axis_index("cluster_grid")  # this CTA's cluster (this CTA, without clusters)
-    rank = lax.axis_index("cluster") if cl > 1 else 0  # its place in the cluster
-    cta_tiles = (m_iters // cl * n_iters - group + clusters - 1) // clusters  # tiles of this CTA
-
-    def origin(j):
-        """(m, n) tile of the CTA's j-th: a cluster takes cl vertically adjacent tiles, one per CTA."""
-        mc, n_idx = _tile_origin(group + j * clusters, m_iters // cl, n_iters, t)
-        return mc * cl + rank, n_idx
+    cta = lax.axis_index("cluster_grid")
+    cta_tiles = (m_iters * n_iters - cta + sms - 1) // sms  # tiles of this CTA (all CTAs: < sms apart)
 
     def barrier(g):
         """Index into full and free of the CTA's step g: (owner, slot)."""
@@ -175,7 +166,7 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
 
             def tile(i, carry):
                 j = 2 * i + wg
-                m_idx, n_idx = origin(j)
+                m_idx, n_idx = _tile_origin(cta + j * sms, m_iters, n_iters, t)
                 pl.when(j > 0)(lambda: plgpu.barrier_wait(turn.at[wg]))
 
                 def steps(acc_ref):
@@ -210,7 +201,7 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
             plgpu.set_max_registers(40, action="decrease")
 
             def tile(j, carry):
-                m_idx, n_idx = origin(j)
+                m_idx, n_idx = _tile_origin(cta + j * sms, m_iters, n_iters, t)
                 rows, cols = pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)
 
                 def step(kk, carry):
@@ -218,16 +209,11 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
                     pl.when(g >= t.stages)(lambda: plgpu.barrier_wait(free.at[barrier(g - t.stages)]))
                     slot, ks = lax.rem(g, t.stages), pl.ds(kk * t.tile_k, t.tile_k)
                     plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], full.at[barrier(g)])
-                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], full.at[barrier(g)],
-                                            collective_axes="cluster" if cl > 1 else None)
+                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], full.at[barrier(g)])
                     return carry
                 return lax.fori_loop(0, k_iters, step, carry)
 
             lax.fori_loop(0, cta_tiles, tile, None)
-            if cl > 1:  # stay until both CTAs have released every slot: their arrivals reach this CTA
-                total = cta_tiles * k_iters
-                lax.fori_loop(jnp.maximum(total - t.stages, 0), total,
-                              lambda g, c: (plgpu.barrier_wait(free.at[barrier(g)]), c)[1], None)
 
     pl.run_scoped(
         body,
@@ -235,9 +221,7 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
         plgpu.SMEM((t.stages, t.tile_k, t.tile_n), jnp.bfloat16, transforms=_transforms(t.tile_k)),
         plgpu.SMEM((2, 2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=_transforms(t.epi_n)),
         plgpu.Barrier(num_arrivals=2, num_barriers=2 * t.stages),
-        # free: with clusters, released by the owning warpgroup of both CTAs (the multicast refills both)
-        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=2 * t.stages) if cl > 1
-        else plgpu.Barrier(num_arrivals=1, num_barriers=2 * t.stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         collective_axes="wg")
 
@@ -248,14 +232,13 @@ def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = Tr
 
     m, k = x_MxK.shape
     n = w_KxN.shape[1]
-    if m % (tiles.tile_m * tiles.cluster) or n % tiles.tile_n or k % tiles.tile_k:
+    if m % tiles.tile_m or n % tiles.tile_n or k % tiles.tile_k:
         raise ValueError(f"[{m}, {k}] x [{k}, {n}] does not tile by {tiles}")
     sms = getattr(jax.devices()[0], "core_count", 132)
     call = plgpu.kernel(
         functools.partial(_kernel, tiles=tiles, epilogue=epilogue, sms=sms),
         out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-        grid=(sms // tiles.cluster,), grid_names=("cluster_grid",), cluster=(tiles.cluster,),
-        cluster_names=("cluster",),
+        grid=(sms,), grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return call(x_MxK, w_KxN, bias_N)
