@@ -2,9 +2,14 @@
 shards (nothing goes through one host), plus the data cursor and run settings.
 
 Layout: DIR/<step>/process_<i>/ holds one raw .npy per addressable shard (named by leaf and
-shard offsets) and meta.json. Every process writes into DIR/.tmp-<step>-process_<i> and renames
-it into place when complete, so a SIGKILL mid-write leaves the previous checkpoint intact and
-the partial one is never read; a step counts once every process's folder is there.
+shard offsets) and meta.json. Every process writes into DIR/.tmp-<step>-process_<i>, fsyncs each
+file, writes meta.json last and renames the folder into place, so a SIGKILL or a full disk
+mid-write leaves the previous checkpoint intact and the partial one is never read; a step counts
+once every process's folder is there. meta.json records each shard's dtype, shape and CRC-32
+(and its own CRC-32), and `load` checks them all: a damaged file is named (`Damaged`) and
+loop.resume falls back to the previous complete step. Dtypes that .npy cannot describe (bfloat16,
+float8: numpy writes them as raw void, '|V2', which reads back as no number at all) are stored
+as unsigned integers of their width and viewed back as the recorded dtype, bit for bit.
 
 Where the devices have room, `save` copies the accumulators on the devices (milliseconds) and
 hands the copy to a background thread, which writes each device's shards in a thread of its own:
@@ -22,11 +27,14 @@ processes as wrote it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import os
 import shutil
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,11 +42,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from isojax import faults
 from isojax.errors import UserError
 from isojax.loop import log
 
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 SLICE_BYTES = 256 << 20
+
+
+class Damaged(Exception):
+    """A checkpoint file that is missing, truncated or fails its checksum."""
+
+
+def _storage(dtype) -> np.dtype:
+    """The dtype a shard is stored as: its own where .npy describes it, else an unsigned int of its
+    width (bfloat16 -> uint16), viewed back on load."""
+    dt = np.dtype(dtype)
+    return dt if dt.kind in "biufc" else np.dtype(f"u{dt.itemsize}")
+
+
+def _header(f, shape, dtype) -> None:
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(_storage(dtype)),
+                                             "fortran_order": False, "shape": tuple(shape)})
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc(obj) -> int:
+    return zlib.crc32(json.dumps(obj, sort_keys=True).encode())
 
 
 def _leaves(tree) -> list[tuple[str, object]]:
@@ -115,22 +152,54 @@ def _to_host(data) -> np.ndarray:
     return out
 
 
-def _write_shards(tmp: Path, shards: list) -> None:
+def _write_shards(tmp: Path, shards: list) -> dict:
     """Write one device's shards as .npy files, a chunk at a time (_each_chunk: through page-locked
-    memory, 25-30 GB/s on the H100s here once XLA's pool holds it), each written from there."""
+    memory, 25-30 GB/s on the H100s here once XLA's pool holds it), each fsynced. Returns
+    {file: {"dtype", "shape", "crc32"}} (zlib.crc32 releases the GIL, so the writer threads hash
+    in parallel)."""
+    record = {}
     for name, data in shards:
-        if not _is_big(data):
-            np.save(tmp / name, np.asarray(data))
-            continue
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(data.dtype)), "fortran_order": False,
-                  "shape": tuple(data.shape)}
+        crc = 0
         with open(tmp / name, "wb", buffering=0) as f:
-            np.lib.format.write_array_header_1_0(f, header)
-            def write(view):  # f.write releases the GIL
-                for at in range(0, view.size, 1 << 30):
-                    f.write(view[at:at + (1 << 30)])
+            _header(f, data.shape, data.dtype)
 
-            _each_chunk(data, write)
+            def write(view):  # f.write releases the GIL
+                nonlocal crc
+                for at in range(0, view.size, 1 << 30):
+                    part = view[at:at + (1 << 30)]
+                    f.write(part)
+                    crc = zlib.crc32(part, crc)
+
+            if _is_big(data):
+                _each_chunk(data, write)
+            else:
+                write(np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8))
+            os.fsync(f.fileno())
+        record[name] = {"dtype": np.dtype(data.dtype).name, "shape": list(data.shape), "crc32": crc}
+    return record
+
+
+def _read_shard(f: Path, record: dict) -> np.ndarray:
+    """A shard written by _write_shards, checked against its record {"dtype", "shape", "crc32"};
+    Damaged if it is missing, truncated, too long or fails its checksum."""
+    dtype, shape = np.dtype(record["dtype"]), tuple(record["shape"])
+    storage = _storage(dtype)
+    try:
+        with open(f, "rb") as fh:
+            if np.lib.format.read_magic(fh) != (1, 0):
+                raise ValueError("not an .npy file of version 1.0")
+            got_shape, fortran, got_dtype = np.lib.format.read_array_header_1_0(fh)
+            if tuple(got_shape) != shape or got_dtype != storage or fortran:
+                raise ValueError(f"holds {got_dtype} {tuple(got_shape)}, its record says {storage} {shape}")
+            out = np.empty(shape, storage)
+            flat = out.reshape(-1).view(np.uint8)
+            if fh.readinto(memoryview(flat)) != flat.size or fh.read(1):
+                raise ValueError("truncated or too long")
+    except (OSError, ValueError) as e:
+        raise Damaged(f"{f.name}: {e}") from None
+    if zlib.crc32(flat) != record["crc32"]:
+        raise Damaged(f"{f.name}: checksum mismatch (the file changed after it was written)")
+    return out.view(dtype)
 
 
 def _process_dir() -> str:
@@ -196,19 +265,36 @@ class Checkpointer:
         tmp = self.directory / f".tmp-{step}-{_process_dir()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        with ThreadPoolExecutor(len(per_device), thread_name_prefix="isojax-checkpoint") as pool:
-            for done in [pool.submit(_write_shards, tmp, shards) for shards in per_device]:
-                done.result()
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        final = self.directory / str(step) / _process_dir()
-        final.parent.mkdir(exist_ok=True)
-        os.replace(tmp, final)
+        try:
+            files: dict = {}
+            with ThreadPoolExecutor(len(per_device) or 1, thread_name_prefix="isojax-checkpoint") as pool:
+                for done in [pool.submit(_write_shards, tmp, shards) for shards in per_device]:
+                    files.update(done.result())
+            faults.reached("checkpoint_write")
+            with open(tmp / "meta.json", "w") as f:
+                f.write(json.dumps({"meta": meta, "files": files, "crc32": _crc([meta, files])}))
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            final = self.directory / str(step) / _process_dir()
+            final.parent.mkdir(exist_ok=True)
+            if final.exists():  # this step written once already (a resume fell back past it)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+            _fsync_dir(self.directory)
+            faults.reached("checkpoint_written")
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial write must not keep the disk full
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise UserError(f"disk full writing the checkpoint under {self.directory}; the previous checkpoint "
+                                "is intact: free space and rerun with --resume") from None
+            raise UserError(f"could not write the checkpoint under {self.directory} ({e.strerror or e}); "
+                            "the previous checkpoint is intact") from None
         # keep this and the step before (which stays whole if another process dies mid-write)
         steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
         for old in steps[:-2]:
-            shutil.rmtree(self.directory / str(old) / _process_dir(), ignore_errors=True)
-            if not any((self.directory / str(old)).iterdir()):
-                (self.directory / str(old)).rmdir()
+            discard(self.directory, old)
 
     def wait(self) -> None:
         if self.thread is not None:
@@ -245,27 +331,70 @@ def clear(directory: Path) -> None:
         shutil.rmtree(p)
 
 
-def latest(directory: Path) -> tuple[int, dict] | None:
-    """(step, meta) of the newest checkpoint every process has written, or None."""
+def remove(directory: Path) -> None:
+    """Remove the checkpoints of a finished run: what clear removes, then the directory if empty;
+    anything else in it stays (and so does the directory)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if p.is_dir() and (p.name.startswith(".tmp-") or (p.name.isdigit() and all(
+                q.name.startswith("process_") for q in p.iterdir()))):
+            shutil.rmtree(p, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        directory.rmdir()
+
+
+def discard(directory: Path, step: int) -> None:
+    """Remove this process's part of a checkpoint step (and the step's folder once empty)."""
+    shutil.rmtree(Path(directory) / str(step) / _process_dir(), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (Path(directory) / str(step)).rmdir()
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The checkpoint steps that every process has written, newest first."""
     directory = Path(directory)
     steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True) \
         if directory.is_dir() else []
+    out = []
     for step in steps:
         folders = [p for p in (directory / str(step)).iterdir() if p.name.startswith("process_")]
         if len(folders) > jax.process_count():
             raise UserError(f"{directory}: checkpoint step {step} was written by {len(folders)} processes, "
                             f"this run has {jax.process_count()}")
-        here = directory / str(step) / _process_dir()
-        if len(folders) < jax.process_count() or not here.is_dir():
-            continue  # not every process finished this step: an earlier one
-        return step, json.loads((here / "meta.json").read_text())
+        if len(folders) == jax.process_count() and (directory / str(step) / _process_dir()).is_dir():
+            out.append(step)
+    return out
+
+
+def read_meta(directory: Path, step: int) -> tuple[dict, dict]:
+    """(meta, file records) of this process's part of a step; Damaged if meta.json is not whole."""
+    f = Path(directory) / str(step) / _process_dir() / "meta.json"
+    try:
+        doc = json.loads(f.read_text())
+        meta, files = doc["meta"], doc["files"]
+        ok = doc["crc32"] == _crc([meta, files])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise Damaged(f"{f.name}: {type(e).__name__}: {e}") from None
+    if not ok:
+        raise Damaged(f"{f.name}: checksum mismatch")
+    return meta, files
+
+
+def latest(directory: Path) -> tuple[int, dict] | None:
+    """(step, meta) of the newest checkpoint every process has written, or None."""
+    for step in complete_steps(directory):
+        return step, read_meta(directory, step)[0]
     return None
 
 
 def load(directory: Path, step: int, abstract_acc):
     """The accumulators of a checkpoint step. abstract_acc: their jax.ShapeDtypeStructs with
-    shardings; each process reads back its own shards onto its devices."""
+    shardings; each process reads back its own shards onto its devices, each checked against its
+    record (Damaged: missing, truncated, changed; UserError: written for other settings)."""
     here = Path(directory) / str(step) / _process_dir()
+    _, files = read_meta(directory, step)
     leaves = []
     for name, a in _leaves(abstract_acc):
         if not a.size:  # save writes no empty leaves
@@ -273,12 +402,12 @@ def load(directory: Path, step: int, abstract_acc):
             continue
         shards = []
         for device, index in a.sharding.addressable_devices_indices_map(a.shape).items():
-            f = here / _shard_name(name, index)
-            data = np.load(f) if f.is_file() else None
+            fname = _shard_name(name, index)
             want = tuple(len(range(*i.indices(n))) for i, n in zip(index, a.shape))
-            if data is None or data.shape != want:
-                raise UserError(f"{directory}: checkpoint step {step} does not fit this run ({f.name}); "
+            record = files.get(fname)
+            if record is None or tuple(record["shape"]) != want or np.dtype(record["dtype"]) != np.dtype(a.dtype):
+                raise UserError(f"{directory}: checkpoint step {step} does not fit this run ({fname}); "
                                 "it was written with other settings or devices")
-            shards.append(jax.device_put(data, device))
+            shards.append(jax.device_put(_read_shard(here / fname, record), device))
         leaves.append(jax.make_array_from_single_device_arrays(a.shape, a.sharding, shards))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_acc), leaves)

@@ -1,5 +1,8 @@
 """User-facing errors: the command-line entry points print these as one short line and exit 2."""
 
+import errno
+import re
+
 
 class UserError(Exception):
     """Bad input from the user (missing path, unknown model, corrupt checkpoint, ...).
@@ -9,22 +12,53 @@ class UserError(Exception):
     """
 
 
+class Preempted(Exception):
+    """The run was asked to stop (SIGTERM) and wrote a checkpoint first: exit 143, resumable."""
+
+    exit_code = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
+
+
+OUT_OF_MEMORY = ("the device ran out of memory; lower --batch-tokens, use --no-token-stats or a larger "
+                 "'model' axis (--mesh data=N,model=M) to split parameters and accumulators over more devices")
+
+
+def explain(e: BaseException) -> str | None:
+    """The one-line message for an error that is the machine's, not a bug: a full disk (OSError
+    ENOSPC, or a library's RESOURCE_EXHAUSTED that says so) or a device out of memory (XLA's
+    RESOURCE_EXHAUSTED); None for anything else."""
+    text = str(e)
+    short_write = isinstance(e, OSError) and re.fullmatch(r"\d+ requested and \d+ written", text)  # numpy's tofile
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in text \
+            or short_write:
+        where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
+        return f"disk full{where}: free space (earlier results are intact) and run again"
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+        return f"cannot write {e.filename or 'a file'}: {e.strerror}"
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return OUT_OF_MEMORY
+    return None
+
+
 def run_command(body, args) -> int:
-    """Run a command-line body: bad input (UserError) or a device out of memory -> one line
-    `error: ...` on stderr and exit status 2; Ctrl-C -> 130; anything else is a bug and raises."""
+    """Run a command-line body: bad input (UserError), a full disk or a device out of memory ->
+    one line `error: ...` on stderr and exit status 2; SIGTERM after its checkpoint -> 143;
+    Ctrl-C -> 130; anything else is a bug and raises."""
     import sys
     try:
         body(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"isojax: {e}", file=sys.stderr)
+        return Preempted.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # XLA reports device out-of-memory as a runtime error
-        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
-            print("error: the device ran out of memory; lower --batch-tokens or use --no-token-stats",
-                  file=sys.stderr)
-            return 2
-        raise
+        message = explain(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 2
     return 0

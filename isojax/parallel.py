@@ -174,3 +174,11 @@ def global_rows(local_LxT: np.ndarray, mesh: Mesh, total_rows: int) -> jax.Array
 def is_main_process() -> bool:
     return jax.process_index() == 0
 
+
+
+def all_processes_agree(ok: bool) -> bool:
+    """Whether `ok` holds on every process (one small all-gather; on one process, ok itself)."""
+    if jax.process_count() == 1:
+        return bool(ok)
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok], np.int32))))
