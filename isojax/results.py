@@ -1,6 +1,6 @@
 """Writing a run's results: metrics.json, layers.csv, per-token zarr arrays, spectra, manifest,
-plots. Everything is written into a fresh staging directory first and moved into OUT only when
-complete, so a failed run never damages earlier results."""
+plots. Everything is written into a staging folder and committed into OUT in one step
+(isojax.outdir), so a failed or killed run never damages earlier results."""
 
 from __future__ import annotations
 
@@ -8,24 +8,25 @@ import concurrent.futures
 import csv
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 
-RESULT_NAMES = {"metrics.json", "layers.csv", "spectra.npz", "tokens.zarr", "samples.zarr", "plots", "manifest.json"}
+def result_names(final: dict, plots: bool) -> set[str]:
+    """The names write_results will write for these results."""
+    return ({"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | ({"plots"} if plots else set())
+            | ({"tokens.zarr"} if final.get("token") is not None else set())
+            | ({"samples.zarr"} if final.get("sample") is not None else set()))
 
 
-def _clean(x):
+def json_safe(x):
     """JSON-safe: NaN/inf -> null, numpy scalars -> Python."""
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     if isinstance(x, (np.floating, float)):
         return None if not math.isfinite(float(x)) else float(x)
     if isinstance(x, np.integer):
@@ -79,8 +80,8 @@ def write_token_sums(path: Path, state_sums, num_states: int) -> None:
 
 
 def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str], token_sums) -> None:
-    (stage / "metrics.json").write_text(json.dumps(_clean(metrics), indent=1) + "\n")
-    write_layers_csv(stage / "layers.csv", _clean(metrics["layers"]))
+    (stage / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=1) + "\n")
+    write_layers_csv(stage / "layers.csv", json_safe(metrics["layers"]))
     spectra = final.get("spectra", {})
     np.savez(stage / "spectra.npz", state_names=np.array(state_names), **{k: np.asarray(v) for k, v in spectra.items()})
     token = final.get("token")
@@ -104,39 +105,31 @@ def _plot(metrics: dict, plot_dir: Path) -> list[Path]:
 
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
                   token_sums=None, plots: bool = True, timings=None) -> list[str]:
-    """Stage every file, then move them into `out` (replacing older results of the same names).
+    """Stage every file, then commit them into `out` in one step (isojax.outdir.staged: isojax's
+    earlier results there are replaced, the user's files are left alone).
     `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None.
     `timings` (api.Timings): gets the seconds of "write" and "plots"; the manifest, written last,
     gets them and the wall time."""
+    from isojax import outdir
     from isojax.api import Timings, in_background
     timings = timings if timings is not None else Timings()
     out.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
     drawing = None
-    try:
-        if plots:  # drawn while the data is written; "plots" counts only the wait for them after
-            (stage / "plots").mkdir()
-            drawing = in_background(lambda: _plot(metrics, stage / "plots"))
-        with timings("write"):
-            _write_data(stage, metrics, final, state_names, token_sums)
-        if drawing is not None:
-            with timings("plots"):
-                manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]
-        manifest["timings"] = dict(timings)
-        manifest["timeline"] = getattr(timings, "timeline", [])
-        manifest["seconds_wall"] = time.time() - timings.start
-        (stage / "manifest.json").write_text(json.dumps(_clean(manifest), indent=1) + "\n")
-        written = sorted(p.name for p in stage.iterdir())
-        for name in sorted(set(written) | RESULT_NAMES):  # older results this run did not produce go too
-            dst = out / name
-            if dst.is_dir():
-                shutil.rmtree(dst)
-            elif dst.exists():
-                dst.unlink()
-            if name in written:
-                os.replace(stage / name, dst)
-        return written
-    finally:
-        if drawing is not None:
-            concurrent.futures.wait([drawing])
-        shutil.rmtree(stage, ignore_errors=True)
+    with outdir.staged(out) as stage:
+        try:
+            if plots:  # drawn while the data is written; "plots" counts only the wait for them after
+                (stage / "plots").mkdir()
+                drawing = in_background(lambda: _plot(metrics, stage / "plots"))
+            with timings("write"):
+                _write_data(stage, metrics, final, state_names, token_sums)
+            if drawing is not None:
+                with timings("plots"):
+                    manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]
+            manifest["timings"] = dict(timings)
+            manifest["timeline"] = getattr(timings, "timeline", [])
+            manifest["seconds_wall"] = time.time() - timings.start
+            (stage / "manifest.json").write_text(json.dumps(json_safe(manifest), indent=1) + "\n")
+            return sorted(p.name for p in stage.iterdir())
+        finally:
+            if drawing is not None:  # on a failure, the figures finish before their folder goes
+                concurrent.futures.wait([drawing])

@@ -7,7 +7,8 @@ per (model, revision, layer). The corpus is tokenized once (Pythia models share 
 they share the token cache); while the devices measure one checkpoint a background thread
 fetches the next one into Hugging Face's cache. A step whose folder holds metrics.json is done:
 a killed sweep, run again with the same arguments and --resume, skips the finished steps and
-resumes the unfinished one from its checkpoint.
+resumes the unfinished one from its checkpoint; it refuses a corpus or --max-tokens other than
+the finished steps' (sweep.csv would mix them).
 
 Offline stand-ins for the hub: a local directory with one subfolder per revision
 (DIR/step1000/, DIR/step2000/, each a Hugging Face checkpoint) is read as a repository:
@@ -16,12 +17,12 @@ Offline stand-ins for the hub: a local directory with one subfolder per revision
 
 from __future__ import annotations
 
+import contextlib
 import re
-import shutil
 import threading
 from pathlib import Path
 
-from isojax import parallel
+from isojax import checkpointing, outdir, parallel
 from isojax.errors import UserError
 from isojax.loop import log
 
@@ -93,54 +94,85 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
     jobs = [(m, r) for m in models for r in revisions]
     for m in models:
         check_revisions(m, revisions)
-    out.mkdir(parents=True, exist_ok=True)
-    fetch = None
-    for i, (model, revision) in enumerate(jobs):
-        step_dir = out / slug(model) / (revision or "main")
-        done = (step_dir / "metrics.json").exists()
-        if done and not overwrite:
-            if not resume:
-                raise UserError(f"{step_dir} already holds results; pass --resume to continue the sweep "
-                                "or --overwrite to replace it")
-            log(f"[{i + 1}/{len(jobs)}] {model} @ {revision or 'main'}: done earlier")
-            continue
-        if fetch is not None:
-            fetch.join()
-        if i + 1 < len(jobs):
-            fetch = threading.Thread(target=_prefetch, args=jobs[i + 1], daemon=True, name="isojax-prefetch")
-            fetch.start()
-        log(f"[{i + 1}/{len(jobs)}] {model} @ {revision or 'main'}")
-        local = local_revision(model, revision)
-        spec = str(local) if local is not None else model
-        ckpt = step_dir / "checkpoint"
-        results = measure(spec, revision=None if local is not None else revision, checkpoint_dir=ckpt,
-                          resume_run=resume and ckpt.exists(), **measure_kwargs)
-        if local is not None:  # a stand-in repository: report the step as the hub's would be
-            results.metrics.update(model=slug(model), revision=revision)
-            results.manifest.update(model=slug(model), revision=revision)
-        if parallel.is_main_process():
-            results.save(step_dir, overwrite=True, plots=plots)
-            shutil.rmtree(ckpt, ignore_errors=True)
-        else:
-            results.join_save()
-        del results
-    if parallel.is_main_process():
-        write_sweep_csv(out, jobs)
+    main = parallel.is_main_process()
+    inputs = [*models, *(measure_kwargs.get("data") or [])]
+    with outdir.claim(out, overwrite=True, names={"sweep.csv"}, inputs=inputs) if main else contextlib.nullcontext():
+        fetch = None
+        for i, (model, revision) in enumerate(jobs):
+            step_dir = out / slug(model) / (revision or "main")
+            with outdir.claim(step_dir, overwrite=True) if main else contextlib.nullcontext():
+                done = (step_dir / "metrics.json").exists()
+                if done and not overwrite:
+                    if not resume:
+                        raise UserError(f"{step_dir} already holds results; pass --resume to continue the sweep "
+                                        "or --overwrite to replace it")
+                    log(f"[{i + 1}/{len(jobs)}] {model} @ {revision or 'main'}: done earlier")
+                    continue
+                if fetch is not None:
+                    fetch.join()
+                if i + 1 < len(jobs):
+                    fetch = threading.Thread(target=_prefetch, args=jobs[i + 1], daemon=True, name="isojax-prefetch")
+                    fetch.start()
+                log(f"[{i + 1}/{len(jobs)}] {model} @ {revision or 'main'}")
+                local = local_revision(model, revision)
+                spec = str(local) if local is not None else model
+                ckpt = step_dir / "checkpoint"
+                results = measure(spec, revision=None if local is not None else revision, checkpoint_dir=ckpt,
+                                  resume_run=resume and ckpt.exists(), **measure_kwargs)
+                if local is not None:  # a stand-in repository: report the step as the hub's would be
+                    results.metrics.update(model=slug(model), revision=revision)
+                    results.manifest.update(model=slug(model), revision=revision)
+                if resume and not overwrite:
+                    check_same_corpus(results.manifest, out, jobs, model, step_dir)
+                if main:
+                    results.save(step_dir, overwrite=True, plots=plots)
+                    checkpointing.remove(ckpt)  # only what isojax wrote there
+                else:
+                    results.join_save()
+                del results
+        if main:
+            write_sweep_csv(out, jobs)
     return out
+
+
+def check_same_corpus(manifest: dict, out: Path, jobs, model: str, step_dir: Path) -> None:
+    """A resumed sweep measures what its finished steps measured: the same corpus (fingerprint of the
+    text as this model's tokenizer reads it; other models may tokenize differently) and the same
+    --max-tokens; otherwise sweep.csv would mix two corpora. Checked once the step is measured (the
+    fingerprint is known only then), before it is saved."""
+    import json
+    for m, r in jobs:
+        d = out / slug(m) / (r or "main")
+        if d == step_dir or not (d / "manifest.json").exists():
+            continue
+        try:
+            earlier = json.loads((d / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        was, now = (earlier.get("settings") or {}).get("max_tokens"), (manifest.get("settings") or {}).get("max_tokens")
+        if was != now:
+            raise UserError(f"{d} was measured with --max-tokens {was or 'unset'}, this run with {now or 'unset'}: "
+                            "resume with the same --max-tokens, or sweep into another --out")
+        if m == model and earlier.get("corpus_fingerprint") != manifest.get("corpus_fingerprint"):
+            raise UserError(f"{d} was measured on another corpus ({earlier.get('corpus')}) than this run "
+                            f"({manifest.get('corpus')}): resume with the same --data, --source and --unit, "
+                            "or sweep into another --out")
 
 
 def write_sweep_csv(out: Path, jobs) -> Path:
     """OUT/sweep.csv: model, revision, step, tokens, layer and every scalar layer metric, for
-    every finished step of the sweep."""
+    every finished step of the sweep; committed beside the step folders (outdir.staged)."""
     import json
 
     from isojax.results import flat_layer, write_csv
     rows = []
     for model, revision in jobs:
-        f = out / slug(model) / (revision or "main") / "metrics.json"
-        if f.exists():
-            metrics = json.loads(f.read_text())
+        d = out / slug(model) / (revision or "main")
+        if (d / "metrics.json").exists():
+            outdir.check_results(d, reads=("metrics.json",))
+            metrics = json.loads((d / "metrics.json").read_text())
             rows += [{"model": metrics["model"], "revision": revision or "main", "step": step_of(revision),
                       "tokens": metrics["tokens"], **flat_layer(layer)} for layer in metrics["layers"]]
-    write_csv(out / "sweep.csv", rows)
+    with outdir.staged(out, replace_all=False) as stage:
+        write_csv(stage / "sweep.csv", rows)
     return out / "sweep.csv"

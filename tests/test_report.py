@@ -229,11 +229,13 @@ def test_out_not_overwritten_without_flag(results, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert "pass --overwrite" in _error(capsys, [str(src), "--out", str(out)])
-    assert (out / "keep.txt").read_text() == "mine"
+    assert build.main([str(src), "--out", str(out)]) == 0  # beside the user's files, which stay
+    capsys.readouterr()
+    assert "pass --overwrite" in _error(capsys, [str(src), "--out", str(out)])  # isojax's report now
     assert build.main([str(src), "--out", str(out), "--overwrite"]) == 0
-    assert (out / "report.html").exists() and not (out / "keep.txt").exists()
+    assert (out / "report.html").exists() and (out / "keep.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or old folders left
+    assert not [p for p in out.iterdir() if p.name.startswith(".partial")]
 
 
 def test_correlation_table_from_scores(results, tmp_path):

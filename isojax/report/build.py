@@ -1,5 +1,6 @@
 """Build the report: load the results, draw every section, write report.html, report.md and
-figures/ into a temporary folder beside --out, and move it into place only when complete."""
+figures/ into a staging folder in --out, and commit them in one step (isojax.outdir): the user's
+other files in --out stay, isojax's earlier report is replaced only with --overwrite."""
 
 from __future__ import annotations
 
@@ -9,19 +10,12 @@ import os
 import pathlib
 import sys
 
-from isojax.atomic import staged_dir
+from isojax import outdir
 from isojax.errors import UserError, run_command
 from isojax.report import collect, correlation, matrices, render, states
 from isojax.report.document import Figures, Item, Section, Table
 
 TITLE = "Anisotropy is Not Inherent to Transformers — isojax report"
-
-
-def _check_out(out: pathlib.Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"--out {out} is not empty; pass --overwrite to replace it")
 
 
 def _inputs(res: collect.Results) -> Section:
@@ -59,10 +53,12 @@ def build(paths, out, overwrite: bool = False, scores=None, allow_missing: bool 
           include_step0: bool = False, title: str = TITLE) -> pathlib.Path:
     """Write DIR/report.html, DIR/report.md and DIR/figures/ from the results under `paths`."""
     out = pathlib.Path(out)
-    _check_out(out, overwrite)
+    inputs = [*paths, *(scores or [])]  # --out may not be, or hold, the results it reads
+    outdir.check_path(out, inputs)
     res = collect.load(paths)
     entries, sources = _correlations(res, scores, allow_missing, include_step0)
-    with staged_dir(out) as tmp:
+    with outdir.claim(out, overwrite=overwrite, names={"report.html", "report.md", "figures"}, inputs=inputs), \
+            outdir.staged(out) as tmp:
         figs = Figures(tmp / "figures")
         sections = [_inputs(res)] + [make(res, figs) for make in (
             states.contextualization, states.training, matrices.isotropy, matrices.layer_norm, matrices.svd,
@@ -96,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                "Extract results must share one corpus.")
     ap.add_argument("results", nargs="+", metavar="RESULTS", help="result folders or files")
     ap.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    ap.add_argument("--overwrite", action="store_true", help="replace the report isojax wrote earlier in --out")
     ap.add_argument("--scores", action="append", metavar="FILE_OR_DIR",
                     help="downstream scores (lm-eval results JSON, folder, or CSV model,revision,task,score): "
                          "adds the correlation table, as python -m isojax.correlate computes it; repeatable")

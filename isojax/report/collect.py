@@ -3,7 +3,9 @@
 A result folder is any folder holding `metrics.json` (an extract run, `manifest.json` beside
 it) and/or `weights.json` (a weights run, `arrays.npz` beside it), at any depth below the
 paths given: single runs, extract sweeps (OUT/<model>/<revision>/), weights sweeps
-(OUT/<revision>/), or a mix. `correlation.json` files found the same way are kept too.
+(OUT/<revision>/), or a mix. `correlation.json` files found the same way are kept too. A folder
+whose results isojax is still moving in, or whose files differ from isojax's record of them, is
+refused (isojax.outdir.check_results).
 
 A run is identified by (model, revision): the model name is canonical (a preset name such as
 `pythia-70m` becomes its hub id `EleutherAI/pythia-70m`, as extract writes it; names compare
@@ -22,6 +24,7 @@ import pathlib
 import re
 import sys
 
+from isojax import outdir
 from isojax.errors import UserError
 
 # Folders that never hold results; hidden ones (staging folders .partial-*, .tmp-*) are skipped too.
@@ -126,8 +129,8 @@ def find(paths) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
             continue
         for root, dirs, files in os.walk(p):
             dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP)
-            if "metrics.json" in files or "weights.json" in files:
-                folders.add(pathlib.Path(root).resolve())
+            if "metrics.json" in files or "weights.json" in files or outdir.JOURNAL in files:
+                folders.add(pathlib.Path(root).resolve())  # a journal: a commit cut short, refused in load
             if "correlation.json" in files:
                 correlations.add((pathlib.Path(root) / "correlation.json").resolve())
     return sorted(folders), sorted(correlations)
@@ -206,6 +209,8 @@ def load(paths) -> Results:
                         "metrics.json (python -m isojax.extract) or weights.json (python -m isojax.weights)")
     extract, weights = [], []
     for folder in folders:
+        # only whole results: no commit cut short, files as isojax's record names them (outdir)
+        outdir.check_results(folder, reads=("metrics.json", "manifest.json", "weights.json"))
         if (folder / "metrics.json").exists():
             extract.append(_extract_run(folder))
         if (folder / "weights.json").exists():
