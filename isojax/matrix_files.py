@@ -16,6 +16,13 @@ By the file's extension:
 PATH[:KEY] is split at the first ':' whose left part is an existing file, so paths and keys
 may both hold colons. Nothing is unpickled (np.load(allow_pickle=False),
 torch.load(weights_only=True)); every bad input is a UserError naming the file.
+
+Size bombs are refused before anything big is allocated: an .npz array whose header claims
+more bytes than its archive member holds, or more than the memory available (MemAvailable);
+word vectors beyond the available memory (from the "N D" header when there is one, else as
+they are read; rows are read into blocks of at most 16 MB, and a line may hold at most 16 MB);
+and any matrix whose D x D float64 Gram matrix and its eigendecomposition (~4 x 8 x D^2 bytes)
+would not fit.
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import gzip
+import itertools
+import os
 import pathlib
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -33,7 +43,8 @@ from isojax.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".vec", ".txt.gz", ".vec.gz")
 SUFFIXES = (".npy", ".npz", ".safetensors", ".bin", ".pt", ".pth") + TEXT_SUFFIXES
-_CHUNK_ROWS = 1 << 16
+_BLOCK_BYTES = 16 << 20  # word vectors are read into blocks of this many bytes of rows
+_MAX_LINE = 16 << 20  # bytes of one word-vector line (about a million values)
 _SHOW_KEYS = 10
 
 
@@ -89,6 +100,8 @@ def read_matrix(spec: str) -> MatrixFile:
     if len(m.shape) != 2 or 0 in m.shape:
         raise UserError(f"{where} has shape {tuple(m.shape)}: the matrix metrics need a "
                         "non-empty 2-D array")
+    _fits(4 * 8 * int(m.shape[1]) ** 2, f"{where}: its {m.shape[1]:,} columns need a "
+          f"{m.shape[1]:,} x {m.shape[1]:,} float64 Gram matrix and its eigenvectors")
     dtype = str(m.dtype)
     if dtype.startswith("torch."):
         dtype = dtype.removeprefix("torch.")
@@ -128,10 +141,49 @@ def _load_npy(path: pathlib.Path) -> np.ndarray:
         raise UserError(f"cannot read {path} as .npy: {exc}") from None
 
 
+def available_bytes() -> int:
+    """Memory a new allocation can take: MemAvailable on Linux, else all physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _fits(nbytes: int, what: str) -> None:
+    if nbytes > available_bytes():
+        raise UserError(f"{what}: {nbytes / 2**30:,.1f} GiB, more than the "
+                        f"{available_bytes() / 2**30:,.1f} GiB of memory available")
+
+
+def _check_npz_member(path: pathlib.Path, npz, key: str) -> None:
+    """Refuse an array whose header claims more bytes than its member holds, or than memory
+    (np.load would allocate the claimed size first: a 300-byte file can claim 40 GB)."""
+    name = key if key in npz.zip.namelist() else f"{key}.npy"
+    info = npz.zip.getinfo(name)
+    with npz.zip.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        if version not in read:
+            return  # 3.0: only for non-latin-1 field names; np.load refuses or reads it
+        shape, _, dtype = read[version](f)
+        data = info.file_size - f.tell()
+    nbytes = dtype.itemsize * int(np.prod(shape, dtype=object))
+    if nbytes > data:
+        raise UserError(f"{path} [{key}]: its header claims shape {shape} ({nbytes:,} bytes) but "
+                        f"the archive holds {data:,} bytes of it")
+    _fits(nbytes, f"{path} [{key}] is {shape} {dtype}; .npz arrays are read whole (save it as "
+          ".npy to memory-map it)")
+
+
 def _load_npz(path: pathlib.Path, key: str | None):
     try:
         with np.load(path, allow_pickle=False) as npz:
             key = _pick(path, key, list(npz.files), "array")
+            _check_npz_member(path, npz, key)
             return key, npz[key]
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         raise UserError(f"cannot read {path} as .npz: {exc}") from None
@@ -171,9 +223,15 @@ def read_word_vectors(path: pathlib.Path) -> np.ndarray:
     """float32 [N, D] from a word2vec text or GloVe file (module docstring), checked line by line."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     chunks, buf, filled, d, header_n, header_line = [], None, 0, None, None, None
+    budget = available_bytes() // 2  # the blocks, then their concatenation
     try:
         with opener(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
+            for lineno in itertools.count(1):
+                line = f.readline(_MAX_LINE + 1)  # bounded: a file may be one endless line
+                if not line:
+                    break
+                if len(line) > _MAX_LINE:
+                    raise UserError(f"{path}, line {lineno}: longer than {_MAX_LINE >> 20} MB")
                 parts = line.rstrip().split(b" ")
                 if parts == [b""]:
                     continue  # blank line
@@ -182,6 +240,8 @@ def read_word_vectors(path: pathlib.Path) -> np.ndarray:
                     header_n, d, header_line = int(parts[0]), int(parts[1]), lineno
                     if d < 1:
                         raise UserError(f"{path}, line {lineno}: the header gives {d} dimensions")
+                    _fits(2 * 4 * header_n * d, f"{path}: the header's {header_n:,} x {d:,} "
+                          "float32 vectors, read and joined")
                     continue
                 if d is None:
                     d = len(parts) - 1
@@ -194,7 +254,11 @@ def read_word_vectors(path: pathlib.Path) -> np.ndarray:
                 if buf is None or filled == len(buf):
                     if buf is not None:
                         chunks.append(buf)
-                    buf, filled = np.empty((_CHUNK_ROWS, d), np.float32), 0
+                    rows = max(1, _BLOCK_BYTES // (4 * d))
+                    if 4 * d * (rows + sum(map(len, chunks))) > budget:
+                        raise UserError(f"{path}, line {lineno}: the vectors so far, read and joined, "
+                                        f"need more than the {2 * budget / 2**30:,.1f} GiB of memory available")
+                    buf, filled = np.empty((rows, d), np.float32), 0
                 try:
                     buf[filled] = parts[1:]
                 except ValueError:
@@ -202,7 +266,7 @@ def read_word_vectors(path: pathlib.Path) -> np.ndarray:
                     raise UserError(f"{path}, line {lineno}: {bad[:40].decode(errors='replace')!r} "
                                     "is not a number") from None
                 filled += 1
-    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
         raise UserError(f"cannot read {path}: {exc}") from None
     if buf is not None:
         chunks.append(buf[:filled])

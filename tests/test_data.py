@@ -354,10 +354,12 @@ def test_no_special_tokens_and_no_truncation(tmp_path, records):
     check_cache(cache, *expected(plain, records[:10]))
 
 
-def test_damaged_cache_is_refused(tmp_path, tok, records):
+def test_damaged_cache_is_rebuilt(tmp_path, tok, records):  # more damage: tests/test_data_integrity.py
     path = write_jsonl(tmp_path / "c.jsonl", records[:5])
     cache = tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "c", max_len=64, workers=1)
+    ids = np.array(cache.tokens)
     with open(cache.path / "tokens.bin", "r+b") as f:
         f.truncate(8)
-    with pytest.raises(UserError, match="tokens.bin: token cache is damaged"):
-        tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "c", max_len=64, workers=1)
+    with pytest.warns(UserWarning, match=r"is damaged \(tokens.bin: 8 bytes, expected \d+\); rebuilding it"):
+        again = tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "c", max_len=64, workers=1)
+    assert not again.from_cache and np.array_equal(again.tokens, ids)

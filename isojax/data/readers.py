@@ -18,6 +18,7 @@ import io
 import json
 import os
 import warnings
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -182,14 +183,50 @@ def _read_txt(corpus: Corpus, inp: Input):
     yield inp.label, text.lstrip("\ufeff")
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a .zst file, frame after frame (pzstd and `zstd -T` write
+    several). zstandard's own stream reader ends quietly where the file ends, even inside a
+    frame: a cut file would read as a shorter corpus. Here that raises EOFError."""
+
+    def __init__(self, path: str):
+        import zstandard
+
+        self._raw = open(path, "rb")
+        self._new = lambda: zstandard.ZstdDecompressor(max_window_size=2**31).decompressobj()
+        self._obj, self._fed, self._out, self._pos = self._new(), False, b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._pos == len(self._out):
+            data, out = self._raw.read(1 << 16), []
+            if not data:
+                if self._fed and not self._obj.eof:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            while data:  # a chunk may end one frame and start the next
+                if self._obj.eof:
+                    self._obj = self._new()
+                out.append(self._obj.decompress(data))
+                self._fed = True
+                data = self._obj.unused_data if self._obj.eof else b""
+            self._out, self._pos = b"".join(out), 0
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
 def _open_binary(path: str):
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
-        import zstandard
-
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(raw, closefd=True))
+        return io.BufferedReader(_ZstdFrames(path), 1 << 20)
     return open(path, "rb")
 
 
@@ -212,7 +249,7 @@ def _read_jsonl(corpus: Corpus, inp: Input):
                 out = corpus._record(where, rec, inp.label)
                 if out is not None:
                     yield out
-        except (EOFError, OSError, gzip.BadGzipFile) as e:
+        except (EOFError, OSError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
             raise UserError(f"{inp.path}:{lineno + 1}: corrupt or truncated compressed data ({e})") from None
         except Exception as e:  # zstandard.ZstdError has no importable common base here
             if type(e).__name__ == "ZstdError":
@@ -221,6 +258,7 @@ def _read_jsonl(corpus: Corpus, inp: Input):
 
 
 def _read_parquet(corpus: Corpus, inp: Input):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -231,8 +269,14 @@ def _read_parquet(corpus: Corpus, inp: Input):
     if corpus.text_field not in names:
         raise UserError(f"{inp.path}:1: no {corpus.text_field!r} column (columns: {', '.join(names)})")
     columns = [c for c in (corpus.text_field, "meta") if c in names]
-    row = 0
-    for batch in pf.iter_batches(batch_size=4096, columns=columns):
+    row, batches = 0, pf.iter_batches(batch_size=4096, columns=columns)
+    while True:
+        try:  # a damaged row group would otherwise end in pyarrow's traceback, or a shorter corpus
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as e:
+            raise UserError(f"{inp.path}: corrupt parquet data ({e})") from None  # read ahead: no row
+        if batch is None:
+            break
         cols = {c: batch.column(c).to_pylist() for c in columns}
         for i in range(batch.num_rows):
             row += 1
