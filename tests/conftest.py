@@ -15,8 +15,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the same step shapes (most end-to-end runs) compile once.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"isojax-tests-xla-{os.getuid()}"))
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-TOKENIZER_JSON = SHARED_DATA / "gpt-neox-20b-tokenizer.json"
+# The configuration an accelerator run uses, on CPU: ISOJAX_DEFAULTS=gpu gives a GPU run's defaults
+# (bfloat16, the default sample; api.defaults_platform) with XLA's paths for the GPU-only kernels,
+# and the flags a long GPU run typically adds. Lifecycle tests run in it, so they cannot drift
+# from what GPU users run.
+ACCELERATOR_ENV = {"ISOJAX_DEFAULTS": "gpu"}
+ACCELERATOR_FLAGS = ["--centered", "--save-token-sums"]
+
+# the GPT-NeoX-20B tokenizer isojax ships (tests need nothing outside the repository)
+TOKENIZER_JSON = Path(__file__).resolve().parents[1] / "isojax" / "data" / "gpt-neox-20b-tokenizer.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need a real GPU: skipped elsewhere (the GPU lane runs them: bench/gpu_lane.sh)."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import jax
+    if jax.default_backend() != "gpu":
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU (the GPU lane: pytest -m gpu)"))
 
 
 def build_hf_checkpoint(directory, *, seed=0, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
@@ -69,3 +87,26 @@ def max_rel_error(a, b) -> float:
 def tiny_checkpoint(tmp_path):
     model = build_hf_checkpoint(tmp_path / "tiny")
     return tmp_path / "tiny", model
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """make(name, kib) -> a folder on a file system of `kib` KiB of its own (a tmpfs mounted in
+    the test, unmounted after), to run a write into a full disk. Skips where mounting is not
+    permitted (not root)."""
+    import subprocess
+    mounted = []
+
+    def make(name: str = "disk", kib: int = 64) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            pytest.skip(f"cannot mount a small file system here ({proc.stderr.strip()})")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

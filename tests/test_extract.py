@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states
+from conftest import ACCELERATOR_ENV, ACCELERATOR_FLAGS, TOKENIZER_JSON, build_hf_checkpoint, hf_states
 from isojax.api import CPU_DEFAULT_MAX_TOKENS
 from isojax.extract import main
 
@@ -124,36 +124,72 @@ def run_cli(*args, env=None, **kw):
                           text=True, cwd=REPO, env={**os.environ, **(env or {})}, **kw)
 
 
-def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
-    """The killed run is a first run (tokens streaming); it resumes on the cache, and equals a run
-    on that cache."""
-    env = {"ISOJAX_CACHE": str(tmp_path / "cache")}
+def _read_zarr(path: Path) -> np.ndarray:
+    import tensorstore as ts
+    return ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}).result().read().result()
+
+
+def _wait_for_checkpoint(out: Path, proc, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not any(
+            p.name.isdigit() for p in (out / "checkpoint").glob("*")):
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_interrupted_runs_resume_to_the_uninterrupted_metrics(tmp_path):
+    """The accelerator configuration (ACCELERATOR: bfloat16, the default sample, --centered,
+    --save-token-sums; XLA's paths for the GPU kernels), interrupted three ways on a first run
+    (tokens streaming), then resumed on the cache: SIGKILL in the loop; SIGKILL while the second
+    checkpoint is half written (the resume takes the first); SIGTERM, as a cluster preempts (a
+    checkpoint, exit 143). Each equals an uninterrupted run: metrics, per-token sums and sample."""
+    env = {"ISOJAX_CACHE": str(tmp_path / "cache"), **ACCELERATOR_ENV}
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
     write_pile_jsonl(tmp_path / "pile.jsonl", 400, seed=4)
     common = ["--model", tmp_path / "ckpt", "--data", tmp_path / "pile.jsonl", "--unit", "document", "--seq-len", "64",
-              "--batch-tokens", "128", "--no-plots"]
-    proc = subprocess.Popen([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", tmp_path / "cut",
-                             "--checkpoint-every-tokens", "300"], cwd=REPO, env={**os.environ, **env},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(
-            p.name.isdigit() for p in (tmp_path / "cut" / "checkpoint").glob("*")):
-        time.sleep(0.05)
-    time.sleep(0.3)  # let it run on past the checkpoint: those batches must not count twice
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (tmp_path / "cut" / "metrics.json").exists(), "killed too late to test anything"
-    again = run_cli(*common, "--out", tmp_path / "cut", "--resume", env=env)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "resuming after" in again.stderr
+              "--batch-tokens", "128", "--no-plots", *ACCELERATOR_FLAGS]
+    ways = {"sigkill": ({}, signal.SIGKILL), "half-written": ({"ISOJAX_FAULT": "checkpoint_write:2"}, None),
+            "sigterm": ({}, signal.SIGTERM)}
+    for i, (way, (extra_env, sig)) in enumerate(ways.items()):
+        out = tmp_path / way
+        # each way's first run is a first run: its own token cache, tokenized while it measures
+        run_env = {**os.environ, **env, "ISOJAX_CACHE": str(tmp_path / f"cache{i}"), **extra_env}
+        proc = subprocess.Popen([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", out,
+                                 "--checkpoint-every-tokens", "300"], cwd=REPO, env=run_env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if sig is not None:
+            _wait_for_checkpoint(out, proc)
+            time.sleep(0.3)  # let it run on past the checkpoint: those batches must not count twice
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=300)
+        assert not (out / "metrics.json").exists(), f"{way}: killed too late to test anything"
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143 and "--resume" in err.splitlines()[-1], err[-2000:]
+        else:
+            assert proc.returncode == -signal.SIGKILL, err[-2000:]
+        if way == "half-written":
+            assert any(p.name.startswith(".tmp-") for p in (out / "checkpoint").iterdir())
+        again = run_cli(*common, "--out", out, "--resume", env={**env, "ISOJAX_CACHE": str(tmp_path / f"cache{i}")})
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert "resuming after" in again.stderr, again.stderr[-2000:]
+        if way == "half-written":
+            assert "checkpoint step 1 " in again.stderr or "(checkpoint step" in again.stderr
     assert run_cli(*common, "--out", tmp_path / "full", env=env).returncode == 0
     full = json.loads((tmp_path / "full" / "metrics.json").read_text())
-    cut = json.loads((tmp_path / "cut" / "metrics.json").read_text())
-    assert cut["tokens"] == full["tokens"] and cut["sequences"] == full["sequences"]
-    for a, b in zip(cut["layers"], full["layers"]):
-        assert a["count"] == b["count"] and a["intra_tokens"] == b["intra_tokens"]
-        for key in ("inter_sim", "intra_sim", "anisotropy", "mean_norm"):
-            assert abs(a[key] - b[key]) <= 1e-12 * max(1.0, abs(b[key])), key
+    assert full["dtype"] == "bfloat16" and full["layers"][0]["sample_tokens"] > 4096  # the accelerator defaults
+    for way in ways:
+        cut = json.loads((tmp_path / way / "metrics.json").read_text())
+        assert cut["tokens"] == full["tokens"] and cut["sequences"] == full["sequences"], way
+        for a, b in zip(cut["layers"], full["layers"]):
+            assert a["count"] == b["count"] and a["intra_tokens"] == b["intra_tokens"], way
+            for key in ("inter_sim", "intra_sim", "anisotropy", "mean_norm", "centered_inter_sim",
+                        "anisotropy_batch_mean"):
+                assert abs(a[key] - b[key]) <= 1e-12 * max(1.0, abs(b[key])), (way, key)
+        for name in ("tokens.zarr/unit_sum", "tokens.zarr/count", "samples.zarr/states"):
+            if name == "samples.zarr/states" and not (tmp_path / "full" / name).exists():
+                continue
+            np.testing.assert_array_equal(_read_zarr(tmp_path / way / name), _read_zarr(tmp_path / "full" / name))
+        assert not (tmp_path / way / "checkpoint").exists(), way
 
 
 def test_default_run_offline(tmp_path):

@@ -66,11 +66,13 @@ def test_mosaic_refused_where_it_cannot_run():
     assert choose_mlp_kernel("auto", preset("pythia-70m"), "bfloat16", 65536) == "xla"
 
 
+@pytest.mark.gpu
 @hopper
 def test_the_kernel_works_here():
     assert kernels.works() is None
 
 
+@pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("m,k,n", [(1024, 512, 2048), (4096, 2048, 8192), (768, 1024, 4096)])
 def test_fused_kernel_equals_the_xla_path(m, k, n):
@@ -91,6 +93,7 @@ def test_fused_kernel_equals_the_xla_path(m, k, n):
     assert rel(got) <= rel(xla) * 1.01, (rel(got), rel(xla), differ)
 
 
+@pytest.mark.gpu
 @hopper
 def test_states_with_the_fused_kernel_within_bfloat16_tolerance(tmp_path):
     """A random checkpoint whose widths tile (D = 256, F = 1024; 128 rows): the kernel's states

@@ -16,7 +16,7 @@ import pytest
 from isojax import norm_kernel
 from isojax.model import LayerNorm
 
-gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+gpu = pytest.mark.gpu  # skipped without a GPU (conftest)
 
 
 def inputs(n, d, seed, offset=3.0):

@@ -20,7 +20,7 @@ from isojax import packed_attention
 from isojax.config import GPTNeoXConfig
 from isojax.model import apply_rotary, attention_xla, rotary_tables, segment_mask
 
-gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+gpu = pytest.mark.gpu  # skipped without a GPU (conftest)
 
 
 def packed_rows(lengths_per_row, t):

@@ -112,6 +112,7 @@ def test_kernel_equals_the_xla_path():
     np.testing.assert_allclose(xla, want, rtol=0, atol=n * 2.0 ** -24)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiles the Triton kernel: needs a GPU")
 def test_compiled_kernel_at_pythia_1_4b_width():
     rng = np.random.default_rng(7)
