@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib
+import os
 import time
 from pathlib import Path
 
@@ -85,15 +86,17 @@ class Results:
         return self.final.get("spectra", {})
 
     def save(self, out, *, overwrite: bool = False, plots: bool = True) -> Path:
-        """Write the results into `out` (staged, then moved in): refused where results are
-        already, unless overwrite."""
-        from isojax.results import write_results
+        """Write the results into `out` (staged, then committed in one step; isojax.outdir):
+        refused where isojax's results are already, unless overwrite; the user's files in `out`
+        are never touched."""
+        from isojax import outdir
+        from isojax.results import result_names, write_results
         out = Path(out)
-        if (out / "metrics.json").exists() and not overwrite:
-            raise UserError(f"{out} already holds results (metrics.json); pass overwrite to replace them")
-        self.manifest["timings"] = self.timings
-        write_results(out, self.metrics, self.manifest, self.final, self.state_names, self.token_sums,
-                      plots=plots, timings=self.timings)
+        names = result_names(self.final, plots)
+        with outdir.claim(out, overwrite=overwrite, names=names, flag="overwrite=True"):
+            self.manifest["timings"] = self.timings
+            write_results(out, self.metrics, self.manifest, self.final, self.state_names, self.token_sums,
+                          plots=plots, timings=self.timings)
         self.manifest["seconds_wall"] = time.time() - self.timings.start
         return out
 
@@ -139,6 +142,19 @@ def peek_config(name: str):
     if (path / "config.json").is_file():
         return read_hf_config(path)
     return None
+
+
+def defaults_platform() -> str:
+    """The platform whose defaults a run takes (dtype, the default sample, the default batch, the
+    embedded corpus's CPU cap): the backend's, unless ISOJAX_DEFAULTS names another. The lifecycle
+    tests set ISOJAX_DEFAULTS=gpu to run on CPU the configuration a GPU run uses (bfloat16, the
+    default sample); kernels are still chosen by the real backend, so XLA's paths stand in for the
+    GPU kernels there."""
+    import jax
+    name = os.environ.get("ISOJAX_DEFAULTS") or jax.default_backend()
+    if name not in ("cpu", "gpu", "tpu"):
+        raise UserError(f"ISOJAX_DEFAULTS must be cpu, gpu or tpu, not {name!r}")
+    return name
 
 
 STEP_BYTES_PER_TOKEN_WIDTH = 48  # a step's temporaries per token and unit of width (measured 26-45)
@@ -203,7 +219,7 @@ def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None, b
     from isojax.runner import device_memory_bytes, host_memory_bytes
     sizes = dict(sizes or {})
     n = jax.device_count()
-    on_accel = jax.default_backend() != "cpu"
+    on_accel = defaults_platform() != "cpu"
     per_device = lambda k: -(-batch_tokens // k) if batch_tokens else device_batch_tokens(cfg, on_accel)
     if cfg is not None and not sizes:
         limit = FIT * (device_memory_bytes() or host_memory_bytes())
@@ -414,7 +430,7 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
 
     timings = Timings()
     use_compilation_cache()
-    on_accel = jax.default_backend() != "cpu"
+    on_accel = defaults_platform() != "cpu"
     dtype = dtype or ("bfloat16" if on_accel else "float32")
     if attention in ("cudnn", "packed") and dtype != "bfloat16":
         raise UserError(f"attention {attention} needs dtype bfloat16 (its kernel has no float32 version)")
@@ -473,10 +489,13 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     from isojax.finalize import finalize
     from isojax.manifest import build_manifest, build_metrics
 
-    on_accel = jax.default_backend() != "cpu"
+    on_accel = defaults_platform() != "cpu"
     cfg, dtype = loaded.config, loaded.dtype
     n_dev = mesh.size
-    log(f"model {loaded.source['name']} ({loaded.weights} weights, {cfg.num_layers} layers, d={cfg.hidden_size}), "
+    # a local directory may hold trained or random weights: only a hub checkpoint is known to be pretrained
+    weights = "weights from a local checkpoint" if loaded.weights == "pretrained" and loaded.source.get("path") \
+        and Path(str(loaded.source["name"])).expanduser().is_dir() else f"{loaded.weights} weights"
+    log(f"model {loaded.source['name']} ({weights}, {cfg.num_layers} layers, d={cfg.hidden_size}), "
         f"{dtype}, devices: {n_dev} x {mesh.devices.flat[0].device_kind}, processes: {jax.process_count()}")
     with timings("compile"):  # the packed kernel's check compiles it once
         loaded.attention_impl = choose_attention(loaded.attention_impl, auto_attention, cfg, dtype, row_len)
@@ -499,7 +518,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     num_groups = len(labels)
     if max_tokens is None and data is None and not on_accel:
         max_tokens = CPU_DEFAULT_MAX_TOKENS
-        log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (max_tokens to change)")
+        log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (--max-tokens to change)")
     intrinsic = bool(sample_states)
     wanted = default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
     with timings("tokenize"):  # a first run waits for as many tokens as the sample wants, or the end
@@ -531,8 +550,9 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
         return min(n, max_tokens or n)
 
     local = parallel.local_rows(mesh, rows) if jax.process_count() > 1 else None
-    checkpointer = checkpointing.Checkpointer(Path(checkpoint_dir)) if checkpoint_every_tokens else None
-    if checkpointer is not None:
+    # with a checkpoint directory, SIGTERM (preemption) checkpoints too, periodic checkpoints or not
+    checkpointer = checkpointing.Checkpointer(Path(checkpoint_dir)) if checkpoint_dir is not None else None
+    if checkpoint_every_tokens:
         checkpointer.reserve(runner.acc)
     # matplotlib loads while the devices work (0.3-0.9 s of the demo's after-loop time otherwise)
     in_background(lambda: importlib.import_module("isojax.plots"))
@@ -541,18 +561,24 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     heads, where = runner.acc.m2_HxSxDxD.hl.shape[-5], runner.acc.m2_HxSxDxD.hl.addressable_shards[0].device
     compile_ahead = (lambda: in_background(lambda: finalize_lib.compile_ahead(
         (heads, cfg.num_states, cfg.hidden_size, cfg.hidden_size), num_groups, sample_states, where))) \
-        if on_accel else None
+        if jax.default_backend() != "cpu" else None
+    started = dict(done)
     with timings("loop"):
         try:
             done, first = consume(
                 runner, pack_batches(tokens, rows=rows, row_len=row_len, start_cursor=cursor, row_subset=local),
                 done, total, max_tokens=max_tokens, checkpoint_every=checkpoint_every_tokens, progress=progress,
-                after_first_step=compile_ahead, save_checkpoint=lambda d, c: checkpointer.save(d["batches"], runner.acc,
-                                                                {"settings": settings, "cursor": c, "done": d}))
+                after_first_step=compile_ahead, save_checkpoint=None if checkpointer is None else lambda d, c:
+                checkpointer.save(d["batches"], runner.acc, {"settings": settings, "cursor": c, "done": d}))
         finally:
             if checkpointer is not None:
                 checkpointer.close()
     timings["loop"] -= first
+    # the loop's tokens/s leaves out the first step (its compile): this run's batches after the
+    # first, at their mean size, over the loop's time; None with one batch (nothing to time)
+    batches = done["batches"] - started["batches"]
+    loop_rate = (done["tokens"] - started["tokens"]) * (batches - 1) / batches / timings["loop"] \
+        if batches > 1 and timings["loop"] > 0 else None
     timings["compile"] += first
     with timings("tokenize"):
         if streamed and not tokens.done():
@@ -582,6 +608,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     loop_s = timings["loop"] + timings["compile"]
     manifest = build_manifest(loaded, cache, corpus, done, plan, loop_s, time.time() - timings.start, settings)
     manifest["from_cache"] = not streamed and tokens.from_cache
+    manifest["tokens_per_second"] = loop_rate  # the rate the last log line gives
     manifest["bad_records_skipped"] = cache.meta["bad_records"]  # a cached run reads no records
     sums = runner.token_sums if save_token_sums and token_stats else None
     return Results(metrics, manifest, final, cfg.state_names, timings, sums)

@@ -18,8 +18,11 @@ columns model,revision,task,score (revision empty = main). Results and scores me
 unless `--allow-missing`.
 
 Output: a list of entries {metric, layer, layer_name, task, by, group, n, pearson: {r, p},
-spearman: {rho, p}, kendall: {tau, p} (tau-b), points: [...]} (DESIGN.md's contract; null
-where undefined, e.g. a constant series).
+spearman: {rho, p}, kendall: {tau, p} (tau-b), p_method, points: [...]}, null where undefined
+(e.g. a constant series). p is two-sided. For n <= 8, p_method is "permutation": the exact
+p, the share of all n! orderings of the scores whose statistic is at least as far from 0 (at
+n = 3 no p is below 1/3). Above, "scipy": scipy.stats' values, asymptotic for Pearson and
+Spearman (rough below n ~ 10; Kendall's is exact without ties up to n = 33).
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
+import itertools
 import json
 import math
-import os
 import pathlib
 import sys
-import tempfile
 import warnings
 
+import numpy as np
+
+from isojax import outdir
 from isojax.errors import UserError, run_command
 from isojax.report import collect
 from isojax.report.collect import Results, Run, model_key
@@ -44,6 +50,7 @@ DEFAULT_LAYERS = ("block_L", "final_ln")
 WEIGHT_GROUPS = ("embed_in", "embed_out", "final_ln")
 _NOT_METRICS = {"count", "intra_tokens", "rows", "dim", "pc_removed_D"}  # sizes, not geometry
 _MIN_POINTS = 3
+EXACT_MAX_N = 8  # p by all n! orderings up to here (40,320 at 8: milliseconds); scipy's above
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,15 +232,53 @@ def _num(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
+@functools.lru_cache(maxsize=None)
+def _orderings(n: int) -> np.ndarray:
+    return np.array(list(itertools.permutations(range(n))), dtype=np.int8)  # [n!, n]
+
+
+def permutation_p(x, y) -> dict[str, float | None]:
+    """Exact two-sided p-values of Pearson r, Spearman rho and Kendall tau-b: the share of all n!
+    orderings of y whose statistic is at least as far from 0 as the observed one (ties and all).
+    None where the statistic is undefined (a constant series)."""
+    from scipy.stats import rankdata
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    perm = _orderings(len(x))
+    i, j = np.triu_indices(len(x), 1)
+
+    def share(stat_P: np.ndarray, scale: float):
+        # each statistic is a fixed positive scale times stat_P (y's mean, spread and ties do not
+        # move under reordering); the identity ordering (row 0) is the observed one
+        if scale == 0:
+            return None
+        return float(np.mean(np.abs(stat_P) >= np.abs(stat_P[0]) * (1 - 1e-9)))
+
+    def linear(a, b):
+        a, b = a - a.mean(), b - b.mean()
+        return share(b[perm] @ a, float(np.sqrt((a * a).sum() * (b * b).sum())))
+
+    sx = np.sign(x[i] - x[j])
+    sy_P = np.sign(y[perm][:, i] - y[perm][:, j])
+    return {"pearson": linear(x, y), "spearman": linear(rankdata(x), rankdata(y)),
+            "kendall": share(sy_P @ sx, float(np.abs(sx).sum() * np.abs(sy_P[0]).sum()))}
+
+
 def statistics(x, y) -> dict:
-    """Pearson r, Spearman rho, Kendall tau-b, each with its two-sided p-value (scipy.stats)."""
+    """Pearson r, Spearman rho, Kendall tau-b (scipy.stats), each with its two-sided p-value:
+    exact (permutation_p, all n! orderings) for n <= EXACT_MAX_N, else scipy's, whose Pearson and
+    Spearman values are asymptotic (rough below n ~ 10); `p_method` says which."""
     from scipy import stats
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a constant series gives NaN (null), which says enough
         pr, sr, kt = stats.pearsonr(x, y), stats.spearmanr(x, y), stats.kendalltau(x, y)
-    return {"pearson": {"r": _num(pr.statistic), "p": _num(pr.pvalue)},
-            "spearman": {"rho": _num(sr.statistic), "p": _num(sr.pvalue)},
-            "kendall": {"tau": _num(kt.statistic), "p": _num(kt.pvalue)}}
+    p = {"pearson": pr.pvalue, "spearman": sr.pvalue, "kendall": kt.pvalue}
+    exact = len(x) <= EXACT_MAX_N
+    if exact:
+        p = {k: math.nan if v is None else v for k, v in permutation_p(x, y).items()}
+    return {"pearson": {"r": _num(pr.statistic), "p": _num(p["pearson"])},
+            "spearman": {"rho": _num(sr.statistic), "p": _num(p["spearman"])},
+            "kendall": {"tau": _num(kt.statistic), "p": _num(p["kendall"])},
+            "p_method": "permutation" if exact else "scipy"}
 
 
 def _task_selected(task: str, wanted) -> bool:
@@ -330,18 +375,20 @@ def format_table(entries: list[dict]) -> str:
 
 
 def write_json(path: pathlib.Path, entries: list[dict], overwrite: bool) -> None:
+    """Written in one rename (temporary file, fsync, rename): a failure leaves the earlier file.
+    An existing file is replaced only with overwrite. NaN and inf (a degenerate series) -> null."""
+    from isojax.atomic import write_atomic
+    from isojax.results import json_safe
+    outdir.check_path(path, folder=False)
     if path.exists() and not overwrite:
         raise UserError(f"--out {path} exists; pass --overwrite to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=1, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        write_atomic(path, json.dumps(json_safe(entries), indent=1, allow_nan=False) + "\n")
+    except OSError as e:
+        if outdir.disk_full(e):
+            raise UserError(f"disk full writing {path}; free some space and run again") from None
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _split(values) -> list[str]:
@@ -349,6 +396,8 @@ def _split(values) -> list[str]:
 
 
 def run(args) -> None:
+    # before any work: --out a file name, writable, none of the inputs
+    outdir.check_path(pathlib.Path(args.out), [*args.results, *args.scores], folder=False)
     results = collect.load(args.results)
     if not results.runs:
         raise UserError("no extract or weights results among the inputs")

@@ -7,8 +7,8 @@ bundled with CPython."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     rev.add_argument("--paper-steps", action="store_true",
                      help="sweep the paper's 21 checkpoints: step0 and floor(i*143/20)*1000 for i = 1..20")
     ap.add_argument("--data", action="append", default=None, metavar="PATH",
-                    help="corpus: .txt, .jsonl[.gz|.zst], .parquet, a folder of shards, or hub:NAME[:CONFIG]:SPLIT; "
+                    help="corpus: .txt, .jsonl[.gz|.zst], .parquet, a folder of shards, or "
+                    "hub:NAME[@REVISION][:CONFIG]:SPLIT (a Hugging Face dataset, streamed); "
                     "repeatable; default: the documentation topics bundled with CPython")
     ap.add_argument("--unit", default="sentence", choices=["sentence", "document"], help="sequence unit (default: sentence)")
     ap.add_argument("--source", action="append", default=None, metavar="NAME",
@@ -110,6 +111,10 @@ def log(msg: str) -> None:
 
 
 def check_out(out: Path, args) -> None:
+    """Before any work: --out can be written and holds no input of this run; results already there
+    are refused unless --overwrite (or --resume of the run that is to write them)."""
+    from isojax import outdir
+    outdir.check_path(out, [*(args.data or []), *(args.model or [])])
     has_results = (out / "metrics.json").exists()
     has_ckpt = (out / "checkpoint").exists()
     if args.resume:
@@ -124,7 +129,7 @@ def check_out(out: Path, args) -> None:
 
 
 def run(args) -> Path:
-    from isojax import parallel
+    from isojax import checkpointing, parallel
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
                         timeout_s=args.coordinator_timeout)
     from isojax.api import measure
@@ -149,18 +154,25 @@ def run(args) -> Path:
                   measure_kwargs=options)
         log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
         return out
-    check_out(out, args)
-    results = measure(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
-                      resume_run=args.resume, **options)
-    if parallel.is_main_process():
-        results.save(out, overwrite=True, plots=not args.no_plots)
-        shutil.rmtree(out / "checkpoint", ignore_errors=True)
-    else:
-        results.join_save()
+    from isojax import outdir
+    names = {"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | (set() if args.no_plots else {"plots"})
+    # held to the end: a second run into this --out is refused before it measures anything
+    with outdir.claim(out, overwrite=True, names=names) if parallel.is_main_process() else contextlib.nullcontext():
+        check_out(out, args)  # after claim: a commit a killed run left half done is undone first
+        results = measure(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
+                          resume_run=args.resume, **options)
+        if parallel.is_main_process():
+            results.save(out, overwrite=True, plots=not args.no_plots)
+            checkpointing.remove(out / "checkpoint")  # only what isojax wrote there
+        else:
+            results.join_save()
     tokens, t = results.metrics["tokens"], results.timings
     wall, loop = results.manifest["seconds_wall"], t["loop"]
-    log(f"{tokens:,} tokens: wall {wall:.1f} s ({tokens / max(wall, 1e-9):,.0f} tokens/s), device loop {loop:.1f} s "
-        f"({tokens / max(loop, 1e-9):,.0f} tokens/s) + compile {t['compile']:.1f} s; results in {out}")
+    rate = results.manifest.get("tokens_per_second")  # the loop after its first step; None: one batch
+    loop_text = f"device loop {loop:.1f} s ({rate:,.0f} tokens/s)" if rate else \
+        "device loop of one batch (too short to time)"
+    log(f"{tokens:,} tokens: wall {wall:.1f} s ({tokens / max(wall, 1e-9):,.0f} tokens/s), {loop_text} "
+        f"+ compile {t['compile']:.1f} s; results in {out}")
     return out
 
 

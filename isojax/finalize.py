@@ -12,7 +12,6 @@ the largest; tests/test_stats.py compares with numpy's eigvalsh).
 """
 
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -364,15 +363,29 @@ def _batch_anisotropy(x_BxNxD):
     return jax.vmap(one)(x)  # the 2B Lanczos runs side by side: their steps are latency, not work
 
 
+PROGRESS_AFTER_S = 5.0  # sample_metrics logs a line per layer once it has run this long
+
+
 def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, k: int = 20,
                    discard_fraction: float = 0.1) -> list[dict]:
     """Per state, from the uniform sample (sample.py): anisotropy over batches of BATCH sampled
     tokens (mean and std, ddof=1, of sigma_1^2 / sum sigma^2, centered and uncentered; The Shape
     of Learning section 2.2: shuffled, then batched) and, if `intrinsic`, the intrinsic dimension
-    (isojax.intrinsic). states(s) -> [count, D] in key order (random)."""
+    (isojax.intrinsic): null where fewer than half the sampled points remain once exact duplicates
+    are dropped (intrinsic.MIN_KEPT_SAMPLE). states(s) -> [count, D] in key order (random).
+    What is left out or dropped is logged per layer; once the phase has taken PROGRESS_AFTER_S
+    (the neighbour searches on CPU: a minute for 4,096 tokens), a line per layer shows progress."""
+    import time
+
     from isojax import intrinsic as ids
+    from isojax.loop import log
     out = []
     batches = count // BATCH
+    if batches < 2:
+        log(f"anisotropy_batch_std is null: the sample of {count:,} tokens makes {batches} batch"
+            f"{'' if batches == 1 else 'es'} of {BATCH:,} (two are needed; --sample-states {2 * BATCH:,} or more)"
+            + ("" if batches else "; anisotropy_batch_mean is null too"))
+    start = time.perf_counter()
 
     def dispatch(s):
         x = states(s)
@@ -393,11 +406,25 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
         else:
             m.update(anisotropy_batch_mean=None, anisotropy_batch_std=None,
                      anisotropy_uncentered_batch_mean=None, anisotropy_uncentered_batch_std=None)
+        said = []
         if intrinsic:
+            notes: list[tuple] = []
             try:
-                m["intrinsic_dimension"] = ids.intrinsic_dimensions(x, k=k, discard_fraction=discard_fraction)
-            except UserError as e:  # e.g. the embedding layer of a small vocabulary: duplicates only
-                print(f"isojax: intrinsic dimension of {state_names[s]} undefined: {e}", file=sys.stderr)
+                m["intrinsic_dimension"] = ids.intrinsic_dimensions(
+                    x, k=k, discard_fraction=discard_fraction, min_kept=ids.MIN_KEPT_SAMPLE, notes=notes)
+            except UserError as e:  # e.g. the embedding layer: one row per token type
+                said.append(f"null ({e})")
                 m["intrinsic_dimension"] = {"twonn": None, "mle": None, "mom": None}
+            drops: dict[tuple, list[str]] = {}  # TwoNN and MLE drop the same points: one clause
+            for name, dropped, of, why in notes:
+                drops.setdefault((dropped, of, why), []).append(name)
+            said += [f"{' and '.join(names)} left out {d:,} of {of:,} points {why}"
+                     for (d, of, why), names in drops.items()]
         out.append(m)
+        elapsed = time.perf_counter() - start
+        progress = f" [{s + 1}/{len(state_names)} states, {elapsed:.0f} s]" if elapsed > PROGRESS_AFTER_S else ""
+        if said:
+            log(f"intrinsic dimension of {state_names[s]}: {'; '.join(said)}{progress}")
+        elif progress:
+            log(f"sample metrics of {state_names[s]} done{progress}")
     return out

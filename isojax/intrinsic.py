@@ -35,6 +35,8 @@ Duplicates: a point whose nearest neighbour is at distance 0 has no TwoNN ratio 
 infinite MLE term; skdim's TwoNN drops such points with a warning and so do `twonn` and
 `mle` (skdim's MLE would return 0.0). `mom` keeps them as skdim does and drops only points
 whose k distances are all equal (skdim: NaN or -inf). Each drop warns with its count.
+`intrinsic_dimensions(..., min_kept=f)` refuses (UserError) a sample that keeps fewer than a
+fraction f of its points once duplicates are dropped; extract uses f = MIN_KEPT_SAMPLE = 1/2.
 Input is cast to float32; float64 input is centred in float64 first, so that a large
 common offset costs no float32 precision. Against skdim (float64) on the same points: at
 most 3e-8 relative (tests, CPU) and 1.5e-8 (H200, 10k-100k x 2048).
@@ -52,6 +54,10 @@ from jax import lax
 
 from isojax.errors import UserError
 
+# extract --sample-states: a layer whose sample keeps fewer than half its points once exact
+# duplicates are dropped (the embedding layer: one row per token type) gets a null dimension;
+# the embedding of 4,096 sampled tokens kept 571 points and gave 212.9, far above every block.
+MIN_KEPT_SAMPLE = 0.5
 SPARE = 8              # extra candidates per row that absorb the float32 error of the Gram trick
 QUERY_BLOCK = 2048     # B: query rows per block (H200, 100k x 2048: 13% faster than 1024)
 POINT_BLOCK = 16384    # P: point rows per block (a B x P float32 block is 128 MiB)
@@ -176,18 +182,22 @@ def _knn_checked(x_NxD, k, query_block=QUERY_BLOCK, point_block=POINT_BLOCK) -> 
     return np.asarray(jax.device_get(dist), dtype=np.float64)
 
 
-def _drop(keep: np.ndarray, what: str, name: str) -> None:
+def _drop(keep: np.ndarray, what: str, name: str, notes: list | None = None) -> None:
+    """Warn of dropped points, or append (name, dropped, of, what) to `notes` (a caller that logs)."""
     dropped = int(keep.size - np.count_nonzero(keep))
     if dropped:
-        warnings.warn(f"{name}: dropped {dropped} of {keep.size} points {what}", stacklevel=4)
+        if notes is None:
+            warnings.warn(f"{name}: dropped {dropped} of {keep.size} points {what}", stacklevel=4)
+        else:
+            notes.append((name, dropped, int(keep.size), what))
     if not keep.any():
         raise UserError(f"{name}: every point was dropped ({what}); the dimension is undefined")
 
 
-def _twonn_from(dist_NxK: np.ndarray, discard_fraction: float) -> float:
+def _twonn_from(dist_NxK: np.ndarray, discard_fraction: float, notes: list | None = None) -> float:
     r1, r2 = dist_NxK[:, 0], dist_NxK[:, 1]
     keep = r1 > 0
-    _drop(keep, "with a duplicate (nearest-neighbour distance 0), as skdim's TwoNN", "twonn")
+    _drop(keep, "with a duplicate (nearest-neighbour distance 0)", "twonn", notes)  # as skdim's TwoNN
     mu = r2[keep] / r1[keep]
     n = mu.size
     # skdim keeps int(N (1 - f)); at f = 0 the largest ratio has F_emp = 1, y = inf, and
@@ -204,9 +214,9 @@ def _twonn_from(dist_NxK: np.ndarray, discard_fraction: float) -> float:
     return float(np.dot(x, y) / xx)  # least squares through the origin
 
 
-def _mle_from(dist_NxK: np.ndarray) -> float:
+def _mle_from(dist_NxK: np.ndarray, notes: list | None = None) -> float:
     keep = dist_NxK[:, 0] > 0
-    _drop(keep, "with a duplicate (nearest-neighbour distance 0)", "mle")
+    _drop(keep, "with a duplicate (nearest-neighbour distance 0)", "mle", notes)
     r = dist_NxK[keep]
     k = r.shape[1]
     inv_m = np.sum(np.log(r[:, -1:] / r), axis=1) / (k - 1)  # 1 / Levina-Bickel estimate
@@ -216,9 +226,9 @@ def _mle_from(dist_NxK: np.ndarray) -> float:
     return float(1.0 / mean_inv)
 
 
-def _mom_from(dist_NxK: np.ndarray) -> float:
+def _mom_from(dist_NxK: np.ndarray, notes: list | None = None) -> float:
     keep = dist_NxK[:, 0] < dist_NxK[:, -1]
-    _drop(keep, "whose k neighbour distances are all equal", "mom")
+    _drop(keep, "whose k neighbour distances are all equal", "mom", notes)
     r = dist_NxK[keep]
     w = r[:, -1]
     m1 = np.sum(r, axis=1) / r.shape[1]
@@ -258,10 +268,21 @@ def mom(X, k: int = 20) -> float:
     return _mom_from(_knn_checked(x_NxD, int(k)))
 
 
-def intrinsic_dimensions(X, k: int = 20, discard_fraction: float = 0.1) -> dict[str, float]:
-    """{"twonn", "mle", "mom"} from one neighbour search (TwoNN uses its first two columns)."""
+def intrinsic_dimensions(X, k: int = 20, discard_fraction: float = 0.1, *, min_kept: float = 0.0,
+                         notes: list | None = None) -> dict[str, float]:
+    """{"twonn", "mle", "mom"} from one neighbour search (TwoNN uses its first two columns).
+
+    min_kept: the least fraction of the points that may remain once those with an exact
+    duplicate are dropped; below it a UserError, as the dimension of a few distinct points says
+    little about the cloud (`extract --sample-states` passes MIN_KEPT_SAMPLE). notes: a list
+    that receives (estimator, dropped, of, why) for each drop instead of a warning."""
     f = _check_discard(discard_fraction)
     x_NxD = _as_points(X)
     _check_k(k, x_NxD.shape[0], 2)
     dist_NxK = _knn_checked(x_NxD, int(k))
-    return {"twonn": _twonn_from(dist_NxK, f), "mle": _mle_from(dist_NxK), "mom": _mom_from(dist_NxK)}
+    n, kept = dist_NxK.shape[0], int(np.count_nonzero(dist_NxK[:, 0] > 0))
+    if kept < min_kept * n:
+        raise UserError(f"only {kept:,} of {n:,} points have no exact duplicate (fewer than "
+                        f"{min_kept:.0%}): a degenerate sample")
+    return {"twonn": _twonn_from(dist_NxK, f, notes), "mle": _mle_from(dist_NxK, notes),
+            "mom": _mom_from(dist_NxK, notes)}

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from isojax import hf_files, isotropy, matrix_files
-from isojax.atomic import staged_dir
+from isojax import outdir
 from isojax.plots import weights as weight_plots
 from isojax.errors import UserError, run_command
 from isojax.config import paper_steps
@@ -192,13 +192,21 @@ def analyze_checkpoint(model: str, revision: str | None, tensors: list[str] | No
     return result
 
 
+def _matrix_key(path: pathlib.Path, key: str | None) -> str:
+    """How a --matrix names its plots and arrays: the file name without its extension (and .gz),
+    then _KEY: glove.6B.50d.txt -> glove.6B.50d, emb.safetensors:embed.weight -> emb_embed.weight."""
+    name = path.name.removesuffix(".gz")
+    stem = name.rsplit(".", 1)[0] if "." in name.lstrip(".") else name
+    return stem + (f"_{key}" if key is not None else "")
+
+
 def analyze_matrices(specs: list[str], out: pathlib.Path, plots: bool = True) -> dict:
     """Measure matrices from files (`PATH[:KEY]`, `isojax.matrix_files`); write and return the
     JSON `{"tensors": {spec: M}}`."""
     result: dict = {"tensors": {}}
     arrays: dict = {}
     files = [matrix_files.read_matrix(s) for s in specs]  # every input checked before the work
-    keys = _unique_safe([f.path.name + (f":{f.key}" if f.key is not None else "") for f in files])
+    keys = _unique_safe([_matrix_key(f.path, f.key) for f in files])
     for f, key in zip(files, keys):
         where = f"{f.path}" + (f" [{f.key}]" if f.key is not None else "")
         m = _measure(f.matrix, where, key, (_short_path(f.spec), ""), arrays, out, plots)
@@ -248,10 +256,9 @@ def _check_sources(args) -> None:
 def run(args) -> None:
     _check_sources(args)
     out = pathlib.Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise UserError(f"--out {out} already holds results; pass --overwrite to replace them")
+    # inputs: --model's folder, --matrix files (PATH or PATH:KEY; paths that do not exist are skipped)
+    inputs = [args.model or "", *(args.matrix or []), *(m.rpartition(":")[0] for m in args.matrix or [])]
+    outdir.check_path(out, inputs)
     if args.paper_steps:
         revisions = paper_steps()
     elif args.revisions:
@@ -266,13 +273,30 @@ def run(args) -> None:
         for t in args.tensor:
             if not t:
                 raise UserError("--tensor needs a tensor name")
-    with staged_dir(out) as tmp:
+    names = {"weights.json", "arrays.npz", "sweep.csv"}
+    with outdir.claim(out, overwrite=args.overwrite, names=names, inputs=inputs), outdir.staged(out) as tmp:
         if args.matrix:
             analyze_matrices(args.matrix, tmp, not args.no_plots)
         elif revisions is None:
             analyze_checkpoint(args.model, args.revision, args.tensor, tmp, not args.no_plots)
         else:
             _sweep(args, revisions, tmp)
+    _summary(out, revisions)
+
+
+def _summary(out: pathlib.Path, revisions: list[str] | None) -> None:
+    """The one line a successful run ends with: what was measured, I(W), where the results are."""
+    pngs = len(list(out.glob("*.png")))
+    if revisions is not None:
+        print(f"isojax: {len(revisions)} revisions measured; results in {out}/<revision>/ and {out}/sweep.csv"
+              + (f", {pngs} sweep plots" if pngs else ""), file=sys.stderr)
+        return
+    doc = json.loads((out / "weights.json").read_text())
+    groups = doc.get("tensors") or {k: doc[k] for k in ("embed_in", "embed_out")}
+    iso = [f"{name} {m['isotropy']:.4g}" for name, m in groups.items()]
+    more = f" and {len(iso) - 3} more" if len(iso) > 3 else ""
+    print(f"isojax: I(W) of {', '.join(iso[:3])}{more}; results in {out} (weights.json, arrays.npz"
+          + (f", {pngs} PNGs)" if pngs else ")"), file=sys.stderr)
 
 
 def _sweep(args, revisions: list[str], tmp: pathlib.Path) -> None:

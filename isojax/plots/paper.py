@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from isojax.plots.axes import few_ticks, layer_axis, legend_beside
 from isojax.plots.style import plt, styled
 
 
@@ -29,7 +30,8 @@ class Line:
 class Panel:
     title: str
     lines: list[Line]
-    xticks: list[tuple[float, str]] | None = None  # (position, label); None: automatic
+    layers: list[str] | None = None  # layer names at x = 0, 1, ...: named ticks; None: automatic
+    layer_labels: list[str] | None = None  # their tick labels; None: embed, 1 … L, final_ln
 
 
 def _grid(n: int, ncols_max: int = 3, width: float = 5.2, height: float = 3.9, **kw):
@@ -48,9 +50,10 @@ def _finite(values) -> np.ndarray:
 
 def lines(panels: list[Panel], xlabel: str, ylabel: str, title: str, xscale: str = "linear",
           sharey: bool = True, ncols: int = 3, width: float = 5.2):
-    """One axes per panel; a legend in each panel (outside on the right when it is long)."""
+    """One axes per panel, its legend beside it on the right (never over the lines)."""
     with styled():
-        fig, axes = _grid(len(panels), ncols, width=width, sharey=sharey)
+        legends = any(line.label for panel in panels for line in panel.lines)
+        fig, axes = _grid(len(panels), ncols, width=width + (1.8 if legends else 0.0), sharey=sharey)
         for ax, panel in zip(axes, panels):
             for line in panel.lines:
                 y = _finite(line.y)
@@ -58,19 +61,15 @@ def lines(panels: list[Panel], xlabel: str, ylabel: str, title: str, xscale: str
                 ax.plot(np.asarray(line.x, dtype=float), y, label=line.label, **style)
             if xscale == "log2":
                 ax.set_xscale("log", base=2)
-            if panel.xticks is not None:
-                ax.set_xticks([p for p, _ in panel.xticks], [s for _, s in panel.xticks],
-                              rotation=45 if len(panel.xticks) > 6 else 0, ha="right", fontsize=8,
-                              rotation_mode="anchor")
             ax.set(xlabel=xlabel, ylabel=ylabel)
             ax.set_title(panel.title, fontsize=10)
             ax.grid(True, alpha=0.3)
-            labelled = [line for line in panel.lines if line.label]
-            if len(labelled) > 6:
-                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-            elif labelled:
-                ax.legend(fontsize=8, loc="best")
+            if any(line.label for line in panel.lines):
+                legend_beside(ax, fontsize=7 if len(panel.lines) > 6 else 8)
         fig.suptitle(title, fontsize=12)
+        for ax, panel in zip(axes, panels):  # last: the ticks are fitted to the laid-out width
+            if panel.layers is not None:
+                layer_axis(ax, panel.layers, panel.layer_labels)
     return fig
 
 
@@ -78,8 +77,9 @@ def bars(categories: list[str], groups: list[tuple[str, Sequence[float]]], ylabe
          ylim: tuple[float, float] | None = None):
     """Grouped bars: one group of len(groups) bars per category, the value written on each bar."""
     with styled():
-        fig, ax = plt.subplots(figsize=(max(5.5, 1.1 * len(categories) * max(1, len(groups)) * 0.6 + 2.5), 4.4),
-                               layout="constrained")
+        legend = 1.8 if len(groups) > 1 else 0.0  # inches for the legend beside the bars
+        fig, ax = plt.subplots(figsize=(max(5.5, 1.1 * len(categories) * max(1, len(groups)) * 0.6 + 2.5) + legend,
+                                        4.4), layout="constrained")
         x = np.arange(len(categories))
         width = 0.8 / max(len(groups), 1)
         for i, (label, values) in enumerate(groups):
@@ -95,7 +95,7 @@ def bars(categories: list[str], groups: list[tuple[str, Sequence[float]]], ylabe
         ax.set_title(title, fontsize=11)
         ax.grid(True, axis="y", alpha=0.3)
         if len(groups) > 1:
-            ax.legend(fontsize=8, loc="best")
+            legend_beside(ax)
     return fig
 
 
@@ -117,5 +117,6 @@ def scatters(panels: list[tuple[str, np.ndarray]], title: str, ncols: int = 2):
             ax.axvline(0, color="grey", lw=0.5)
             ax.set_title(name, fontsize=9)
             ax.tick_params(labelsize=7)
+            few_ticks(ax)
         fig.suptitle(title, fontsize=12)
     return fig

@@ -8,6 +8,7 @@ import pathlib
 
 import numpy as np
 
+from isojax.plots.axes import layer_axis, legend_beside
 from isojax.plots.style import DPI, plt, styled
 
 
@@ -40,23 +41,6 @@ def title_for(metrics: dict, what: str) -> str:
     return head + ("\n" + " · ".join(details) if details else "")
 
 
-def _layer_axis(ax, names: list[str]) -> None:
-    """Layer names on the x axis: rotated when many, every k-th (plus the last) when more than 30."""
-    n = len(names)
-    step = max(1, math.ceil(n / 30))
-    ticks = list(range(0, n, step))
-    if n and ticks[-1] != n - 1:
-        if n - 1 - ticks[-1] <= step / 2:
-            ticks[-1] = n - 1
-        else:
-            ticks.append(n - 1)
-    ax.set_xticks(ticks)
-    ax.set_xticklabels([names[i] for i in ticks], rotation=45 if n > 6 else 0, ha="right" if n > 6 else "center",
-                       rotation_mode="anchor" if n > 6 else "default", fontsize=8 if n > 12 else 9)
-    ax.set_xlim(-0.5, max(n - 0.5, 0.5))
-    ax.set_xlabel("layer")
-
-
 def _plot(metrics: dict, names: list[str], lines: list[tuple], ylabel: str, what: str, path: pathlib.Path,
           log_if_wide: bool = False) -> pathlib.Path | None:
     """Draw `lines` = [(label, values, style_kwargs), ...]; all-NaN lines are skipped. None when nothing to draw."""
@@ -68,7 +52,9 @@ def _plot(metrics: dict, names: list[str], lines: list[tuple], ylabel: str, what
 
 
 def _draw(metrics, names, lines, ylabel, what, path, log_if_wide) -> pathlib.Path:
-    fig, ax = plt.subplots(figsize=(max(7.0, min(14.0, 0.25 * len(names) + 5)), 4.8))
+    legend = len(lines) > 1  # beside the axes, never over the data: the figure widens for it
+    width = max(7.0, min(14.0, 0.25 * len(names) + 5)) + (2.4 if legend else 0.0)
+    fig, ax = plt.subplots(figsize=(width, 4.8), layout="constrained")
     try:
         x = np.arange(len(names))
         for label, vals, kw in lines:
@@ -77,15 +63,15 @@ def _draw(metrics, names, lines, ylabel, what, path, log_if_wide) -> pathlib.Pat
             finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for _, v, _ in lines])
             if finite.size and finite.max() > 100 * finite.min():
                 ax.set_yscale("log")
-        _layer_axis(ax, names)
         ax.set_ylabel(ylabel)
+        ax.set_xlabel("layer")
         ax.set_title(title_for(metrics, what), fontsize=11)
         ax.grid(True, alpha=0.3)
         if ax.get_yscale() == "log":
             ax.grid(True, which="minor", alpha=0.12)
-        if len(lines) > 1:
-            ax.legend(fontsize=9, loc="best")
-        fig.tight_layout()
+        if legend:
+            legend_beside(ax, fontsize=9)
+        layer_axis(ax, names, fontsize=9)
         fig.savefig(path, dpi=DPI)
     finally:
         plt.close(fig)

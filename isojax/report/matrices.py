@@ -13,7 +13,7 @@ from isojax.errors import UserError
 from isojax.plots import paper
 from isojax.report.collect import Results, Run, finals, trainings, weights_value
 from isojax.report.document import Figures, Item, Section, Table
-from isojax.report.states import run_label
+from isojax.report.states import run_label, titled
 
 _ISO = [("isotropy", "I(W)"), ("isotropy_centered", "I(W − mean)"), ("isotropy_pc_removed", "I, top PCs removed")]
 _ISO_TABLE = ["isotropy", "isotropy_centered", "isotropy_pc_removed", "isotropy_scaled_centered", "mean_norm",
@@ -36,7 +36,7 @@ def isotropy(res: Results, figs: Figures) -> Section:
             continue
         fig = paper.bars([run_label(r) for r in rs],
                          [(label, [weights_value(r, f"{matrix}.{k}") for r in rs]) for k, label in _ISO],
-                         "I(W)", f"Isotropy of {matrix}, final checkpoints", ylim=(0, 1.08))
+                         "I(W)", titled(f"Isotropy of {matrix}", rs, final=True), ylim=(0, 1.08))
         rows = [[r.label, r.revision] + [weights_value(r, f"{matrix}.{k}") for k in _ISO_TABLE] for r in rs]
         sec.items.append(figs.add(fig, f"isotropy_{matrix}_sizes",
                                   f"I(W) of {matrix} uncentered, centered and with the top principal components "
@@ -54,7 +54,8 @@ def isotropy(res: Results, figs: Figures) -> Section:
                                         {"color": f"C{i}", "linestyle": dash}))
             rows += [[r.label, r.revision, r.step] + [weights_value(r, k) for k in
                      ("embed_out.isotropy", "embed_out.isotropy_centered", "embed_in.isotropy")] for r in rs]
-        fig = paper.lines([paper.Panel("", lines)], "training step", "I(W)", "Isotropy during training",
+        fig = paper.lines([paper.Panel("", lines)], "training step", "I(W)",
+                          titled("Isotropy during training", [r for rs in series.values() for r in rs]),
                           ncols=1, width=7.5)
         sec.items.append(figs.add(fig, "isotropy_training", "I(W) of the unembedding (solid) and embedding (dashed) "
                                   "across training checkpoints (paper Fig. 7).",
@@ -77,7 +78,7 @@ def layer_norm(res: Results, figs: Figures) -> Section:
     if rs:
         fig = paper.bars([run_label(r) for r in rs], [(k, [weights_value(r, f"final_ln.{k}") for r in rs])
                                                       for k in ("avgnorm_g", "avgnorm_b")],
-                         "avgnorm", "Final LayerNorm g and b, final checkpoints")
+                         "avgnorm", titled("Final LayerNorm g and b", rs, final=True))
         rows = [[r.label, r.revision] + [weights_value(r, f"final_ln.{k}") for k in _LN_TABLE] for r in rs]
         sec.items.append(figs.add(fig, "layernorm_sizes", "avgnorm of g and b per model (paper Fig. 8).",
                                   Table(["model", "revision"] + _LN_TABLE, rows)))
@@ -93,7 +94,8 @@ def layer_norm(res: Results, figs: Figures) -> Section:
                                  {"color": f"C{i}", "linestyle": "--"})]
             rows += [[r.label, r.revision, r.step] + [weights_value(r, f"final_ln.{k}") for k in
                      ("avgnorm_g", "avgnorm_b", "b_over_g")] for r in rs]
-        fig = paper.lines([paper.Panel("", lines)], "training step", "avgnorm", "Final LayerNorm during training",
+        fig = paper.lines([paper.Panel("", lines)], "training step", "avgnorm",
+                          titled("Final LayerNorm during training", [r for rs in series.values() for r in rs]),
                           ncols=1, width=7.5)
         sec.items.append(figs.add(fig, "layernorm_training", "avgnorm of g (solid) and b (dashed) across training "
                                   "checkpoints (paper Fig. 9).",
@@ -114,7 +116,8 @@ def _proj(run: Run, key: str):
         raise UserError(f"{path}: unreadable ({e})") from None
 
 
-def _svd_figure(figs: Figures, runs: list[Run], name: str, title: str, caption: str, ncols: int):
+def _svd_figure(figs: Figures, runs: list[Run], name: str, title: str, caption: str, ncols: int,
+                final: bool = False):
     panels, rows, cells = [], [], []
     for variant in ("", "_centered"):
         for r in runs:
@@ -131,7 +134,8 @@ def _svd_figure(figs: Figures, runs: list[Run], name: str, title: str, caption: 
         xy2 = np.asarray(xy, dtype=float).reshape(len(xy), -1)
         rows.append([r.label, r.revision, kind, len(xy2)] + [float(v) for v in xy2.mean(0)[:2]]
                     + [float(v) for v in xy2.std(0)[:2]])
-    fig = paper.scatters(panels, title, ncols=ncols)
+    drawn = [r for r in runs if any(c[0] is r for c in cells)]
+    fig = paper.scatters(panels, titled(title, drawn, final=final), ncols=ncols)
     return figs.add(fig, name, caption, Table(["model", "revision", "variant", "rows", "mean x", "mean y", "std x",
                                                "std y"], rows))
 
@@ -140,8 +144,8 @@ def svd(res: Results, figs: Figures) -> Section:
     sec = Section("svd", "2-D SVD projections of the unembedding",
                   "Rows of embed_out projected on its first two singular directions, coloured by token id; "
                   "centered: after subtracting the mean row; paper §4.4.")
-    item = _svd_figure(figs, finals(res.weights), "svd2d_embed_out", "embed_out, final checkpoints",
-                       "2-D SVD projections of the unembedding of each model (paper Fig. 10).", 2)
+    item = _svd_figure(figs, finals(res.weights), "svd2d_embed_out", "embed_out",
+                       "2-D SVD projections of the unembedding of each model (paper Fig. 10).", 2, final=True)
     if item:
         sec.items.append(item)
     for model, rs in trainings(res.weights).items():

@@ -8,6 +8,7 @@ import math
 import re
 
 from isojax.plots import paper
+from isojax.plots.axes import layer_label
 from isojax.report.collect import Results, Run, finals, layer_names, layer_value, number, resolve_layer, trainings
 from isojax.report.document import Figures, Section, Table
 
@@ -26,6 +27,27 @@ def run_label(run: Run) -> str:
     return run.label + ("" if run.revision == "main" else f" @ {run.revision}")
 
 
+def titled(text: str, runs: list[Run], final: bool = False) -> str:
+    """A figure title: `text` (+ ", final checkpoints"), and RANDOM WEIGHTS when runs drawn in it
+    have random weights (named unless all have: then they are no checkpoints either)."""
+    rand = [r for r in runs if r.random]
+    if rand and len(rand) == len(runs):
+        return f"{text} — RANDOM WEIGHTS"
+    text += ", final checkpoints" if final else ""
+    return text + (f" — RANDOM WEIGHTS: {', '.join(run_label(r) for r in rand)}" if rand else "")
+
+
+def _layer_axis(runs: list[Run]) -> tuple[list[str], list[str], str]:
+    """(names, tick labels, x label) of a layer axis shared by runs: their names when all have the
+    same layers; else the deepest run's, its final_ln shown as the number L + 1 (the shallower
+    models' final_ln stand at their own L + 1)."""
+    deepest = max((layer_names(r) for r in runs), key=len)
+    if all(layer_names(r) == deepest for r in runs):
+        return deepest, [layer_label(n) for n in deepest], "layer"
+    labels = [layer_label(n) for n in deepest[:-1]] + [str(len(deepest) - 1)]
+    return deepest, labels, "layer (embed = 0, block i = i, final_ln = L + 1 of each model)"
+
+
 def _has(run: Run, metric: str, layers=None) -> bool:
     return any(math.isfinite(number(layer.get(metric))) for layer in (layers or run.data.get("layers") or []))
 
@@ -37,8 +59,9 @@ def _by_layer(figs: Figures, runs: list[Run], metric: str, fig_no: str):
     lines = [paper.Line(run_label(r), range(len(r.data["layers"])),
                         [number(layer.get(metric)) for layer in r.data["layers"]]) for r in runs]
     what = _LABELS.get(metric, metric)
-    fig = paper.lines([paper.Panel("", lines)], "layer (0 = embed, L+1 = final_ln)", what,
-                      f"{what} per layer, final checkpoints", ncols=1, width=7.5)
+    names, labels, xlabel = _layer_axis(runs)
+    fig = paper.lines([paper.Panel("", lines, names, labels)], xlabel, what,
+                      titled(f"{what} per layer", runs, final=True), ncols=1, width=7.5)
     names = sorted({n for r in runs for n in layer_names(r)}, key=_layer_order)
     rows = [[n] + [layer_value(r, metric, n) for r in runs] for n in names]
     caption = (f"{what} of every layer{fig_no}. Each model at its final checkpoint "
@@ -61,7 +84,8 @@ def _training(figs: Figures, series: dict[str, list[Run]], metric: str, fig_no: 
         rows += [[r.label, r.revision, r.step, resolve_layer(layer_names(r), "block_L"), a, b]
                  for r, a, b in zip(rs, last, ln)]
     fig = paper.lines([paper.Panel("", lines)], "training step", what,
-                      f"{what} of the last layer during training", ncols=1, width=7.5)
+                      titled(f"{what} of the last layer during training", [r for rs in series.values() for r in rs]),
+                      ncols=1, width=7.5)
     caption = f"{what} of the last block (solid) and the final LayerNorm (dashed) across training checkpoints{fig_no}."
     return figs.add(fig, f"{metric}_last_layer_training", caption,
                     Table(["model", "revision", "step", "last block", "block_L", "final_ln"], rows))
@@ -121,7 +145,8 @@ def shape_of_learning(res: Results, figs: Figures) -> Section:
             lines.append(paper.Line(rs[0].label, [r.step for r in rs], means, {"color": f"C{i}"}))
             rows += [[r.label, r.revision, r.step, m] for r, m in zip(rs, means)]
         fig = paper.lines([paper.Panel("", lines)], "training step", "mean intrinsic dimension (TwoNN)",
-                          "Intrinsic dimension averaged over layers during training", ncols=1, width=7.5)
+                          titled("Intrinsic dimension averaged over layers during training",
+                                 [r for rs in series.values() for r in rs]), ncols=1, width=7.5)
         sec.items.append(figs.add(fig, "intrinsic_dimension_training",
                                   "TwoNN intrinsic dimension averaged over the layers (embed left out) across "
                                   "training checkpoints (The Shape of Learning, Fig. 4).",
@@ -143,7 +168,7 @@ def bands(res: Results, figs: Figures) -> Section:
     sec = Section("bands", "IntraSim by token frequency",
                   "Mean IntraSim of the token types whose count lies in [lo, 2·lo), per band: do rare tokens "
                   "drift apart (Biś et al., *Too Much in Common*)?")
-    panels, rows = [], []
+    panels, rows, drawn = [], [], []
     for run in finals(res.extract):
         by_name = {str(layer.get("name")): layer for layer in run.data["layers"]}
         lines = []
@@ -156,24 +181,16 @@ def bands(res: Results, figs: Figures) -> Section:
                      for b in band]
         if lines:
             panels.append(paper.Panel(run_label(run), lines))
+            drawn.append(run)
     if not panels:
         sec.note = "No extract results with `intra_sim_by_band` (runs with token statistics): section left out."
         return sec
-    fig = paper.lines(panels, "token count (band lower bound)", "IntraSim", "IntraSim by token-frequency band",
-                      xscale="log2")
+    fig = paper.lines(panels, "token count (band lower bound)", "IntraSim",
+                      titled("IntraSim by token-frequency band", drawn, final=True), xscale="log2")
     sec.items.append(figs.add(fig, "intra_sim_by_band", "IntraSim per frequency band of the token count, for the "
                               "embedding, a middle block, the last block and the final LayerNorm; final checkpoints.",
                               Table(["model", "layer", "band lo", "band hi", "token types", "intra_sim"], rows)))
     return sec
-
-
-def _layer_ticks(names: list[str]) -> list[tuple[int, str]]:
-    """At most ~14 labels, the last (final_ln) always among them."""
-    step = max(1, math.ceil(len(names) / 14))
-    ticks = list(range(0, len(names) - 1, step)) + [len(names) - 1]
-    if len(ticks) > 2 and ticks[-1] - ticks[-2] < step / 2:
-        del ticks[-2]
-    return [(j, names[j]) for j in ticks]
 
 
 def _source_panel(run: Run, metric: str, sources: dict[str, dict]) -> paper.Panel:
@@ -186,7 +203,7 @@ def _source_panel(run: Run, metric: str, sources: dict[str, dict]) -> paper.Pane
         label = f"{src} ({tokens:,} tok)" if isinstance(tokens, int) else src
         lines.append(paper.Line(label, x, [layer_value(run, metric, n, entry.get("layers") or []) for n in names],
                                 {"color": f"C{i % 10}"}))
-    return paper.Panel(run_label(run), lines, _layer_ticks(names))
+    return paper.Panel(run_label(run), lines, names)
 
 
 def sources(res: Results, figs: Figures) -> Section:
@@ -194,12 +211,13 @@ def sources(res: Results, figs: Figures) -> Section:
                   "(paper §4.1.1 found no significant differences between sources).")
     runs = [r for r in finals(res.extract) if isinstance(r.data.get("sources"), dict) and r.data["sources"]]
     for metric in ("inter_sim", "anisotropy"):
-        panels, table = [], []  # table: (model, layer, {column: value})
+        panels, table, drawn = [], [], []  # table: (model, layer, {column: value})
         for run in runs:
             srcs = {str(k): v for k, v in sorted(run.data["sources"].items()) if isinstance(v, dict)}
             if not any(_has(run, metric, s.get("layers")) for s in srcs.values()):
                 continue
             panels.append(_source_panel(run, metric, srcs))
+            drawn.append(run)
             for n in layer_names(run):
                 table.append((run.label, n, {"all": layer_value(run, metric, n), **{
                     src: layer_value(run, metric, n, e.get("layers") or []) for src, e in srcs.items()}}))
@@ -208,7 +226,7 @@ def sources(res: Results, figs: Figures) -> Section:
         what = _LABELS.get(metric, metric)
         columns = list(dict.fromkeys(c for _, _, vals in table for c in vals))
         rows = [[model, layer] + [vals.get(c, math.nan) for c in columns] for model, layer, vals in table]
-        fig = paper.lines(panels, "layer", what, f"{what} by source", ncols=2, width=6.5)
+        fig = paper.lines(panels, "layer", what, titled(f"{what} by source", drawn, final=True), ncols=2, width=6.5)
         sec.items.append(figs.add(fig, f"sources_{metric}", f"{what} per layer for each source (thick grey: all "
                                   "sources together); final checkpoints.", Table(["model", "layer"] + columns, rows)))
     if not sec.items:
