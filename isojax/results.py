@@ -21,6 +21,15 @@ def result_names(final: dict, plots: bool) -> set[str]:
             | ({"samples.zarr"} if final.get("sample") is not None else set()))
 
 
+def output_bytes(cfg, *, token_stats: bool, save_token_sums: bool, sample_states: int) -> int:
+    """An upper bound of the bytes a run's results take in --out (uncompressed; the figures and
+    JSON files within the 64 MB added): per-token counts and IntraSim [V] + [S, V], unit sums
+    [S, V, D] float64 with --save-token-sums, the sample [S, K, D] float32, three spectra [S, D]."""
+    S, V, D = cfg.num_states, cfg.vocab_size, cfg.hidden_size
+    tokens = 8 * V * (1 + S) + (8 * S * V * D if save_token_sums else 0) if token_stats else 0
+    return tokens + 4 * S * sample_states * D + 3 * 8 * S * D + (64 << 20)
+
+
 def json_safe(x):
     """JSON-safe: NaN/inf -> null, numpy scalars -> Python."""
     if isinstance(x, dict):

@@ -205,3 +205,24 @@ def test_remove_keeps_what_isojax_did_not_write(tmp_path):
     (tmp_path / "ck" / "my_model.pt").unlink()
     checkpointing.remove(tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+def test_result_files_hold_every_sampled_and_summed_value_exactly(tmp_path):
+    """The other files a run writes from device arrays: a bfloat16 sample goes to samples.zarr as
+    float32 (every bf16 value exactly), per-token counts as int64, unit sums as float64."""
+    import ml_dtypes
+    import tensorstore as ts
+
+    from isojax.results import _write_data
+    rng = np.random.default_rng(3)
+    sample = rng.normal(size=(3, 7, 5)).astype(ml_dtypes.bfloat16)
+    sums = rng.normal(size=(3, 11, 5))
+    count = rng.integers(0, 1 << 40, 11)
+    final = {"token": {"count_V": count, "intra_sim_SxV": rng.normal(size=(3, 11))}, "sample": lambda s: sample[s]}
+    _write_data(tmp_path, {"layers": [{"name": "embed"}]}, final, ["embed", "block_1", "final_ln"], lambda s: sums[s])
+    read = lambda name: ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / name)}}
+                                ).result().read().result()
+    got = read("samples.zarr/states")
+    assert got.dtype == np.float32 and np.array_equal(got.astype(ml_dtypes.bfloat16).view(np.uint16), sample.view(np.uint16))
+    assert read("tokens.zarr/count").dtype == np.int64 and np.array_equal(read("tokens.zarr/count"), count)
+    assert read("tokens.zarr/unit_sum").tobytes() == sums.tobytes()

@@ -250,7 +250,7 @@ def test_bad_inputs_exit_cleanly(tmp_path, small_vocab_checkpoint):
         assert proc.returncode == 2, (args, proc.stderr[-1500:])
         assert "Traceback" not in proc.stderr and needle in proc.stderr, (args, proc.stderr[-1500:])
     proc = run_cli("--model", "random:pythia-70m", "--out", tmp_path / "done", env=env)
-    assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    assert proc.returncode == 2 and "isojax did not write" in proc.stderr  # a metrics.json of the user's
     assert (tmp_path / "done" / "metrics.json").read_text() == "{}"  # untouched
 
 

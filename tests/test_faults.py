@@ -38,3 +38,18 @@ def test_device_out_of_memory_names_the_flags():
     assert explain(RuntimeError("INTERNAL: something else")) is None
     with pytest.raises(RuntimeError):  # a bug stays a traceback
         run_command(_raises(RuntimeError("INTERNAL: something else")), None)
+
+
+def test_results_that_cannot_fit_the_disk_are_refused_before_any_work(small_disk, tmp_path):
+    """pythia-70m's per-token arrays alone need ~3.6 MB: a 1 MB --out is refused at once, before any
+    weights load, and nothing is left there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    disk = small_disk("disk", 1024)
+    proc = subprocess.run([sys.executable, "-m", "isojax.extract", "--model", "random:pythia-70m", "--out",
+                           str(disk / "out")], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+                          env={**__import__("os").environ, "ISOJAX_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2 and "GB free" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "model random:pythia-70m" not in proc.stderr  # refused before the model was loaded
+    assert list(disk.iterdir()) == []

@@ -176,3 +176,20 @@ def test_sweep_of_two_revisions_killed_and_resumed(lane):
     assert "done earlier" in again.stderr and "resuming after" in again.stderr, again.stderr[-3000:]
     for rev in ("step1000", "step2000"):
         assert_close(metrics(lane, f"sweep/repo/{rev}"), metrics(lane, f"sweep-resumed/repo/{rev}"), f"sweep {rev}")
+
+
+def test_too_little_device_memory_is_one_clear_error(lane):
+    """A GPU shared down to 3% of its memory: refused with one `error:` line naming the flags that
+    lower memory (by the plan before allocating, or by XLA's out-of-memory at compile or in the
+    loop), never a traceback."""
+    if _gpus() < 1:
+        pytest.skip("needs a GPU")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "ISOJAX_CACHE": str(lane / "cache"),
+           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.03"}
+    proc = subprocess.run([sys.executable, "-m", "isojax.extract", "--model", "random:pythia-1b", "--data",
+                           str(lane / "corpus.jsonl.gz"), "--no-plots", "--out", str(lane / "oom")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith("error:") and ("--batch-tokens" in last or "--mesh" in last), last
+    assert not (lane / "oom" / "metrics.json").exists()
