@@ -93,8 +93,7 @@ def parse_mesh(spec: str | None) -> dict[str, int]:
 def use_gspmd_partitioner() -> None:
     """XLA's Shardy partitioner segfaults compiling isojax's step for 2 or more GPUs (jax 0.11.2,
     CUDA 13, H100/H200: in the shardy-xla pass, for the forward alone and for the statistics
-    alone; single-device programs and small shard_map programs compile; bench/bisect_multi_gpu.py,
-    bench/RESULTS.md). The GSPMD partitioner compiles and runs it, so isojax uses GSPMD on every
+    alone; single-device programs and small shard_map programs compile; bench/RESULTS.md §7). The GSPMD partitioner compiles and runs it, so isojax uses GSPMD on every
     backend (the CPU tests then exercise what the GPUs run)."""
     if hasattr(jax.config, "jax_use_shardy_partitioner") and jax.config.jax_use_shardy_partitioner:
         jax.config.update("jax_use_shardy_partitioner", False)
