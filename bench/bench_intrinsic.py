@@ -1,8 +1,8 @@
 """Time isojax.intrinsic (accelerator) against scikit-dimension (CPU) on low-dimensional data.
 
-    PYTHONPATH=. python bench/bench_intrinsic.py                       # 100k x 2048, twonn + mle
-    PYTHONPATH=. python bench/bench_intrinsic.py --n 5000 --d 256      # small, runs on CPU
-    PYTHONPATH=. python bench/bench_intrinsic.py --skdim-n 20000       # skdim on 20k rows only
+    PYTHONPATH=. python -m bench.bench_intrinsic                       # 100k x 2048, twonn + mle
+    PYTHONPATH=. python -m bench.bench_intrinsic --n 5000 --d 256      # small, runs on CPU
+    PYTHONPATH=. python -m bench.bench_intrinsic --skdim-n 20000       # skdim on 20k rows only
 
 Data: a `--latent`-dim standard Gaussian through a random linear map to D dims plus Gaussian
 noise (`--noise` per coordinate), float32. isojax times exclude compilation (shown apart:

@@ -1,7 +1,7 @@
 """Where loading a Hugging Face checkpoint's seconds go (issue 12): reading the safetensors files
 into host memory, copying host arrays to the device, and isojax's load_model as a whole.
 
-    python bench/bench_load.py --model /tmp/e2e/model      # a local Hugging Face directory
+    python -m bench.bench_load --model /tmp/e2e/model      # a local Hugging Face directory
 
 Rows (seconds, the best of --repeats; the files are in the page cache after the first):
   read            CheckpointReader.read of every tensor into numpy (safetensors get_tensor)
@@ -17,10 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
 
 
 def best(fn, repeats: int) -> float:

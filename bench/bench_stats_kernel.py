@@ -1,7 +1,7 @@
 """Kernel benchmark of one state's statistics update (isojax.stats), one state at a time.
 
-    python bench/bench_stats_kernel.py            # GPU matrix, ~4 min on one H100
-    python bench/bench_stats_kernel.py --quick    # tiny sizes, runs on CPU
+    python -m bench.bench_stats_kernel            # GPU matrix, ~4 min on one H100
+    python -m bench.bench_stats_kernel --quick    # tiny sizes, runs on CPU
 
 Per-token variants (all add the unit vectors of N positions into a [V, D] float32 table):
   scatter_add         tok.at[ids].add(u): plain float32 scatter-add, contended, no compensation

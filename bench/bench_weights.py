@@ -1,6 +1,6 @@
 """Time isojax.isotropy on random matrices of Pythia shapes (CPU, float64).
 
-    PYTHONPATH=. python bench/bench_weights.py [--dims 512,2048,5120] [--rows 50688]
+    PYTHONPATH=. python -m bench.bench_weights [--dims 512,2048,5120] [--rows 50688]
 
 Prints one row per matrix size with the seconds of each phase; writes the table to
 $OUT/bench_weights.txt when OUT is set. Random Gaussian rows plus a common offset, stored

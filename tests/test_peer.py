@@ -6,8 +6,6 @@ final LayerNorm) and does all the statistics in float64 numpy. The peer runs pad
 masked, multi-sentence batches in float32.
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import peer_hf, workload  # noqa: E402
+from bench import common as workload, peer_hf
 
 D, L, HEADS, VOCAB, FF = 64, 2, 4, 512, 256
 

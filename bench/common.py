@@ -1,4 +1,5 @@
-"""Synthetic workload for the throughput benchmark: sentence lengths, token ids, model shapes.
+"""Helpers the benchmarks share: the synthetic workload (sentence lengths, token ids, model shapes),
+its packing through isojax's packer, and a median timer.
 
 The paper's throughput figures (Machina & Mercer 2024, Table 3) are over Enron Emails split
 into sentences: 107M tokens in 3.2M sentences, a mean of ≈ 33 tokens. We draw sentence
@@ -112,3 +113,29 @@ def flops_per_token(shape: tuple[int, int, int, int, int], gram: bool = True) ->
     if gram:
         flops += 2.0 * d * d * (n_layers + 2)
     return flops
+
+
+def timed(f, *args, reps: int = 20) -> float:
+    """Median milliseconds of f(*args) over reps calls, after one call that compiles."""
+    import statistics
+    import time
+
+    import jax
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def pack_in_memory(tokens, offsets, rows, row_len):
+    """Packed [B, T] batches of the workload through isojax's own packer (before timing)."""
+    from isojax.data.packing import pack_batches
+    from isojax.data.tokens import TokenCache
+    cache = TokenCache(tokens=tokens, offsets=offsets, source_ids=np.zeros(len(offsets) - 1, np.int16),
+                       source_names=["synthetic"], fingerprint="bench", max_len=row_len, path=Path("."),
+                       from_cache=False, meta={})
+    batches = list(pack_batches(cache, rows=rows, row_len=row_len, prefetch=0))
+    return [(b.tokens_BxT, b.segment_ids_BxT, b.positions_BxT, b.n_tokens) for b in batches]
