@@ -1,6 +1,6 @@
 """Issue 13 experiment: attention of one layer, from the fused qkv projection to [B, T, H, K],
 as the model runs it on GPUs: XLA's rotary and v slice then cuDNN (the default), against
-isojax.packed_attention (rotary in the kernel, key blocks outside the query block's sequences
+isojax.kernels.packed_attention (rotary in the kernel, key blocks outside the query block's sequences
 skipped), on the throughput benchmark's packed sentences.
 
     python -m bench.bench_attention [--row-len 512]
@@ -23,9 +23,9 @@ from bench.bench_throughput import DEFAULT_BATCH_TOKENS
 from bench.common import pack_in_memory
 from bench.common import random_sentences, sentence_lengths
 
-from isojax import packed_attention
-from isojax.config import preset
-from isojax.model import apply_rotary, rotary_tables, segment_mask
+from isojax.kernels import packed_attention
+from isojax.model.config import preset
+from isojax.model.ops import apply_rotary, rotary_tables, segment_mask
 
 
 def cudnn_path(qkv, cos, sin, seg):

@@ -30,7 +30,8 @@ import scipy.linalg
 
 jax.config.update("jax_enable_x64", True)
 
-from isojax import finalize, stats
+from isojax.stats import finalize
+from isojax.stats import accumulators as stats
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import timed
-from isojax.kernels import Tiles, available, dense_gelu
-from isojax.model import gelu
+from isojax.kernels.mlp import Tiles, available, dense_gelu
+from isojax.model.ops import gelu
 
 SHAPES = {"pythia-70m": (262144, 512, 2048), "pythia-410m": (262144, 1024, 4096), "pythia-1.4b": (65536, 2048, 8192)}
 

@@ -7,7 +7,7 @@ Rows (seconds, the best of --repeats; the files are in the page cache after the 
   read            CheckpointReader.read of every tensor into numpy (safetensors get_tensor)
   device_put      jax.device_put of those numpy arrays (pageable host memory), one at a time
   via pinned      the same arrays put into "pinned_host" memory first, then onto the device
-  load_model      isojax.loading.load_model: read, copy and build the parameter tree (bf16)
+  load_model      isojax.hf.loading.load_model: read, copy and build the parameter tree (bf16)
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from isojax.hf_files import CheckpointReader
-    from isojax.loading import load_model
+    from isojax.hf.files import CheckpointReader
+    from isojax.hf.loading import load_model
 
     reader = CheckpointReader(Path(args.model))
     names = reader.names()

@@ -1,5 +1,5 @@
 """Issue 13: a parallel-residual block's two LayerNorms, XLA's two kernels against one Pallas
-kernel (isojax.norm_kernel), at each model's batch shape. (GPU only.)
+kernel (isojax.kernels.norm), at each model's batch shape. (GPU only.)
 
     python -m bench.bench_norm
 
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import timed
-from isojax import norm_kernel
-from isojax.model import LayerNorm
+from isojax.kernels import norm as norm_kernel
+from isojax.model.gpt_neox import LayerNorm
 
 SHAPES = {"pythia-70m": (262144, 512), "pythia-410m": (262144, 1024), "pythia-1.4b": (65536, 2048)}
 

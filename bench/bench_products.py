@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import timed
-from isojax.kernels import available, dense_gelu
+from isojax.kernels.mlp import available, dense_gelu
 
 SHAPES = {"pythia-410m up": (262144, 1024, 4096), "pythia-1.4b up": (65536, 2048, 8192),
           "pythia-1.4b down": (65536, 8192, 2048)}

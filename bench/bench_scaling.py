@@ -42,12 +42,13 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
         reserve: bool = True, mlp_kernel: str = "xla", attention: str | None = None) -> dict:
     import jax.numpy as jnp
 
-    from isojax import checkpointing, parallel
-    from isojax.config import preset
-    from isojax.loading import random_params
-    from isojax.model import GPTNeoX
-    from isojax.options import ForwardOptions
-    from isojax.runner import Runner
+    from isojax.device import checkpoints as checkpointing
+    from isojax.device import mesh as parallel
+    from isojax.model.config import preset
+    from isojax.hf.loading import random_params
+    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.model.options import ForwardOptions
+    from isojax.device.runner import Runner
     cfg = preset(name)
     mesh = parallel.make_mesh({"data": k // model_axis, "model": model_axis}, devices=jax.devices()[:k])
     rows = k * (batch_per_device or per_device_batch(cfg)) // row_len

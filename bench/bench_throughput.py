@@ -53,12 +53,12 @@ def bf16_matmul_rate() -> float:
 
 def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, mlp_kernel="xla",
                norm_kernel="xla", gram_block=512, warmup=2):
-    from isojax.config import preset
-    from isojax.loading import random_params
-    from isojax import parallel
-    from isojax.model import GPTNeoX
-    from isojax.options import ForwardOptions, StatsOptions
-    from isojax.runner import Runner
+    from isojax.model.config import preset
+    from isojax.hf.loading import random_params
+    from isojax.device import mesh as parallel
+    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.model.options import ForwardOptions, StatsOptions
+    from isojax.device.runner import Runner
     cfg = preset(name)
     rows = max(1, batch_tokens // row_len)
     t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     lines = [f"card: {dev.device_kind}; jax {jax.__version__}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s"]
     rows_out = []
-    from isojax import kernels
+    from isojax.kernels import mlp as kernels
     mlp_kernels = args.mlp_kernel.split(",") if args.mlp_kernel else ["xla"] + ["mosaic"] * kernels.available()
     for name in args.models.split(","):
         n = int(args.tokens or DEFAULT_TOKENS.get(name, 1e6))

@@ -99,7 +99,7 @@ def main() -> int:
 
         def drain(parts=parts, way=way):
             if way == "writer":
-                from isojax import checkpointing
+                from isojax.device import checkpoints as checkpointing
                 shutil.rmtree(args.dir, ignore_errors=True)
                 Path(args.dir).mkdir(parents=True)
                 checkpointing._write_shards(Path(args.dir), [(f"a{i}.npy", p) for i, p in enumerate(parts)])

@@ -35,12 +35,12 @@ from bench.common import pack_in_memory
 from bench.common import random_sentences, sentence_lengths
 import dataclasses
 
-from isojax import parallel
-from isojax.config import preset
-from isojax.loading import random_params
-from isojax.model import GPTNeoX
-from isojax.options import ForwardOptions, StatsOptions
-from isojax.runner import Runner
+from isojax.device import mesh as parallel
+from isojax.model.config import preset
+from isojax.hf.loading import random_params
+from isojax.model.gpt_neox import GPTNeoX
+from isojax.model.options import ForwardOptions, StatsOptions
+from isojax.device.runner import Runner
 
 ALL = ("fwd_nocausal,fwd,fwd_gelu_xla,fwd_xla,nostats_tok,full,full_chunkN,full_chunk2048,"
        "full_chunk8192,full_gram1,full_hint,full_256,full_b256k")

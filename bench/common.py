@@ -28,7 +28,7 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def _preset_shape(name: str) -> tuple[int, int, int, int, int]:
-    # The JSON presets, not isojax.config: the peer runs where torch is and jax may not be.
+    # The JSON presets, not isojax.model.config: the peer runs where torch is and jax may not be.
     c = json.loads((CONFIGS_DIR / f"{name}.json").read_text())
     return (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["vocab_size"],
             c["intermediate_size"])
@@ -93,7 +93,7 @@ def random_sentences(
 def non_embedding_params(shape: tuple[int, int, int, int, int]) -> int:
     """Parameters outside embed_in / embed_out, biases and LayerNorms included.
 
-    Same count as isojax.config.GPTNeoXConfig.non_embedding_params, for bare shape tuples
+    Same count as isojax.model.config.GPTNeoXConfig.non_embedding_params, for bare shape tuples
     (tests/test_peer.py checks that they agree)."""
     d, n_layers, _, _, ff = shape
     attn = (d * 3 * d + 3 * d) + (d * d + d)

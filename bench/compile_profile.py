@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax import parallel
-from isojax.options import ForwardOptions, StatsOptions
-from isojax.config import preset
-from isojax.loading import random_params
-from isojax.model import GPTNeoX
-from isojax.runner import Runner
+from isojax.device import mesh as parallel
+from isojax.model.options import ForwardOptions, StatsOptions
+from isojax.model.config import preset
+from isojax.hf.loading import random_params
+from isojax.model.gpt_neox import GPTNeoX
+from isojax.device.runner import Runner
 
 
 def timed_compile(label, fn, *args):

@@ -118,12 +118,12 @@ def main() -> int:
     import jax.numpy as jnp
     from bench.common import pack_in_memory
     from bench.common import random_sentences, sentence_lengths
-    from isojax.config import preset
-    from isojax.loading import random_params
-    from isojax.model import GPTNeoX
-    from isojax.runner import Runner
-    from isojax import parallel
-    from isojax.options import ForwardOptions
+    from isojax.model.config import preset
+    from isojax.hf.loading import random_params
+    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.device.runner import Runner
+    from isojax.device import mesh as parallel
+    from isojax.model.options import ForwardOptions
     cfg = preset(args.model)
     n_batches = args.steps + 2
     lengths = sentence_lengths(int(args.rows * args.row_len * (n_batches + 1)), seed=1, max_len=args.row_len)

@@ -17,9 +17,9 @@ import importlib
 
 # Loaded on first use: the tokenizer's worker processes import isojax.data alone, without JAX
 # (importing JAX in each of 16 workers held back a first run's first tokens by seconds).
-_WHERE = {"Results": "isojax.api", "measure": "isojax.api", "GPTNeoXConfig": "isojax.config",
-          "preset": "isojax.config", "preset_names": "isojax.config", "UserError": "isojax.errors",
-          "LoadedModel": "isojax.loading", "load_model": "isojax.loading"}
+_WHERE = {"Results": "isojax.run.measure", "measure": "isojax.run.measure", "GPTNeoXConfig": "isojax.model.config",
+          "preset": "isojax.model.config", "preset_names": "isojax.model.config", "UserError": "isojax.errors",
+          "LoadedModel": "isojax.hf.loading", "load_model": "isojax.hf.loading"}
 
 __all__ = sorted(_WHERE)
 

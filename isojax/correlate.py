@@ -1,4 +1,5 @@
 """Correlation of isotropy metrics with downstream scores: `python -m isojax.correlate`.
+Length: one command end to end (reading series, scores, the permutation tests, the table), read top down.
 
     python -m isojax.correlate out/sweep out/weights-sweep --scores lm-eval-out/ --out correlation.json
 
@@ -40,7 +41,8 @@ import warnings
 
 import numpy as np
 
-from isojax import outdir
+from isojax.log import log
+from isojax.run import outdir
 from isojax.errors import UserError, run_command
 from isojax.report import collect
 from isojax.report.collect import Results, Run, model_key
@@ -315,7 +317,7 @@ def _check_missing(runs: list[Run], table: dict, scores: list[Score], tasks, all
         raise UserError(f"no downstream score for {len(missing)} result(s) (--allow-missing skips them): "
                         + "; ".join(missing[:5]) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else ""))
     for line in missing:
-        print(f"isojax: warning: skipped, no score: {line}", file=sys.stderr)
+        log(f"warning: skipped, no score: {line}")
 
 
 def _groups(runs: list[Run], by: str) -> list[tuple[str, list[Run]]]:
@@ -358,7 +360,7 @@ def correlate(results: Results, scores: list[Score], wanted_specs: list[Spec], t
                                 "points": [{"model": r.model, "revision": r.revision, "step": r.step, "value": v,
                                             "score": sc} for r, v, sc in points]})
     if short:
-        print(f"isojax: {short} series with fewer than {_MIN_POINTS} points were left out", file=sys.stderr)
+        log(f"{short} series with fewer than {_MIN_POINTS} points were left out")
     return entries
 
 
@@ -377,8 +379,8 @@ def format_table(entries: list[dict]) -> str:
 def write_json(path: pathlib.Path, entries: list[dict], overwrite: bool) -> None:
     """Written in one rename (temporary file, fsync, rename): a failure leaves the earlier file.
     An existing file is replaced only with overwrite. NaN and inf (a degenerate series) -> null."""
-    from isojax.atomic import write_atomic
-    from isojax.results import json_safe
+    from isojax.run.atomic import write_atomic
+    from isojax.run.results import json_safe
     outdir.check_path(path, folder=False)
     if path.exists() and not overwrite:
         raise UserError(f"--out {path} exists; pass --overwrite to replace it")
@@ -408,7 +410,7 @@ def run(args) -> None:
         raise UserError(f"nothing to correlate: every series has fewer than {_MIN_POINTS} points with scores")
     write_json(pathlib.Path(args.out), entries, args.overwrite)
     print(format_table(entries))
-    print(f"isojax: {len(entries)} correlations written to {args.out}", file=sys.stderr)
+    log(f"{len(entries)} correlations written to {args.out}")
 
 
 def build_parser() -> argparse.ArgumentParser:

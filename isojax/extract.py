@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from isojax.api import CPU_DEFAULT_MAX_TOKENS, DEFAULT_MODEL
+from isojax.run.measure import CPU_DEFAULT_MAX_TOKENS, DEFAULT_MODEL
 from isojax.errors import UserError, run_command
 
 
@@ -106,14 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def log(msg: str) -> None:
-    print(f"isojax: {msg}", file=sys.stderr, flush=True)
-
-
 def check_out(out: Path, args) -> None:
     """Before any work: --out can be written and holds no input of this run; results already there
     are refused unless --overwrite (or --resume of the run that is to write them)."""
-    from isojax import outdir
+    from isojax.run import outdir
     outdir.check_path(out, [*(args.data or []), *(args.model or [])])
     has_results = (out / "metrics.json").exists()
     has_ckpt = (out / "checkpoint").exists()
@@ -129,12 +125,13 @@ def check_out(out: Path, args) -> None:
 
 
 def run(args) -> Path:
-    from isojax import checkpointing, parallel
+    from isojax.device import checkpoints as checkpointing
+    from isojax.device import mesh as parallel
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
                         timeout_s=args.coordinator_timeout)
-    from isojax.api import measure
-    from isojax.config import paper_steps
-    from isojax.loop import log
+    from isojax.run.measure import measure
+    from isojax.model.config import paper_steps
+    from isojax.log import log
 
     out = Path(args.out)
     options = dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
@@ -145,7 +142,7 @@ def run(args) -> Path:
                    sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k)
     models = args.model or [None]
     if args.paper_steps or args.revisions or len(models) > 1:
-        from isojax.sweep import run_sweep
+        from isojax.run.sweep import run_sweep
         revisions = paper_steps() if args.paper_steps else \
             [r.strip() for r in (args.revisions or "").split(",") if r.strip()] or [args.revision]
         if None in models:
@@ -154,7 +151,7 @@ def run(args) -> Path:
                   measure_kwargs=options)
         log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
         return out
-    from isojax import outdir
+    from isojax.run import outdir
     names = {"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | (set() if args.no_plots else {"plots"})
     # held to the end: a second run into this --out is refused before it measures anything
     with outdir.claim(out, overwrite=True, names=names) if parallel.is_main_process() else contextlib.nullcontext():

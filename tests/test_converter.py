@@ -76,8 +76,8 @@ def test_hub_names_resolve_through_cache(tiny_checkpoint, tmp_path, monkeypatch)
         calls.append((repo, revision))
         return src
 
-    import isojax.hf_files
-    monkeypatch.setattr(isojax.hf_files, "resolve_checkpoint", fake_resolve)
+    import isojax.hf.files
+    monkeypatch.setattr(isojax.hf.files, "resolve_checkpoint", fake_resolve)
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     ids = np.arange(15)
     first = load_model("pythia-70m-deduped", revision="step1000")

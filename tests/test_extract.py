@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import ACCELERATOR_ENV, ACCELERATOR_FLAGS, TOKENIZER_JSON, build_hf_checkpoint, hf_states
-from isojax.api import CPU_DEFAULT_MAX_TOKENS
+from isojax.run.measure import CPU_DEFAULT_MAX_TOKENS
 from isojax.extract import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -297,7 +297,7 @@ def test_sample_states_intrinsic_dimension_and_batch_anisotropy(tmp_path, monkey
     import skdim
     import tensorstore as ts
 
-    from isojax import intrinsic
+    from isojax.stats import intrinsic
 
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=64, num_layers=1, num_heads=4)

@@ -15,8 +15,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from isojax import isotropy, plots
-from isojax import weights as weights_cli
+from isojax import plots
+from isojax.weights import isotropy
+from isojax.weights import command as weights_cli
 from isojax.plots import weights as weight_plots
 from isojax.report import build
 from isojax.report.collect import Run

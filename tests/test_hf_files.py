@@ -1,4 +1,4 @@
-"""isojax.hf_files against checkpoints written by transformers / torch / safetensors."""
+"""isojax.hf.files against checkpoints written by transformers / torch / safetensors."""
 
 import json
 import os
@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers
 
-from isojax import hf_files, isotropy
+from isojax.hf import files as hf_files
+from isojax.weights import isotropy
 from isojax.errors import UserError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""isojax.intrinsic against scikit-dimension (the reference) on fresh random point clouds."""
+"""isojax.stats.intrinsic against scikit-dimension (the reference) on fresh random point clouds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from isojax import intrinsic
+from isojax.stats import intrinsic
 from isojax.errors import UserError
 
 skdim = pytest.importorskip("skdim")
@@ -172,7 +172,7 @@ def test_sample_metrics_logs_and_degenerate_layers(capsys):
     says why anisotropy_batch_std is null."""
     import jax.numpy as jnp
 
-    from isojax.finalize import sample_metrics
+    from isojax.stats.finalize import sample_metrics
 
     rng = np.random.default_rng(5)
     n = 4096

@@ -1,5 +1,5 @@
 """The MLP's first product + bias + GELU: model.DenseGelu's XLA path is nn.Dense then gelu, bit for
-bit; the fused Hopper kernel (isojax.kernels, run only where an sm_90 GPU is) equals that path up
+bit; the fused Hopper kernel (isojax.kernels.mlp, run only where an sm_90 GPU is) equals that path up
 to one bf16 rounding of the bias, and gives the same states within bf16's tolerance."""
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from conftest import build_hf_checkpoint, hf_states, max_rel_error
-from isojax import kernels, load_model
-from isojax.model import DenseGelu, gelu
-from isojax.options import ForwardOptions
+from isojax import load_model
+from isojax.kernels import mlp as kernels
+from isojax.model.gpt_neox import DenseGelu
+from isojax.model.ops import gelu
+from isojax.model.options import ForwardOptions
 
 hopper = pytest.mark.skipif(not kernels.available(), reason="needs an sm_90 (Hopper) GPU")
 
@@ -52,8 +54,8 @@ def test_rounding_bound_holds_for_xla_and_catches_a_wrong_result():
 
 
 def test_mosaic_refused_where_it_cannot_run():
-    from isojax.api import check_mlp_kernel, choose_mlp_kernel
-    from isojax.config import preset
+    from isojax.run.measure import check_mlp_kernel, choose_mlp_kernel
+    from isojax.model.config import preset
     from isojax.errors import UserError
     if kernels.available():
         pytest.skip("this machine has a Hopper GPU")
@@ -112,9 +114,11 @@ def test_states_with_the_fused_kernel_within_bfloat16_tolerance(tmp_path):
 
 SHARDED = r'''
 import jax, jax.numpy as jnp, numpy as np
-from isojax import kernels, parallel
-from isojax.model import DenseGelu, gelu
-from isojax.options import ForwardOptions
+from isojax.kernels import mlp as kernels
+from isojax.device import mesh as parallel
+from isojax.model.gpt_neox import DenseGelu
+from isojax.model.ops import gelu
+from isojax.model.options import ForwardOptions
 calls = []
 def stand_in(x_NxD, w_DxF, bias_F):  # what the kernel computes, from its 2-D operands
     calls.append(x_NxD.shape)

@@ -9,9 +9,9 @@ import pytest
 
 from conftest import build_hf_checkpoint, hf_states, max_rel_error
 from isojax import load_model
-from isojax.config import preset, preset_names, from_hf_dict
+from isojax.model.config import preset, preset_names, from_hf_dict
 from isojax.errors import UserError
-from isojax.model import param_shapes
+from isojax.model.gpt_neox import param_shapes
 
 # (hidden, heads, layers, rotary_pct, parallel residual, activation): head dims 64, 80, 128, 256;
 # pythia-2.8b's 80-dim heads have 20 rotary dims.
@@ -123,7 +123,7 @@ def test_fast_gelu_of_bfloat16_against_the_float64_gelu():
 
     import jax.numpy as jnp
 
-    from isojax.model import fast_erf, gelu
+    from isojax.model.ops import fast_erf, gelu
 
     erf = np.vectorize(math.erf)
     x = np.linspace(-8.0, 8.0, 400_001)
@@ -149,10 +149,10 @@ def test_pallas_tpu_attention_with_segment_ids_in_interpret_mode():
     attention on packed rows, run in Pallas' TPU interpret mode on the CPU."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from isojax.config import GPTNeoXConfig
-    from isojax.loading import random_params
-    from isojax.model import GPTNeoX, collect_states
-    from isojax.options import ForwardOptions
+    from isojax.model.config import GPTNeoXConfig
+    from isojax.hf.loading import random_params
+    from isojax.model.gpt_neox import GPTNeoX, collect_states
+    from isojax.model.options import ForwardOptions
 
     cfg = GPTNeoXConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                         rotary_pct=0.25, max_position_embeddings=256)

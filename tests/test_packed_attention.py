@@ -1,4 +1,4 @@
-"""The packed attention kernel (isojax.packed_attention), in Pallas' interpret mode on CPU (and
+"""The packed attention kernel (isojax.kernels.packed_attention), in Pallas' interpret mode on CPU (and
 compiled where a GPU is): its rotary equals Hugging Face's bf16 rotary bit for bit, its output
 lands within bf16 rounding of float64 attention on packed rows whose sequences cross blocks, and
 the model's states with it equal those with plain attention; per device under a mesh; explicit
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import max_rel_error
-from isojax import packed_attention
-from isojax.config import GPTNeoXConfig
-from isojax.model import apply_rotary, attention_xla, rotary_tables, segment_mask
+from isojax.kernels import packed_attention
+from isojax.model.config import GPTNeoXConfig
+from isojax.model.ops import apply_rotary, attention_xla, rotary_tables, segment_mask
 
 gpu = pytest.mark.gpu  # skipped without a GPU (conftest)
 
@@ -116,9 +116,9 @@ def test_model_states_equal_plain_attention():
     """The whole bf16 model on packed rows: states with the kernel (interpret mode) equal those with
     plain attention within bf16 rounding (plain attention rounds its scores to bf16; the kernel
     keeps them in float32)."""
-    from isojax.loading import random_params
-    from isojax.model import GPTNeoX, collect_states
-    from isojax.options import ForwardOptions
+    from isojax.hf.loading import random_params
+    from isojax.model.gpt_neox import GPTNeoX, collect_states
+    from isojax.model.options import ForwardOptions
 
     cfg = GPTNeoXConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
                         rotary_pct=0.25, max_position_embeddings=256)
@@ -138,11 +138,12 @@ def test_model_states_equal_plain_attention():
 
 SHARDED = r'''
 import jax, jax.numpy as jnp, numpy as np
-from isojax import packed_attention, parallel
-from isojax.loading import random_params
-from isojax.config import GPTNeoXConfig
-from isojax.model import GPTNeoX, collect_states
-from isojax.options import ForwardOptions
+from isojax.kernels import packed_attention
+from isojax.device import mesh as parallel
+from isojax.hf.loading import random_params
+from isojax.model.config import GPTNeoXConfig
+from isojax.model.gpt_neox import GPTNeoX, collect_states
+from isojax.model.options import ForwardOptions
 calls = []
 kernel = packed_attention.attention
 def counted(qkv, *a, **k):
@@ -176,8 +177,8 @@ def test_sharded_rows_go_to_the_kernel_per_device():
 
 
 def test_explicit_packed_refused_without_a_gpu(tmp_path):
-    from isojax.api import choose_attention, measure
-    from isojax.config import preset
+    from isojax.run.measure import choose_attention, measure
+    from isojax.model.config import preset
     from isojax.errors import UserError
     if jax.default_backend() != "gpu":
         with pytest.raises(UserError, match="GPU kernel"):

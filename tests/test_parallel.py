@@ -233,9 +233,10 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
         import json, sys
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
-        from isojax import parallel, stats
-        from isojax.options import StatsOptions
-        from isojax.runner import token_order, vocab_rows
+        from isojax.device import mesh as parallel
+        from isojax.stats import accumulators as stats
+        from isojax.model.options import StatsOptions
+        from isojax.device.runner import token_order, vocab_rows
         parallel.use_gspmd_partitioner()
         mesh = parallel.make_mesh({"data": 4, "model": 1})
         n, V, D, N = 4, 50, 8, 64
@@ -286,9 +287,11 @@ def test_grams_split_over_model_equal_float64(tmp_path):
         import json, sys
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
-        from isojax import parallel, runner, stats
-        from isojax.finalize import _state_m2
-        from isojax.options import StatsOptions
+        from isojax.device import mesh as parallel
+        from isojax.device import runner
+        from isojax.stats import accumulators as stats
+        from isojax.stats.finalize import _state_m2
+        from isojax.model.options import StatsOptions
         mesh = parallel.make_mesh({"data": 2, "model": 4})
         n, D, N, B = 8, 16, 32, 3
         rng = np.random.default_rng(1)
@@ -349,8 +352,9 @@ def test_the_step_compiles_once_on_two_devices(setup):
     second batch compiled the step again."""
     script = textwrap.dedent(f"""
         import numpy as np, jax
-        from isojax import api, parallel
-        from isojax.loading import load_model
+        from isojax.run import measure as api
+        from isojax.device import mesh as parallel
+        from isojax.hf.loading import load_model
         mesh = parallel.make_mesh({{"data": 2, "model": 1}})
         loaded = load_model({str(setup / "ckpt")!r}, dtype="float32", attention_impl="xla", mesh=mesh)
         runner = api.make_runner(loaded, mesh, token_stats=False, num_groups=1)
@@ -371,7 +375,7 @@ def test_no_persistent_compilation_cache_in_multi_process_runs(monkeypatch, tmp_
     with several processes isojax keeps none; alone it keeps one under ISOJAX_CACHE/xla."""
     import jax
 
-    from isojax import api
+    from isojax.run import measure as api
     before = jax.config.jax_compilation_cache_dir
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path))
     try:

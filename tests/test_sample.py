@@ -1,4 +1,4 @@
-"""The uniform sample (isojax.sample) against a numpy reference: the K tokens of smallest key,
+"""The uniform sample (isojax.stats.sample) against a numpy reference: the K tokens of smallest key,
 whatever the batching; merging halves; uniform over the corpus; and batch anisotropy against
 numpy's SVD."""
 
@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax import finalize as fz
-from isojax import sample, stats
+from isojax.stats import finalize as fz
+from isojax.stats import sample
+from isojax.stats import accumulators as stats
 
 
 def _keys(seq_N, pos_N, valid_N):

@@ -14,7 +14,8 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from isojax import isotropy, weights
+from isojax.weights import isotropy
+from isojax.weights import command as weights
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RTOL = 1e-6
@@ -337,7 +338,8 @@ def test_random_preset_offline(monkeypatch, tmp_path):
 
 
 def test_random_weights_are_load_models(monkeypatch):
-    from isojax import config, loading
+    from isojax.model import config
+    from isojax.hf import loading
 
     tiny = config.GPTNeoXConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
                                 intermediate_size=32, name="tiny")

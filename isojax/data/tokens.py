@@ -1,4 +1,5 @@
 """Text -> token ids, cached on disk.
+Length: the token cache's format, its integrity checks and the worker pool that fills it change together.
 
 Cache layout: `CACHE_DIR/<key>/` with raw little-endian arrays `tokens.bin` (int32),
 `offsets.bin` (int64, n_seq+1) and `source_ids.bin` (int16, n_seq), and `meta.json`.
@@ -117,10 +118,6 @@ def backend_tokenizer(tokenizer) -> Tokenizer:
     tok.no_truncation()
     tok.no_padding()
     return tok
-
-
-def tokenizer_hash(tokenizer) -> str:
-    return hashlib.sha256(backend_tokenizer(tokenizer).to_str().encode()).hexdigest()
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None

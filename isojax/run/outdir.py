@@ -1,0 +1,319 @@
+"""Result folders (--out): what isojax owns there, how a run's results appear at once, the checks
+made before any work. The one place for these rules; extract, sweeps, weights, report and
+correlate all use it.
+
+Ownership. OUT/.isojax-results.json (the record) names every top-level entry isojax wrote in OUT
+and every file under them with its size and sha256. isojax replaces or removes only what the
+record names; any other file in OUT is the user's and is never touched, with or without
+--overwrite (a result of the same name is an error instead).
+
+Commit. A run writes its results into OUT/.partial-PID-RANDOM/new/ (the record too, computed
+there), fsyncs them, then:
+  1. writes the journal OUT/.isojax-commit.json (stage, old names, new names)
+  2. moves the earlier results (the names of the earlier record, and the record) to the stage's old/
+  3. moves the new results in, the record last
+  4. removes the journal.
+Each step is a rename. Readers refuse a folder while its journal is there. A run that fails in
+steps 1-4 puts the earlier results back at once; one killed there leaves the journal, and the next
+isojax command that writes to OUT first puts the earlier results back (recover; every step of it
+can be repeated, so a kill during recovery is recovered the same way). So at any instant OUT holds
+the earlier results, whole, or the new ones, whole, or a journal that readers refuse and the next
+run undoes.
+
+Lock. OUT/.isojax.lock is held with flock while a command works on OUT (the kernel frees it when
+the process dies, so a killed run's lock never blocks); a second run is refused with the first's
+PID and host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+from pathlib import Path
+
+from isojax.run.atomic import fsync_dir, write_atomic
+from isojax.errors import UserError
+
+RECORD = ".isojax-results.json"
+JOURNAL = ".isojax-commit.json"
+LOCK = ".isojax.lock"
+STAGE = ".partial-"
+
+_held: dict[str, list] = {}  # resolved OUT -> [lock fd, depth]: a process may claim OUT again (extract, then save)
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+def read_record(out: Path) -> dict | None:
+    """The record of OUT, or None when isojax wrote nothing there (or before records existed)."""
+    path = Path(out) / RECORD
+    try:
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and isinstance(doc.get("names"), list) and isinstance(doc.get("files"), dict):
+            return doc
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        pass
+    raise UserError(f"{path}: unreadable record of isojax's results; delete it (isojax then treats every "
+                    "file there as yours) or the whole folder")
+
+
+def owned(out: Path) -> list[str]:
+    """Top-level names of isojax's results in OUT, from the record."""
+    record = read_record(out)
+    return [] if record is None else list(record["names"])
+
+
+def check_results(folder: Path, reads=()) -> None:
+    """For readers: refuse a folder whose results are not whole. A folder without a record (written
+    by hand, or by isojax before records) is taken as it is; with one, every recorded file must be
+    there with its size, and the files in `reads` (those the reader parses) with their sha256."""
+    folder = Path(folder)
+    if (folder / JOURNAL).exists():
+        raise UserError(f"{folder}: its results are incomplete (a run was stopped while moving them in); "
+                        f"run the command that writes there again: it first puts the earlier results back")
+    record = read_record(folder)
+    for rel, (size, sha) in (record or {"files": {}})["files"].items():
+        path = folder / rel
+        try:
+            ok = path.stat().st_size == size and (rel not in reads or _sha256(path) == sha)
+        except OSError:
+            ok = False
+        if not ok:
+            raise UserError(f"{path} is missing or differs from what isojax wrote ({folder / RECORD}); write "
+                            f"the results again, or delete {RECORD} to take the folder as it is")
+
+
+# ---- checks before any work --------------------------------------------------------------------
+
+def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
+    """--out can be written (not a file where a folder is wanted, its nearest existing folder
+    writable) and is not, and does not contain, an input of the same command (paths that exist)."""
+    out = Path(out).expanduser()
+    if folder and out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
+    if not folder and out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file name, e.g. {out / 'correlation.json'}")
+    base = next(p for p in [*([out] if folder else []), *out.absolute().parents] if p.exists())
+    if not base.is_dir():
+        raise UserError(f"--out {out}: {base} is a file, not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: {base} is not writable")
+    target = out.resolve()
+    for given in filter(None, inputs):
+        p = Path(given).expanduser()
+        if p.exists() and (p.resolve() == target or target in p.resolve().parents):
+            raise UserError(f"--out {out} is or holds an input of this command ({given}); choose another --out")
+
+
+def _check_names(out: Path, names) -> None:
+    mine = set(owned(out))
+    for name in sorted(names):
+        if name not in mine and os.path.lexists(out / name):
+            raise UserError(f"{out / name} exists and isojax did not write it (it is not in {out / RECORD}); "
+                            "move it away or choose another --out")
+
+
+@contextlib.contextmanager
+def claim(out, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite"):
+    """Hold OUT for one command, checked before any work: a writable folder that is no input; locked;
+    what a killed run left is undone (recover) or removed (stale staging folders); `names` (the
+    results the command will write) are not the user's files; earlier results are refused unless
+    `overwrite`. OUT is created here and removed again at the end if nothing was written."""
+    out = Path(out)
+    check_path(out, inputs)
+    with _lock(out):
+        _recover(out)
+        _clean(out)
+        _check_names(out, names)
+        if not overwrite and owned(out):
+            raise UserError(f"{out} already holds results ({', '.join(sorted(owned(out))[:3])}); "
+                            f"pass {flag} to replace them")
+        yield out
+
+
+@contextlib.contextmanager
+def _lock(out: Path):
+    key = str(out.resolve())
+    if key in _held:
+        _held[key][1] += 1
+        try:
+            yield
+        finally:
+            _held[key][1] -= 1
+        return
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = _take(out / LOCK, out)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    _held[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _held[key]
+        with contextlib.suppress(OSError):
+            os.unlink(out / LOCK)
+        os.close(fd)
+        if created:  # a run that wrote nothing leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
+
+
+def _take(path: Path, out: Path) -> int:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.read(fd, 4096) or b"{}")
+            except ValueError:
+                holder = {}
+            os.close(fd)
+            raise UserError(f"--out {out} is in use by another isojax run (pid {holder.get('pid', '?')} on "
+                            f"{holder.get('host', '?')}); wait for it to end or choose another --out") from None
+        try:  # the holder before us may have removed the file as we opened it: lock the current one
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+    return fd
+
+
+def _clean(out: Path) -> None:
+    """Staging folders and journal temporaries of runs that are gone (under the lock, any is one)."""
+    for p in out.iterdir():
+        if p.name.startswith((STAGE, f".{JOURNAL}.tmp-")):
+            _remove(p)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+def disk_full(e: BaseException) -> bool:
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e)
+
+
+@contextlib.contextmanager
+def staged(out, *, replace_all: bool = True):
+    """Yields an empty folder for a result set; when the block ends it becomes OUT's results in one
+    commit (see the module's docstring). replace_all: the earlier results all go (a command's full
+    set); else only those of the same names (a sweep's sweep.csv beside its step folders).
+    Disk full anywhere -> UserError, earlier results unchanged, nothing left behind."""
+    out = Path(out)
+    stage = out / f"{STAGE}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        (stage / "new").mkdir(parents=True)
+        yield stage / "new"
+        _commit(out, stage, replace_all)
+    except BaseException as e:
+        if not (out / JOURNAL).exists():  # with a journal, stage/old holds the earlier results: recover's
+            shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(e, Exception) and disk_full(e):
+            name = getattr(e, "filename", None)
+            where = out / Path(name).relative_to(stage / "new") if name and str(name).startswith(str(stage / "new")) \
+                else out
+            raise UserError(f"disk full writing {where}; free some space and run again (earlier results "
+                            "are unchanged)") from None
+        raise
+
+
+def _checksums(root: Path, names) -> dict:
+    files = {}
+    for name in names:
+        top = root / name
+        for path in sorted(top.rglob("*")) if top.is_dir() else [top]:
+            if path.is_file():
+                files[path.relative_to(root).as_posix()] = [path.stat().st_size, _sha256(path, sync=True)]
+            if path.is_dir():
+                fsync_dir(path)
+        if top.is_dir():
+            fsync_dir(top)
+    return files
+
+
+def _sha256(path: Path, sync: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        if sync:  # files are durable before any rename makes them results
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def _commit(out: Path, stage: Path, replace_all: bool) -> None:
+    new = stage / "new"
+    names = sorted(p.name for p in new.iterdir())
+    record = read_record(out) or {"names": [], "files": {}}
+    _check_names(out, names)
+    files = _checksums(new, names)
+    keep = [] if replace_all else [n for n in record["names"] if n not in names]
+    files.update({k: v for k, v in record["files"].items() if k.split("/")[0] in keep})
+    (new / RECORD).write_text(json.dumps({"version": 1, "names": sorted(names + keep), "files": files}, indent=1))
+    _checksums(new, [RECORD])
+    old = [n for n in record["names"] if n not in keep and os.path.lexists(out / n)]
+    old += [RECORD] if os.path.lexists(out / RECORD) else []
+    (stage / "old").mkdir()
+    fsync_dir(new)
+    fsync_dir(stage)
+    write_atomic(out / JOURNAL, json.dumps({"stage": stage.name, "old": old, "new": names + [RECORD]}))
+    try:
+        for name in old:
+            os.replace(out / name, stage / "old" / name)
+        for name in names + [RECORD]:
+            os.replace(new / name, out / name)
+        fsync_dir(out)
+        os.unlink(out / JOURNAL)
+        fsync_dir(out)
+    except Exception:
+        _recover(out)  # failed here, in this process: the earlier results go back now
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def _recover(out: Path) -> None:
+    """Undo a commit left half done (its journal is there): the new names that were moved in go to
+    the stage's trash/, the earlier results come back from its old/. Decided per name from where
+    its files are, so running it again after a kill during it is safe."""
+    try:
+        journal = json.loads((out / JOURNAL).read_text())
+    except FileNotFoundError:
+        return
+    except ValueError:  # written by one rename, so never half; a foreign file: leave it to the user
+        raise UserError(f"{out / JOURNAL}: unreadable; delete it by hand") from None
+    stage = out / journal["stage"]
+    old, trash = stage / "old", stage / "trash"
+    trash.mkdir(parents=True, exist_ok=True)
+    for name in journal["new"]:
+        moved_in = not os.path.lexists(stage / "new" / name)
+        pending = os.path.lexists(old / name) if name in journal["old"] else moved_in
+        if pending and os.path.lexists(out / name):
+            os.replace(out / name, trash / name)
+    for name in journal["old"]:
+        if os.path.lexists(old / name):
+            os.replace(old / name, out / name)
+    fsync_dir(out)
+    os.unlink(out / JOURNAL)
+    fsync_dir(out)
+    shutil.rmtree(stage, ignore_errors=True)
