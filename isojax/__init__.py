@@ -19,7 +19,8 @@ import importlib
 # (importing JAX in each of 16 workers held back a first run's first tokens by seconds).
 _WHERE = {"Results": "isojax.run.measure", "measure": "isojax.run.measure", "GPTNeoXConfig": "isojax.model.config",
           "preset": "isojax.model.config", "preset_names": "isojax.model.config", "UserError": "isojax.errors",
-          "LoadedModel": "isojax.hf.loading", "load_model": "isojax.hf.loading"}
+          "LoadedModel": "isojax.hf.loading", "load_model": "isojax.hf.loading",
+          "MeasureConfig": "isojax.run.config"}
 
 __all__ = sorted(_WHERE)
 

@@ -129,6 +129,7 @@ def run(args) -> Path:
     from isojax.device import mesh as parallel
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
                         timeout_s=args.coordinator_timeout)
+    from isojax.run.config import MeasureConfig
     from isojax.run.measure import measure
     from isojax.model.config import paper_steps
     from isojax.log import log
@@ -148,7 +149,7 @@ def run(args) -> Path:
         if None in models:
             raise UserError("a sweep needs --model")
         run_sweep(models, revisions, out, resume=args.resume, overwrite=args.overwrite, plots=not args.no_plots,
-                  measure_kwargs=options)
+                  config=MeasureConfig.build(**options))
         log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
         return out
     from isojax.run import outdir
@@ -156,8 +157,8 @@ def run(args) -> Path:
     # held to the end: a second run into this --out is refused before it measures anything
     with outdir.claim(out, overwrite=True, names=names) if parallel.is_main_process() else contextlib.nullcontext():
         check_out(out, args)  # after claim: a commit a killed run left half done is undone first
-        results = measure(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
-                          resume_run=args.resume, **options)
+        results = measure(MeasureConfig.build(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
+                                              resume_run=args.resume, **options))
         if parallel.is_main_process():
             results.save(out, overwrite=True, plots=not args.no_plots)
             checkpointing.remove(out / "checkpoint")  # only what isojax wrote there
@@ -176,7 +177,7 @@ def run(args) -> Path:
 def main(argv=None) -> int:
     # JAX takes 75% of each GPU by default; a run owns its devices (gpt-neox-20b on 4 x 80 GB
     # peaks at 57 GB per device). 90%, not more: NCCL allocates outside JAX's pool, and at 95%
-    # it ran out of memory on 4 x H100 (bench/RESULTS.md 7c). Set the variable to share a GPU.
+    # it can run out of memory (bench/RESULTS.md 7c). Set the variable to share a GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
     use_cuda_graphs_for_loops()
     return run_command(run, build_parser().parse_args(argv))
@@ -185,8 +186,8 @@ def main(argv=None) -> int:
 def use_cuda_graphs_for_loops() -> None:
     """XLA records fusions and library calls of a GPU program into CUDA graphs (command buffers)
     but by default not while loops or conditionals; the step's layer scan and per-token rounds are
-    while loops. Adding them gave +5% at pythia-70m on an H100, whose step launches many small
-    kernels (bench/RESULTS.md 10d). Left alone if XLA_FLAGS already sets command buffers; on CPUs
+    while loops. Adding them pays where the step launches many small kernels (small models;
+    bench/RESULTS.md 10d). Left alone if XLA_FLAGS already sets command buffers; on CPUs
     the flag does nothing. Must run before jax starts a backend."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_enable_command_buffer" not in flags:

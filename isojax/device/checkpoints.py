@@ -17,12 +17,9 @@ Where the devices have room, `save` copies the accumulators on the devices (mill
 hands the copy to a background thread, which writes each device's shards in a thread of its own:
 each array goes to page-locked ("pinned_host") host memory SLICE_BYTES of rows at a time and is
 written from there into its .npy file. Without room the copies to host memory end before `save`
-returns. On the H100 machines here np.asarray and copy_to_host_async of device arrays moved
-~1.5 GB/s; a 5 GB array put into page-locked memory took 3.8 s the first time and 0.1 s (54 GB/s)
-the next, once XLA's pool held the pages: pinning new pages is the slow part. Chunks keep that
-pool at a chunk per device, and `reserve` grows it before the loop. A checkpoint of pythia-1.4b
-costs the loop 0.1-0.3% of a 20M-token interval; on 4 H100s the first cost 1.1% with the pool
-grown beforehand, 3.4% without (bench/RESULTS.md 7d). The layout
+returns. Pinning new pages is the slow part of a copy to host memory, far slower than copying
+into pages XLA's pool already holds; so chunks keep that pool at a chunk per device, and `reserve`
+grows it before the loop (measured: bench/RESULTS.md 7d). The layout
 depends on the device count (runner.py), so a checkpoint resumes on as many devices and
 processes as wrote it.
 """
@@ -156,7 +153,7 @@ def _to_host(data) -> np.ndarray:
 
 def _write_shards(tmp: Path, shards: list) -> dict:
     """Write one device's shards as .npy files, a chunk at a time (_each_chunk: through page-locked
-    memory, 25-30 GB/s on the H100s here once XLA's pool holds it), each fsynced. Returns
+    memory), each fsynced. Returns
     {file: {"dtype", "shape", "crc32"}} (zlib.crc32 releases the GIL, so the writer threads hash
     in parallel)."""
     record = {}

@@ -15,6 +15,7 @@ nothing here runs remote code.
 
 from __future__ import annotations
 
+import abc
 import difflib
 import json
 import os
@@ -27,7 +28,18 @@ from safetensors import SafetensorError, safe_open
 
 from isojax.model.config import base_preset, hub_id
 from isojax.errors import UserError
-from isojax.weights.isotropy import RowBlocks
+
+class RowBlocks(abc.ABC):
+    """A matrix too big to hold, read in row blocks: `W[a:b]` -> ndarray [b - a, d].
+
+    `analyze_matrix` takes one in place of an array and never asks for more than a block.
+    """
+    shape: tuple[int, int]
+
+    @abc.abstractmethod
+    def __getitem__(self, rows: slice) -> np.ndarray: ...
+
+
 
 SAFETENSORS_PATTERNS = ["*.json", "*.safetensors"]
 BIN_PATTERNS = ["*.json", "*.bin"]
@@ -314,7 +326,7 @@ class CheckpointReader:
         return buf[start + begin:start + end].view(np.dtype(dtype)).reshape(entry["shape"])
 
     def rows(self, name):
-        """A 2-D tensor to read in row blocks (`isotropy.RowBlocks`; `.bin`: memory-mapped)."""
+        """A 2-D tensor to read in row blocks (`RowBlocks`; `.bin`: memory-mapped)."""
         f = self._file(name)
         if f in self._st:
             return SafetensorsRows(self._st[f], name, f)

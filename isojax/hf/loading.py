@@ -28,11 +28,11 @@ from isojax.hf.gpt_neox import read_hf_tensors, tensors_to_params
 from isojax.hf.orbax_io import is_converted, load_converted
 from isojax.model.config import GPTNeoXConfig, base_preset, hub_id, preset
 from isojax.errors import UserError
+from isojax.model.ops import DTYPES
 from isojax.model.gpt_neox import GPTNeoX, collect_states, single_row
 from isojax.model.options import ForwardOptions
 from isojax.hf.tokenizer import load_tokenizer
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def cache_root() -> Path:

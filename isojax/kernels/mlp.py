@@ -2,20 +2,18 @@
 GELU in the epilogue, gelu(x @ W + b), one Mosaic GPU (Pallas) kernel.
 
 XLA runs that product on cuBLAS and the GELU as a separate elementwise pass, which reads and
-writes the [N, 4D] activations once more (26 of 366 ms per pythia-1.4b batch). Here each output
+writes the [N, 4D] activations once more. Here each output
 tile goes from the float32 accumulator through bias and GELU to bf16 in registers; the
 pre-activation never reaches memory. The kernel is persistent and warp-specialized, after jax's
 `jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu` (one warpgroup loads tiles by TMA, two
 multiply with wgmma), but with a ping-pong schedule in place of that kernel's cooperative one: each
 compute warpgroup owns whole output tiles and the two take turns, so one's epilogue (bias, GELU,
-store) runs while the other's products keep the tensor cores busy. On an H100 the cooperative
-version gained 3.4% / 2.7% / 1.6% of the step at pythia-70m / 410m / 1.4b (bench/RESULTS.md 10b);
-the ping-pong schedule adds 1.4% at 410m and nothing measurable at 70m and 1.4b (10g).
+store) runs while the other's products keep the tensor cores busy (gains measured in
+bench/RESULTS.md 10b and 10g).
 
 Numbers: the accumulator plus the bias is rounded to bf16 once and GELU (model.ops.fast_erf, in
 float32) is applied to that, then rounded again, as PyTorch's bf16 Linear + GELU round. XLA's path
-may round the product before adding the bias (on H100 the two differed on a few elements by one
-bf16 ulp). `works` checks the kernel once per process against the float64 GELU
+may round the product before adding the bias, so the two may differ by one bf16 ulp. `works` checks the kernel once per process against the float64 GELU
 (`rounding_error`). Used where `applies` holds (model.DenseGelu): bf16 on an sm_90 GPU and shapes
 that tile; elsewhere the XLA path.
 """

@@ -3,14 +3,12 @@
 With `use_parallel_residual` the attention's and the MLP's LayerNorms read the same state x. XLA
 runs them as two kernels, each reading x; here one kernel reads a block of rows once, computes the
 float32 statistics once (two-pass variance, as model.LayerNorm) and writes both outputs:
-1.5 passes over [N, D] in bf16 instead of 2. On an H100 the two XLA kernels took 20.5 of ~400 ms
-per pythia-410m batch; the kernel takes 0.79-0.83 ms (4 or 8 warps) where they took 1.01
-(bench/RESULTS.md 10i).
+1.5 passes over [N, D] in bf16 instead of 2 (measured: bench/RESULTS.md 10i).
 
 Numbers: the same float32 operations as model.LayerNorm (mean, centred values, mean of squares,
 rsqrt, scale and bias), rounded once to the output dtype; the sums run in another order than
-XLA's, so an output may differ from XLA's by one rounding (on an H100 none did at the
-benchmark's shapes; tests/test_norm_kernel.py bounds it against float64). Used where `applies` holds (model.layer_norm_pair, ForwardOptions.norm_kernel
+XLA's, so an output may differ from XLA's by one rounding (tests/test_norm_kernel.py bounds it
+against float64). Used where `applies` holds (model.layer_norm_pair, ForwardOptions.norm_kernel
 "pallas", which isojax.run.measure chooses on GPUs): bf16 and a power-of-two width; elsewhere XLA's two
 LayerNorms.
 """
@@ -52,8 +50,7 @@ def layer_norm_pair(x_NxD, scale1_D, bias1_D, scale2_D, bias2_D, *, eps: float, 
                     interpret: bool | None = None):
     """(LayerNorm(x; scale1, bias1), LayerNorm(x; scale2, bias2)), both [N, D] in x's dtype; N a
     multiple of the block's rows (8192 / D). interpret None: Pallas' interpret mode off a GPU
-    (the tests on CPU). 8 warps: on an H100 4.7% faster than 4 at D = 512 and 7.4% at 2048, 3.2%
-    slower at 1024 (bench/bench_norm.py)."""
+    (the tests on CPU). 8 warps: the faster choice over the widths bench/bench_norm.py sweeps."""
     import jax.experimental.pallas as pl
 
     n, d = x_NxD.shape

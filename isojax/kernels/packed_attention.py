@@ -3,7 +3,7 @@ prologue and only the key blocks a query block's sequences reach.
 
 cuDNN's fused attention (the default on GPUs) takes the rotated q and k and a dense v, so XLA
 first slices the fused [B, T, H, 3, K] projection and rotates q and k: three passes over the
-activations (18.6 of 366 ms per pythia-1.4b batch, bench/RESULTS.md). It then visits every key
+activations (bench/RESULTS.md 10c). It then visits every key
 block on and below the diagonal, although in a packed row a query sees only its own sequence.
 This kernel reads q, k and v straight from the fused projection (before its bias, which XLA
 would otherwise add in a pass of its own), adds the bias and applies Hugging Face's rotate-half
@@ -123,8 +123,8 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=N
     """Causal attention within segments from Hugging Face's fused projection [B, T, H, 3, K]
     (per head q, k, v) before bias and rotary, and its bias [H, 3, K], added as the kernel loads
     q, k and v (None: zero); cos/sin [B, T, R] float32 (model.ops.rotary_tables). Returns [B, T, H, K].
-    The defaults are the fastest of bench/bench_attention.py's sweep on an H100 at pythia-70m,
-    410m and 1.4b (stages None: 3 for K <= 64, else 2). interpret None: Pallas' interpret mode
+    The defaults are the fastest of bench/bench_attention.py's sweep at pythia-70m, 410m and 1.4b
+    (stages None: 3 for K <= 64, else 2; bench/RESULTS.md 10c). interpret None: Pallas' interpret mode
     unless the backend is a GPU."""
     b, t, h, _, k = qkv_BxTxHx3xK.shape
     r = cos_BxTxR.shape[-1]

@@ -223,8 +223,8 @@ class ObservedBlock(nn.Module):
     def __call__(self, carry, s, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
         x_BxTxD, obs = carry
         # From this width on, the observer reads the state through a barrier: without it XLA copies
-        # the scan's carry every layer (14 ms per pythia-410m batch on an H100); at pythia-70m the
-        # barrier cost more than the copy (bench/RESULTS.md 10e, 10h).
+        # the scan's carry every layer; at narrow widths the barrier costs more than the copy
+        # (measured: bench/RESULTS.md 10e, 10h).
         seen_BxTxD = jax.lax.optimization_barrier(x_BxTxD) if x_BxTxD.shape[-1] >= BARRIER_FROM_WIDTH else x_BxTxD
         obs = self.observe(obs, s - 1, seen_BxTxD)
         x_BxTxD = Block(self.cfg, self.dtype, self.param_dtype, self.precision, self.options,
@@ -270,8 +270,8 @@ class GPTNeoX(nn.Module):
         # of the scan's output outside any loop makes XLA copy every accumulator it touches (a
         # second copy of every Gram: 13 GB per device at gpt-neox-20b; bench/RESULTS.md 7b).
         # The state is taken out of the stack first (a barrier: a copy of [B, T, D]); fused into the
-        # per-token scatter, the dynamic slice made that scatter 30x slower at pythia-410m on an
-        # H100 (10 ms per batch; bench/RESULTS.md 10e).
+        # per-token scatter, the dynamic slice makes that scatter many times slower
+        # (bench/RESULTS.md 10e).
         last_2xBxTxD = jnp.stack([x_BxTxD, h_BxTxD.astype(x_BxTxD.dtype)])
         return jax.lax.fori_loop(0, 2, lambda i, obs: observe(
             obs, cfg.num_layers + i, jax.lax.optimization_barrier(last_2xBxTxD[i])), obs)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the compute dtypes a run may name
+
 if TYPE_CHECKING:
     from isojax.model.config import GPTNeoXConfig
 

@@ -36,8 +36,8 @@ class StatsOptions:
     # rounds). None: a quarter of the device's batch, which holds the ~15k distinct tokens of a
     # 65k-token batch of text in one round.
     exchange_rows: int | None = None
-    # Widest states whose per-token segment sum tells XLA that the ids are sorted (H100: 12%
-    # faster at D = 512, 27% slower end to end at D = 2048).
+    # Widest states whose per-token segment sum tells XLA that the ids are sorted: the hint pays
+    # at narrow widths and costs at wide ones (bench/RESULTS.md).
     sorted_scatter_max_d: int = 1024
     # The per-token accumulators are split over `token_shards` devices along the mesh axes
     # `token_axes` (device k owns token ids k, k + shards, ...); 1: one device holds them all.

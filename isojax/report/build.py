@@ -42,7 +42,7 @@ def _correlations(res, scores, allow_missing, include_step0) -> tuple[list[dict]
     entries = [e for _, doc in res.correlations for e in doc]
     sources = [str(p) for p, _ in res.correlations]
     if scores:
-        from isojax import correlate
+        from isojax.report import correlate
         entries += correlate.correlate(res, correlate.load_scores(scores), correlate.specs(res),
                                        allow_missing=allow_missing, include_step0=include_step0)
         sources.append("--scores " + ", ".join(map(str, scores)))

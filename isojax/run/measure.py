@@ -1,5 +1,6 @@
 """`isojax.measure(model, data, **options) -> Results`: the whole extract job as a library call.
-Length: still holds memory planning and kernel selection beside the orchestration (issue 28 moves them out).
+Length: one run's orchestration (measure, _measure, the centered pass), read top down; memory planning
+lives in device/memory.py, kernel choice in kernels/select.py.
 
     results = isojax.measure("pythia-160m", ["enron.jsonl.zst"], revision="step143000", max_tokens=10**7)
     results.layers[-1]["inter_sim"]        # metrics.json's layers
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import time
 from pathlib import Path
 
@@ -22,13 +22,18 @@ import numpy as np
 
 from isojax.errors import UserError
 from isojax.stats.finalize import sample_metrics
+from isojax.device.memory import check_fits, choose_mesh, defaults_platform, device_batch_tokens
+from isojax.kernels.select import check_mlp_kernel, check_norm_kernel, choose_attention, choose_mlp_kernel, choose_norm_kernel
 from isojax.log import log
+from isojax.run.config import KernelConfig, MeasureConfig
 from isojax.run.loop import consume, resume
 from isojax.run.timings import Timings, in_background
 
 DEFAULT_MODEL = "pythia-70m"
 CPU_DEFAULT_MAX_TOKENS = 16_384  # the offline demo on 2 CPU cores: well under 30 s end to end
 SAMPLE_BYTES = 2e9  # the default sample (batch anisotropy) takes at most this much per device
+
+
 @dataclasses.dataclass
 class Results:
     """What a run measured. metrics: metrics.json's document; manifest: provenance and timings;
@@ -40,6 +45,7 @@ class Results:
     state_names: list[str]
     timings: Timings
     token_sums: object = None  # s -> [V, D] float64 per-token unit sums (save_token_sums=True)
+    config: MeasureConfig | None = None  # the run's config, with the dtype, mesh and kernels it chose
 
     @property
     def layers(self) -> list[dict]:
@@ -94,7 +100,7 @@ def use_compilation_cache() -> None:
     wins. Not in multi-process runs: JAX writes the cache from process 0 only, so a later run finds
     the step in process 0's cache alone, unless every process shares one directory; process 0 then
     skips the compile the others do, and XLA, which shards GPU autotuning over the processes of a
-    compile, can wait on it forever (a second two-process run on 2 H100s hung so)."""
+    compile, can wait on it forever (bench/RESULTS.md 7e)."""
     import jax
 
     from isojax.hf.loading import cache_root
@@ -117,94 +123,6 @@ def peek_config(name: str):
     if (path / "config.json").is_file():
         return read_hf_config(path)
     return None
-
-
-def defaults_platform() -> str:
-    """The platform whose defaults a run takes (dtype, the default sample, the default batch, the
-    embedded corpus's CPU cap): the backend's, unless ISOJAX_DEFAULTS names another. The lifecycle
-    tests set ISOJAX_DEFAULTS=gpu to run on CPU the configuration a GPU run uses (bfloat16, the
-    default sample); kernels are still chosen by the real backend, so XLA's paths stand in for the
-    GPU kernels there."""
-    import jax
-    name = os.environ.get("ISOJAX_DEFAULTS") or jax.default_backend()
-    if name not in ("cpu", "gpu", "tpu"):
-        raise UserError(f"ISOJAX_DEFAULTS must be cpu, gpu or tpu, not {name!r}")
-    return name
-
-
-STEP_BYTES_PER_TOKEN_WIDTH = 48  # a step's temporaries per token and unit of width (measured 26-45)
-FIT = 0.95  # of a device's memory for accumulators, weights and the step's estimated temporaries
-
-
-def device_batch_tokens(cfg, on_accel: bool = True) -> int:
-    """The default token slots per device and step. Small models are bound by per-kernel
-    overheads: larger batches (bench/RESULTS.md). Per device, so that each device keeps its
-    batch as devices are added."""
-    return (262144 if cfg.hidden_size <= 1024 else 65536) if on_accel else 8192
-
-
-def step_bytes(cfg, dtype: str, tokens_per_device: int, model_axis: int) -> int:
-    """The step's temporaries per device, estimated: activations (STEP_BYTES_PER_TOKEN_WIDTH per
-    token and width; peaks of 410m, 1.4b and 20b on H100s, bench/RESULTS.md 7c) and, with split
-    parameters, three gathered layers."""
-    layer = 12 * cfg.hidden_size ** 2 * (2 if dtype == "bfloat16" else 4)
-    return STEP_BYTES_PER_TOKEN_WIDTH * tokens_per_device * cfg.hidden_size + (3 * layer if model_axis > 1 else 0)
-
-
-def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int,
-                      sample_size: int = 0):
-    """(accumulator bytes, weight bytes) on each of n devices with parameters (and Grams) split
-    model_axis ways."""
-    import jax.numpy as jnp
-
-    from isojax.device.runner import MAX_GROUP_SPECTRA, per_device_accumulator_bytes
-    need = per_device_accumulator_bytes(cfg, n, num_groups=num_groups, token_stats=token_stats, model_axis=model_axis,
-                                        group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
-                                        sample_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
-    return need, (2 if dtype == "bfloat16" else 4) * cfg.param_count() // model_axis
-
-
-def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
-               verbose: bool = False, sample_size: int = 0) -> None:
-    """Refuse (a short message) what cannot fit the devices; log the per-device figure."""
-    from isojax.device.runner import device_memory_bytes, host_memory_bytes
-    limit = device_memory_bytes() or host_memory_bytes()
-    need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
-                                      sample_size)
-    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"])
-    if verbose:
-        log(f"accumulators need {need / 1e9:.2f} GB per device, weights {weights / 1e9:.2f} GB, the step ~"
-            f"{step / 1e9:.1f} GB (device memory {limit / 1e9:.1f} GB; mesh data={mesh.shape['data']},"
-            f"model={mesh.shape['model']})")
-    if need + weights + step > FIT * limit:
-        raise UserError(f"accumulators ({need / 1e9:.1f} GB), weights ({weights / 1e9:.1f} GB) and the step (~"
-                        f"{step / 1e9:.1f} GB at {tokens_per_device:,} tokens per device) do not fit the device's "
-                        f"{limit / 1e9:.1f} GB on {mesh.size} device(s); use more devices, a larger 'model' axis "
-                        "(--mesh), fewer --batch-tokens, --no-token-stats (per-token IntraSim needs (L+2) x V x D x 8 "
-                        "bytes, split over the devices) or a smaller model")
-
-
-def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None, batch_tokens: int | None = None):
-    """The mesh of `sizes` (both named: the first data x model devices; one named: all devices),
-    else all devices on 'data' with the smallest 'model' axis that makes parameters,
-    accumulators and the step (batch_tokens, or the default batch) fit."""
-    import jax
-
-    from isojax.device import mesh as parallel
-    from isojax.device.runner import device_memory_bytes, host_memory_bytes
-    sizes = dict(sizes or {})
-    n = jax.device_count()
-    on_accel = defaults_platform() != "cpu"
-    per_device = lambda k: -(-batch_tokens // k) if batch_tokens else device_batch_tokens(cfg, on_accel)
-    if cfg is not None and not sizes:
-        limit = FIT * (device_memory_bytes() or host_memory_bytes())
-        fits = lambda m: sum(memory_per_device(cfg, token_stats, dtype, 1, n, m)) + step_bytes(
-            cfg, dtype, per_device(n), m) <= limit
-        sizes["model"] = next((m for m in range(1, n + 1) if n % m == 0 and fits(m)), 1)
-    mesh = parallel.make_mesh(sizes)
-    if cfg is not None:
-        check_fits(cfg, token_stats, dtype, 1, mesh, per_device(mesh.size))
-    return mesh
 
 
 def load(model, revision, dtype: str, attention: str, mesh):
@@ -234,101 +152,6 @@ def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=
         module = module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
     return Runner(module, model.params, mesh, token_stats=token_stats, num_groups=num_groups, centers_SxD=centers_SxD,
                   sample_size=sample_size)
-
-
-def check_mlp_kernel(mlp_kernel: str, dtype: str) -> None:
-    """Refuse what choose_mlp_kernel cannot honour, before any weights load."""
-    if mlp_kernel not in ("auto", "xla", "mosaic"):
-        raise UserError(f"mlp_kernel must be auto, xla or mosaic, not {mlp_kernel!r}")
-    if mlp_kernel == "mosaic" and dtype != "bfloat16":
-        raise UserError("mlp kernel mosaic needs bfloat16")
-    if mlp_kernel == "mosaic":
-        from isojax.kernels import mlp as kernels
-        if (why := kernels.works()) is not None:
-            raise UserError(f"mlp kernel mosaic does not run here: {why}")
-
-
-def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int) -> str:
-    """auto: the Mosaic kernel (isojax.kernels.mlp) where it applies (bfloat16, Hopper GPUs, a
-    device's rows and the model's widths tile) and works, else XLA's path; mosaic where it does not
-    apply: an error."""
-    from isojax.kernels import mlp as kernels
-    from isojax.model.config import ACTIVATIONS
-    from isojax.hf.loading import DTYPES
-    if mlp_kernel == "xla":
-        return "xla"
-    fits = kernels.applies(device_rows, cfg.hidden_size, cfg.intermediate_size, DTYPES[dtype]) \
-        and not ACTIVATIONS[cfg.hidden_act]
-    if mlp_kernel == "mosaic" and not fits:
-        raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of "
-                        f"[{cfg.hidden_size}] x [{cfg.hidden_size}, {cfg.intermediate_size}] ({cfg.hidden_act})")
-    if fits and (why := kernels.works()) is not None:
-        log(f"the fused MLP kernel does not run here ({why}): XLA's path instead")
-        return "xla"
-    return "mosaic" if fits else "xla"
-
-
-def check_norm_kernel(norm_kernel: str, dtype: str) -> None:
-    """Refuse what choose_norm_kernel cannot honour, before any weights load."""
-    import jax
-    if norm_kernel not in ("auto", "xla", "pallas"):
-        raise UserError(f"norm_kernel must be auto, xla or pallas, not {norm_kernel!r}")
-    if norm_kernel == "pallas" and (dtype != "bfloat16" or jax.default_backend() != "gpu"):
-        raise UserError("norm kernel pallas is a GPU kernel for bfloat16 runs")
-
-
-def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> str:
-    """auto: one Pallas kernel for a parallel-residual block's two LayerNorms (isojax.kernels.norm)
-    where it applies (bfloat16 on a GPU, a power-of-two width) and works, else XLA's; pallas where
-    it does not apply: an error."""
-    import jax
-
-    from isojax.kernels import norm as kernel
-    from isojax.hf.loading import DTYPES
-    if norm_kernel == "pallas" and not cfg.use_parallel_residual:
-        raise UserError("norm kernel pallas fuses a parallel-residual block's two LayerNorms; this model "
-                        "has sequential residuals")
-    if norm_kernel == "xla" or not cfg.use_parallel_residual:
-        return "xla"
-    d = cfg.hidden_size
-    fits = jax.default_backend() == "gpu" and kernel.applies(d, DTYPES[dtype]) \
-        and device_rows % kernel.rows_per_block(d) == 0
-    if norm_kernel == "pallas" and not fits:
-        raise UserError(f"norm kernel pallas does not apply to {device_rows} rows per device of width {d}")
-    why = kernel.works(d) if fits else None
-    if why is not None:
-        if norm_kernel == "pallas":
-            raise UserError(f"norm kernel pallas does not run here: {why}")
-        log(f"the LayerNorm kernel does not run here ({why}): XLA's LayerNorms instead")
-    return "pallas" if fits and why is None else "xla"
-
-
-def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int) -> str:
-    """The attention kernel for these rows. packed (isojax.kernels.packed_attention) where it applies
-    (powers-of-two head and rotary dims, rows of a multiple of 64) and works here, else, under
-    auto, cuDNN; cuDNN and Pallas's TPU kernel need rows of a multiple of 64 and 128, else, under
-    auto, plain XLA. An explicit choice that cannot run is an error."""
-    from isojax.kernels import packed_attention
-    from isojax.hf.loading import DTYPES
-    why = None
-    if attention == "packed":
-        if not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, DTYPES[dtype]):
-            why = (f"needs head and rotary dims that are powers of two >= 16 (here {cfg.head_dim} and "
-                   f"{cfg.rotary_dims}) and rows of a multiple of 64 tokens (seq_len {row_len})")
-        else:
-            why = packed_attention.works(cfg.head_dim, cfg.rotary_dims)
-        if why is None:
-            return "packed"
-        if not auto:
-            raise UserError(f"attention packed {why}")
-        log(f"packed attention does not run here ({why}): cuDNN's instead")
-        attention = "cudnn"
-    multiple = {"cudnn": 64, "pallas": 128}.get(attention, 1)
-    if row_len % multiple:
-        if not auto:
-            raise UserError(f"attention {attention} needs rows of a multiple of {multiple} tokens (seq_len {row_len})")
-        return "xla"
-    return attention
 
 
 def default_sample_size(cfg, dtype: str) -> int:
@@ -374,13 +197,10 @@ def open_tokens(corpus, tokenizer, row_len: int, progress: bool):
     return stream_tokens(corpus, tokenizer, **where)
 
 
-def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sources=None, dtype=None,
-            seq_len=None, batch_tokens=None, max_tokens=None, token_stats: bool = True, centered: bool = False,
-            save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto",
-            norm_kernel: str = "auto", mesh=None,
-            checkpoint_dir=None, checkpoint_every_tokens=None, resume_run: bool = False, progress: bool = True,
-            sample_states: int | None = None, intrinsic_k: int = 20) -> Results:
-    """Measure every hidden state of `model` over `data` (README "A real run").
+def measure(model=None, data=None, **kwargs) -> Results:
+    """Measure every hidden state of `model` over `data` (README "A real run"): measure(config), one
+    MeasureConfig (isojax.run.config), or measure(model, data, **kwargs) with MeasureConfig.build's
+    keyword arguments.
 
     model: preset, random:<preset>, directory, hub id or a LoadedModel; None: pythia-70m
     (random weights of its shapes offline). data: paths or hub: specs; None: CPython's bundled
@@ -396,6 +216,18 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
 
     from isojax.data import TokenStream, load_corpus
 
+    if isinstance(model, MeasureConfig):
+        if data is not None or kwargs:
+            raise TypeError("measure(config) takes no other arguments")
+        config = model
+    else:
+        config = MeasureConfig.build(model, data, **kwargs)
+    model, revision, dtype = config.model.model, config.model.revision, config.model.dtype
+    data, unit, sources = config.data.data, config.data.unit, config.data.sources
+    seq_len, batch_tokens, max_tokens = config.data.seq_len, config.data.batch_tokens, config.data.max_tokens
+    token_stats, intrinsic_k = config.stats.token_stats, config.stats.intrinsic_k
+    attention, mlp_kernel, norm_kernel = config.kernels.attention, config.kernels.mlp, config.kernels.norm
+    mesh, checkpoint_every_tokens, progress = config.devices.mesh, config.checkpoint.every_tokens, config.progress
     timings = Timings()
     use_compilation_cache()
     on_accel = defaults_platform() != "cpu"
@@ -433,21 +265,14 @@ def measure(model=None, data=None, *, revision=None, unit: str = "sentence", sou
         if tokens is None:
             with timings("tokenize"):
                 tokens = open_tokens(corpus, loaded.tokenizer, row_len, progress)
-        return _measure(loaded, corpus, tokens, timings, row_len=row_len, mesh=mesh, unit=unit, sources=sources,
-                        data=data, auto_attention=auto_attention, mlp_kernel=mlp_kernel, norm_kernel=norm_kernel,
-                        batch_tokens=batch_tokens,
-                        max_tokens=max_tokens, token_stats=token_stats, centered=centered, save_token_sums=save_token_sums,
-                        checkpoint_dir=checkpoint_dir, checkpoint_every_tokens=checkpoint_every_tokens,
-                        resume_run=resume_run, progress=progress, sample_states=sample_states,
-                        intrinsic_k=intrinsic_k)
+        return _measure(loaded, corpus, tokens, timings, config, row_len=row_len, mesh=mesh,
+                        auto_attention=auto_attention)
     finally:
         if isinstance(tokens, TokenStream):  # nothing once finished; after an error, stops the build
             tokens.cancel()
 
 
-def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, data, auto_attention, mlp_kernel,
-             norm_kernel, batch_tokens, max_tokens, token_stats, centered, save_token_sums, checkpoint_dir,
-             checkpoint_every_tokens, resume_run, progress, sample_states, intrinsic_k) -> Results:
+def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, *, row_len, mesh, auto_attention) -> Results:
     """measure() once the weights are loaded and the tokens are cached or streaming."""
     import jax
 
@@ -458,6 +283,13 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     from isojax.stats.finalize import finalize
     from isojax.run.manifest import build_manifest, build_metrics
 
+    data, unit, sources = config.data.data, config.data.unit, config.data.sources
+    batch_tokens, max_tokens = config.data.batch_tokens, config.data.max_tokens
+    token_stats, centered = config.stats.token_stats, config.stats.centered
+    save_token_sums, sample_states, intrinsic_k = config.stats.save_token_sums, config.stats.sample_states, config.stats.intrinsic_k
+    mlp_kernel, norm_kernel = config.kernels.mlp, config.kernels.norm
+    checkpoint_dir, checkpoint_every_tokens = config.checkpoint.directory, config.checkpoint.every_tokens
+    resume_run, progress = config.checkpoint.resume, config.progress
     on_accel = defaults_platform() != "cpu"
     cfg, dtype = loaded.config, loaded.dtype
     n_dev = mesh.size
@@ -473,6 +305,9 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     with timings("compile"):  # on Hopper GPUs: the fused MLP kernel's check compiles it once
         loaded.mlp_impl = choose_mlp_kernel(mlp_kernel, cfg, dtype, rows // n_dev * row_len)
         loaded.norm_impl = choose_norm_kernel(norm_kernel, cfg, dtype, rows // n_dev * row_len)
+    # chosen once, here: the step receives these, and Results.config records them
+    config = config.replace(model={"dtype": dtype}, devices={"mesh": dict(mesh.shape)},
+                            kernels=KernelConfig(loaded.attention_impl, loaded.mlp_impl, loaded.norm_impl))
     streamed = isinstance(tokens, TokenStream)
     finished = lambda: tokens.result() if streamed else tokens
     with timings("tokenize"):
@@ -580,7 +415,7 @@ def _measure(loaded, corpus, tokens, timings, *, row_len, mesh, unit, sources, d
     manifest["tokens_per_second"] = loop_rate  # the rate the last log line gives
     manifest["bad_records_skipped"] = cache.meta["bad_records"]  # a cached run reads no records
     sums = runner.token_sums if save_token_sums and token_stats else None
-    return Results(metrics, manifest, final, cfg.state_names, timings, sums)
+    return Results(metrics, manifest, final, cfg.state_names, timings, sums, config)
 
 
 def centered_pass(final, acc, model, runner, cache, rows, row_len, local, timings, progress):

@@ -38,7 +38,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from isojax.run.atomic import fsync_dir, write_atomic
+from isojax.atomic import fsync_dir, write_atomic
 from isojax.errors import UserError
 
 RECORD = ".isojax-results.json"

@@ -27,6 +27,7 @@ from isojax.run import outdir
 from isojax.device import mesh as parallel
 from isojax.errors import UserError
 from isojax.log import log
+from isojax.run.config import MeasureConfig
 from isojax.model.config import step_of
 
 
@@ -87,13 +88,13 @@ def _prefetch(model: str, revision: str | None) -> None:
 
 
 def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resume: bool, overwrite: bool,
-              plots: bool, measure_kwargs: dict) -> Path:
+              plots: bool, config: MeasureConfig) -> Path:
     from isojax.run.measure import measure
     jobs = [(m, r) for m in models for r in revisions]
     for m in models:
         check_revisions(m, revisions)
     main = parallel.is_main_process()
-    inputs = [*models, *(measure_kwargs.get("data") or [])]
+    inputs = [*models, *(config.data.data or [])]
     with outdir.claim(out, overwrite=True, names={"sweep.csv"}, inputs=inputs) if main else contextlib.nullcontext():
         fetch = None
         for i, (model, revision) in enumerate(jobs):
@@ -115,8 +116,9 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
                 local = local_revision(model, revision)
                 spec = str(local) if local is not None else model
                 ckpt = step_dir / "checkpoint"
-                results = measure(spec, revision=None if local is not None else revision, checkpoint_dir=ckpt,
-                                  resume_run=resume and ckpt.exists(), **measure_kwargs)
+                results = measure(config.replace(
+                    model={"model": spec, "revision": None if local is not None else revision},
+                    checkpoint={"directory": ckpt, "resume": resume and ckpt.exists()}))
                 if local is not None:  # a stand-in repository: report the step as the hub's would be
                     results.metrics.update(model=slug(model), revision=revision)
                     results.manifest.update(model=slug(model), revision=revision)

@@ -436,9 +436,8 @@ def plan_exchange(index: TokenIndex, held: int, opts: StatsOptions) -> Exchange:
 def _exchange_rows(carry, s, rows_OxCxD, recv_local_OxC, recv_count_OxC, opts: StatsOptions):
     """Send rows_OxCxD[o] to owner o and TwoSum-add what every sender sent here, sender by
     sender (each sender's rows are distinct and ascending: no sort). n - 1 ppermutes (shift k:
-    to device me + k, from me - k); this device's own share stays in place. (One all_to_all of
-    every share measured 92% scaling efficiency on 2 H100s and 75% on 4, these 95% and 94%:
-    bench/RESULTS.md.)"""
+    to device me + k, from me - k); this device's own share stays in place. Ppermutes, not one
+    all_to_all of every share, because they scale better over devices (bench/RESULTS.md 7b)."""
     shards, axes = opts.token_shards, opts.token_axes
     me = lax.axis_index(axes)
     take = lambda x, o: lax.dynamic_index_in_dim(x, o % shards, 0, keepdims=False)

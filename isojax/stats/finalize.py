@@ -8,8 +8,8 @@ pairwise formula, the uncentered Gram rebuilt, and the eigenvalues of all three 
 taken on an accelerator in float64: a Householder reduction to tridiagonal form (cuSOLVER sytrd)
 and bisection on the tridiagonal matrix. jax's eigvalsh would also build the eigenvectors (it is
 eigh). On the CPU the eigenvalues come from LAPACK's eigvalsh through numpy instead: XLA's
-bisection took 50 ms a state there and its compile seconds (the same eigenvalues to ~1e-14 of
-the largest; tests/test_stats.py compares with numpy's eigvalsh).
+bisection and its compile are slower there (the same eigenvalues to ~1e-14 of the largest;
+tests/test_stats.py compares with numpy's eigvalsh).
 """
 
 import functools
@@ -116,8 +116,8 @@ def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how
     (per_group) each group; call under jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D]
     float32 pairs. how="tridiagonal" (accelerators): each reduced to tridiagonal form, for
     _bisect_states; "matrices" (the CPU): the matrices themselves, for _host_eigs. On the CPU,
-    LAPACK beats XLA's bisection and its compile; on an H100 LAPACK's dsterf of the tridiagonals
-    on the host took 222 ms per state (bench/RESULTS.md 8c)."""
+    LAPACK beats XLA's bisection and its compile; on accelerators the host's dsterf of the
+    tridiagonals is the slower path (bench/RESULTS.md 8c)."""
     m2_HxDxD = m2.hi.astype(jnp.float64) + m2.lo.astype(jnp.float64)
     unit_m2_HxDxD = unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)
     if per_group:
@@ -192,7 +192,7 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
     """Compile the float64 read-outs that finalize and sample_metrics run on accelerators, for
     second moments of [H, S, D, D] and num_groups groups read out on `device`, from shapes alone:
     run in a background thread while the devices measure, so that a first run's read-outs do not
-    compile after the loop (jit reuses these executables; on an H100 they took 10 s to compile)."""
+    compile after the loop (jit reuses these executables; their compile takes seconds)."""
     h, s, _, d = m2_HxSxDxD_shape
     per_group = h == num_groups and num_groups > 1
     on = jax.sharding.SingleDeviceSharding(device)  # the arrays finalize passes are committed there
@@ -319,8 +319,8 @@ LANCZOS_STEPS = 64
 def _top_eigenvalue(a_MxM):
     """Largest eigenvalue of a symmetric PSD matrix: Lanczos with full reorthogonalization in
     float64, min(M, 64) steps from a fixed start. Exact to ~1e-11 relative even for the Gram of
-    an isotropic 4096 x 2048 batch (tests/test_sample.py against numpy's SVD); a full
-    eigendecomposition per batch would cost 60 ms each on an H100."""
+    an isotropic 4096 x 2048 batch (tests/test_sample.py against numpy's SVD), at a fraction of a
+    full eigendecomposition's cost per batch."""
     d = a_MxM.shape[0]
     m = min(d, LANCZOS_STEPS)
     q = jnp.ones(d, a_MxM.dtype) / jnp.sqrt(d) + 1e-3 * jnp.sin(jnp.arange(d, dtype=a_MxM.dtype))

@@ -21,9 +21,9 @@ It runs on the accelerator and never holds an N x N matrix:
   3. the K candidates' distances measured again as ||x_i - x_j|| from the raw float32 points
      (no cancellation: a duplicate gives exactly 0) and sorted; the k smallest are kept.
 The SPARE candidates absorb the float32 error of step 1 (relative ~1e-7 of |q|^2 + |p|^2),
-which could only swap points whose distances agree to that precision. Measured on an H200,
-100k x 2048: 0.92 s per search, 93% of the bare HIGHEST matmul's time; bf16x3 (0.44 s) and
-TF32 (0.23 s) matmuls gave the same distances there, but with a weaker guarantee.
+which could only swap points whose distances agree to that precision. The search runs close to
+the bare HIGHEST matmul's time; faster bf16x3 and TF32 matmuls give no such guarantee
+(bench/RESULTS.md 9).
 
 Estimators (float64 numpy on the N x k distances; the O(N k) arithmetic is negligible):
   TwoNN: mu = r2/r1; the int(N (1 - discard_fraction)) smallest mu are kept; slope of the
@@ -39,7 +39,7 @@ whose k distances are all equal (skdim: NaN or -inf). Each drop warns with its c
 fraction f of its points once duplicates are dropped; extract uses f = MIN_KEPT_SAMPLE = 1/2.
 Input is cast to float32; float64 input is centred in float64 first, so that a large
 common offset costs no float32 precision. Against skdim (float64) on the same points: at
-most 3e-8 relative (tests, CPU) and 1.5e-8 (H200, 10k-100k x 2048).
+most 3e-8 relative (tests, CPU; GPU figures in bench/RESULTS.md 9).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from isojax.errors import UserError
 # the embedding of 4,096 sampled tokens kept 571 points and gave 212.9, far above every block.
 MIN_KEPT_SAMPLE = 0.5
 SPARE = 8              # extra candidates per row that absorb the float32 error of the Gram trick
-QUERY_BLOCK = 2048     # B: query rows per block (H200, 100k x 2048: 13% faster than 1024)
+QUERY_BLOCK = 2048     # B: query rows per block (the faster of 1024 and 2048: bench/RESULTS.md 9)
 POINT_BLOCK = 16384    # P: point rows per block (a B x P float32 block is 128 MiB)
 PRECISION = lax.Precision.HIGHEST  # of the search matmul: float32, no TF32 (see the docstring)
 

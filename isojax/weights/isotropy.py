@@ -35,13 +35,14 @@ products with streamed log-sum-exp. Everything stays float64; bench/bench_weight
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import dataclasses
 import math
 import time
 
 import numpy as np
+
+from isojax.hf.files import RowBlocks
 from threadpoolctl import threadpool_limits
 
 OUTLIER_STD = 3.0
@@ -68,17 +69,6 @@ def _blas_threads_for(d: int):
 
 def _block_rows(d: int) -> int:
     return max(256, _BLOCK_BYTES // (8 * max(d, 1)))
-
-
-class RowBlocks(abc.ABC):
-    """A matrix too big to hold, read in row blocks: `W[a:b]` -> ndarray [b - a, d].
-
-    `analyze_matrix` takes one in place of an array and never asks for more than a block.
-    """
-    shape: tuple[int, int]
-
-    @abc.abstractmethod
-    def __getitem__(self, rows: slice) -> np.ndarray: ...
 
 
 def _as_matrix(W):
