@@ -80,6 +80,7 @@ def check_cache(cache, seqs, per):
         assert cache.sequence(i).tolist() == ids
 
 
+@pytest.mark.slow
 def test_formats_and_sources_agree(tmp_path, tok, records):
     shards = tmp_path / "shards"
     (shards / "sub").mkdir(parents=True)
@@ -109,6 +110,7 @@ def test_formats_and_sources_agree(tmp_path, tok, records):
             check_cache(cache, s_seqs, s_per)
 
 
+@pytest.mark.slow
 def test_worker_processes_match_in_process(tmp_path, tok, records):
     path = write_jsonl(tmp_path / "c.jsonl", records * 3)
     one = tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "a", max_len=64, workers=1)
@@ -141,6 +143,7 @@ def test_long_sequences_split_into_windows(tmp_path, tok, records):
     assert cache.n_tokens == sum(len(ids) for _, ids in seqs)
 
 
+@pytest.mark.slow
 def test_default_corpus(tmp_path, tok):
     from pydoc_data.topics import topics
 

@@ -169,6 +169,7 @@ def test_meta_holds_checksums_of_the_files(cached):
 
 # ---- bounded memory for any record ----
 
+@pytest.mark.slow
 def test_a_long_paragraph_is_split_a_window_at_a_time(monkeypatch):
     one = " ".join(book(100_000).split())  # one paragraph, as a one-line file is
     whole = units.split_sentences(one)
@@ -225,6 +226,7 @@ def _running(pid):
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_killed_build_leaves_no_workers_and_its_tmp_folder_is_cleaned(tmp_path, tok):
     text = " ".join(book(1_000_000).split())

@@ -22,6 +22,7 @@ from isojax.model.options import ForwardOptions
 hopper = pytest.mark.skipif(not kernels.available(), reason="needs an sm_90 (Hopper) GPU")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dense_gelu_is_flax_dense_then_gelu(dtype):
     x = jax.random.normal(jax.random.key(3), (2, 24, 48), jnp.float32).astype(dtype)
@@ -33,7 +34,9 @@ def test_dense_gelu_is_flax_dense_then_gelu(dtype):
     want = gelu(dense.apply(params, x), False)
     got = ours.apply(params, x)
     assert got.dtype == want.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # two programs whose products XLA may order differently on another CPU: within rounding, not bit for bit
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2 ** -6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
 
 
 def test_rounding_bound_holds_for_xla_and_catches_a_wrong_result():
@@ -54,7 +57,7 @@ def test_rounding_bound_holds_for_xla_and_catches_a_wrong_result():
 
 
 def test_mosaic_refused_where_it_cannot_run():
-    from isojax.run.measure import check_mlp_kernel, choose_mlp_kernel
+    from isojax.kernels.select import check_mlp_kernel, choose_mlp_kernel
     from isojax.model.config import preset
     from isojax.errors import UserError
     if kernels.available():
@@ -135,11 +138,12 @@ xs = jax.device_put(x, parallel.rows(mesh))
 got = jax.jit(fused.apply)(params, xs)
 want = plain.apply(params, x)
 assert got.sharding.is_equivalent_to(parallel.rows(mesh), 3), got.sharding
-np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2 ** -6, atol=1e-6)
 print("rows per call", sorted(set(calls)))
 '''
 
 
+@pytest.mark.slow
 def test_sharded_rows_go_to_the_kernel_per_device():
     """Under an activation sharding each device hands its own rows, flattened to [B T / n, D], to
     the kernel (stand-in here: the XLA formula), and the result equals the unsharded path."""

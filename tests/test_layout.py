@@ -96,3 +96,20 @@ def test_modules_say_why_they_are_long():
         if len(lines) > MAX_LINES:
             assert any(line.lstrip().startswith("Length:") for line in lines[:20]), \
                 f"{m}: {len(lines)} lines and no 'Length:' reason at its top"
+
+
+def folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else module
+
+
+def test_no_two_way_arrows_between_folders():
+    """Folders import one way. The one exception is by design: the model calls the kernels, and the
+    kernels use the numerics below both (model.ops, model.config), never the Flax model."""
+    g = graph()
+    edges = {(folder(a), folder(d)) for a, deps in g.items() for d in deps if folder(a) != folder(d)}
+    two_way = {tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges}
+    assert two_way <= {("kernels", "model")}, two_way
+    for m, deps in g.items():
+        if folder(m) == "kernels":
+            assert {d for d in deps if folder(d) == "model"} <= {"isojax.model.ops", "isojax.model.config"}, (m, deps)

@@ -70,6 +70,7 @@ def test_packed_rows_refuse_a_sequence_in_two_runs(tiny_checkpoint):
         ours.hidden_states_packed(tokens, np.array([[1, 1, 2, 2, 1, 1, 0, 0]]), np.zeros((1, 8), np.int32))
 
 
+@pytest.mark.slow
 def test_bfloat16_states_within_documented_tolerance(tiny_checkpoint):
     """bf16 compute (bf16 weights, float32 LayerNorm statistics and softmax): per-vector relative
     error against float32 under 3e-2 (README: 'bfloat16'); typical values are ~1e-2."""
@@ -113,6 +114,7 @@ def test_unknown_model_lists_presets():
         load_model("no-such-model")
 
 
+@pytest.mark.slow
 def test_fast_gelu_of_bfloat16_against_the_float64_gelu():
     """bf16 forwards use model.fast_erf (within 5e-7 of erf). The bf16 GELU it gives is the
     float64 GELU rounded to bf16 (as PyTorch's bf16 GELU, computed in float32) up to 2e-6
@@ -144,6 +146,7 @@ def test_fast_gelu_of_bfloat16_against_the_float64_gelu():
     assert (got != want).mean() < 0.25 * (plain != want).mean()  # measured: 7.7% vs 41%
 
 
+@pytest.mark.slow
 def test_pallas_tpu_attention_with_segment_ids_in_interpret_mode():
     """The TPU path (Pallas flash attention with segment ids) gives the states of the plain XLA
     attention on packed rows, run in Pallas' TPU interpret mode on the CPU."""

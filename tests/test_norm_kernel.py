@@ -103,6 +103,7 @@ print("error", err, "equal sharded", bool(np.array_equal(sharded, fused)), "rows
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", ["parallel", "sequential"])
 def test_model_states_with_the_kernel(residual):
     """The bf16 model with norm_kernel pallas (interpret mode): states within bf16 rounding of XLA's
@@ -122,7 +123,7 @@ def test_model_states_with_the_kernel(residual):
 
 
 def test_chosen_on_gpus_only(tmp_path):
-    from isojax.run.measure import check_norm_kernel, choose_norm_kernel
+    from isojax.kernels.select import check_norm_kernel, choose_norm_kernel
     from isojax.model.config import preset
     from isojax.errors import UserError
     with pytest.raises(UserError, match="norm_kernel must be"):

@@ -251,7 +251,7 @@ def test_readers_refuse_results_cut_short_or_changed(tmp_path):
 def test_commands_refuse_out_paths(tmp_path, capsys):
     """report OUT --out OUT, weights --matrix DIR/m.npy --out DIR, correlate --out DIR: one error
     line, nothing touched; correlate writes NaN as null."""
-    from isojax import correlate
+    from isojax.report import correlate
     from isojax.weights import command as weights
     from isojax.report import build
     _write(tmp_path / "run", 1)
@@ -297,6 +297,7 @@ def test_sweep_resume_refuses_another_corpus_or_budget(tmp_path):
     assert (tmp_path / "sweep.csv").read_text().startswith("model,revision,step,tokens,name")
 
 
+@pytest.mark.slow
 def test_cli_run_stays_beside_user_files(tmp_path, monkeypatch, capsys):
     """One real extract into a folder holding the user's plots/ and notes: refused without
     --overwrite the second time, replaced with it; the user's files and checkpoint rules kept."""

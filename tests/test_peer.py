@@ -13,6 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # the benchmark's PyTorch peer (bench/peer_hf.py), not isojax
+
 from bench import common as workload, peer_hf
 
 D, L, HEADS, VOCAB, FF = 64, 2, 4, 512, 256

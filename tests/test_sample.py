@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from isojax.stats import finalize as fz
 from isojax.stats import sample
@@ -78,6 +79,7 @@ def test_keys_are_uniform():
     assert len(np.unique(keys, axis=0)) == n  # no two tokens share a key
 
 
+@pytest.mark.slow
 def test_batch_anisotropy_against_svd():
     rng = np.random.default_rng(2)
     # anisotropic; near-isotropic with D > 64 Lanczos steps; wider than the batch (X X^T)

@@ -130,6 +130,7 @@ def test_million_vectors_every_metric(kind):
     np.testing.assert_allclose(out["token"]["intra_sim_SxV"][0], ref["intra_V"], atol=TOL)
 
 
+@pytest.mark.slow
 def test_long_stream_of_nearly_equal_vectors_does_not_drift():
     """2048 batch sums of nearly equal vectors added to the same rows: plain float32
     accumulation stagnates (each add rounds to ulp(total) the same way), compensation not."""

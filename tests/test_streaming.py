@@ -150,6 +150,7 @@ def test_builder_errors_surface_and_leave_nothing(tmp_path, tok, slow_small_chun
     assert not list((tmp_path / "d").iterdir())
 
 
+@pytest.mark.slow
 def test_streamed_run_equals_cached_run(tmp_path, monkeypatch, slow_small_chunks):
     """measure() on a first run (tokens streaming) and again on its cache: the same metrics and
     manifest, timings and from_cache aside."""

