@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from isojax.stats import accumulators as stats
-from isojax.model.options import StatsOptions
+from isojax.stats.options import StatsOptions
 
 FAST_GRAM = lax.DotAlgorithmPreset.BF16_BF16_F32_X6  # ~float32 accuracy on tensor cores
 

@@ -57,7 +57,8 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     from isojax.hf.loading import random_params
     from isojax.device import mesh as parallel
     from isojax.model.gpt_neox import GPTNeoX
-    from isojax.model.options import ForwardOptions, StatsOptions
+    from isojax.model.options import ForwardOptions
+    from isojax.stats.options import StatsOptions
     from isojax.device.runner import Runner
     cfg = preset(name)
     rows = max(1, batch_tokens // row_len)

@@ -39,7 +39,8 @@ from isojax.device import mesh as parallel
 from isojax.model.config import preset
 from isojax.hf.loading import random_params
 from isojax.model.gpt_neox import GPTNeoX
-from isojax.model.options import ForwardOptions, StatsOptions
+from isojax.model.options import ForwardOptions
+from isojax.stats.options import StatsOptions
 from isojax.device.runner import Runner
 
 ALL = ("fwd_nocausal,fwd,fwd_gelu_xla,fwd_xla,nostats_tok,full,full_chunkN,full_chunk2048,"

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from isojax.device import mesh as parallel
-from isojax.model.options import ForwardOptions, StatsOptions
+from isojax.model.options import ForwardOptions
+from isojax.stats.options import StatsOptions
 from isojax.model.config import preset
 from isojax.hf.loading import random_params
 from isojax.model.gpt_neox import GPTNeoX

@@ -243,7 +243,7 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
         from jax.sharding import PartitionSpec as P
         from isojax.device import mesh as parallel
         from isojax.stats import accumulators as stats
-        from isojax.model.options import StatsOptions
+        from isojax.stats.options import StatsOptions
         from isojax.device.runner import token_order, vocab_rows
         parallel.use_gspmd_partitioner()
         mesh = parallel.make_mesh({"data": 4, "model": 1})
@@ -300,7 +300,7 @@ def test_grams_split_over_model_equal_float64(tmp_path):
         from isojax.device import runner
         from isojax.stats import accumulators as stats
         from isojax.stats.finalize import _state_m2
-        from isojax.model.options import StatsOptions
+        from isojax.stats.options import StatsOptions
         mesh = parallel.make_mesh({"data": 2, "model": 4})
         n, D, N, B = 8, 16, 32, 3
         rng = np.random.default_rng(1)

@@ -10,7 +10,7 @@ import pytest
 
 from isojax.stats import finalize as fz
 from isojax.stats import accumulators as stats
-from isojax.model.options import StatsOptions
+from isojax.stats.options import StatsOptions
 
 TOL = 2e-5  # absolute, for dimensionless metrics (cosines, ratios)
 RTOL = 2e-6  # relative, for metrics that carry the states' scale (norms, spectra)

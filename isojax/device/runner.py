@@ -36,7 +36,7 @@ from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
 from isojax.stats import sample as sample_lib
 from isojax.model.gpt_neox import GPTNeoX
-from isojax.model.options import StatsOptions
+from isojax.stats.options import StatsOptions
 from isojax.device.mesh import ALL
 
 MAX_GROUP_SPECTRA = 8

@@ -25,7 +25,7 @@ from flax import struct
 from jax import lax
 
 from isojax.stats import sample
-from isojax.model.options import StatsOptions
+from isojax.stats.options import StatsOptions
 
 DEFAULT_OPTIONS = StatsOptions()
 
