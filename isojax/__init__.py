@@ -9,7 +9,7 @@ Notebook API:
 
 import os
 
-# XLA warns on every multi-device compile that GSPMD, which isojax chooses (parallel.py), will be
+# XLA warns on every multi-device compile that GSPMD, which isojax chooses (device/mesh.py), will be
 # deprecated: noise the user cannot act on. Set TF_CPP_MIN_LOG_LEVEL to see XLA's warnings.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -20,7 +20,7 @@ written from there into its .npy file. Without room the copies to host memory en
 returns. Pinning new pages is the slow part of a copy to host memory, far slower than copying
 into pages XLA's pool already holds; so chunks keep that pool at a chunk per device, and `reserve`
 grows it before the loop (measured: bench/RESULTS.md 7d). The layout
-depends on the device count (runner.py), so a checkpoint resumes on as many devices and
+depends on the device count (device/runner.py), so a checkpoint resumes on as many devices and
 processes as wrote it.
 """
 

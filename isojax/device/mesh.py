@@ -4,7 +4,7 @@ The only module that knows how many devices and hosts there are.
 Mesh axes ("data", "model"): every device is data parallel, i.e. the rows of a batch are split
 over all n devices (ALL = both axes). Parameters are replicated, or sharded over "model" (FSDP:
 XLA gathers each layer's weights when the layer scan reaches it), which divides their memory by
-the size of "model". Accumulators (see runner.py): the layer part holds one partial per device
+the size of "model". Accumulators (see device/runner.py): the layer part holds one partial per device
 on a leading axis of n; the per-token part is split over the vocabulary, device k owning token
 ids k, k + n, k + 2n, ... (interleaved, so that every device gets its share of a batch's
 distinct tokens: a contiguous split gave the first of 8 devices 2.9 times its share on real

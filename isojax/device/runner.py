@@ -2,7 +2,7 @@
 consumed inside the layer scan, on every device of every process.
 
 The forward is plain jit code that XLA partitions from the shardings of its inputs (rows over
-all devices, parameters replicated or over "model": parallel.py). The observer the layer scan
+all devices, parameters replicated or over "model": device/mesh.py). The observer the layer scan
 calls with each state runs the statistics per device under shard_map: each device adds its rows
 to its own partial of the layer part and sends its per-token sums to the tokens' owners
 (stats._update_token_shards).
@@ -13,8 +13,8 @@ Global layout of the accumulators (a stats.Accumulators of global arrays):
               pool their rows for the Grams: each keeps D/m rows [H, S, D/m, D] of the group's
               Grams (stats.update_state's reduce-scatter), so they cost 1/m per device.
   token part  tok_count [S, V'], tok_sum [S, V', D]: split over V' = V rounded up to a multiple
-              of n; global row k * V'/n + j holds token id j * n + k (parallel.py).
-  sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (sample.py),
+              of n; global row k * V'/n + j holds token id j * n + k (device/mesh.py).
+  sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (stats/sample.py),
               merged on the host at the end (`sample`).
 `merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
 over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the

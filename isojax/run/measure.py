@@ -206,7 +206,7 @@ def measure(model=None, data=None, **kwargs) -> Results:
     (random weights of its shapes offline). data: paths or hub: specs; None: CPython's bundled
     documentation (on CPU the first CPU_DEFAULT_MAX_TOKENS tokens unless max_tokens). mesh:
     {"data": N, "model": M} or None (chosen from the devices' memory). sample_states: keep a
-    uniform sample of K tokens' states (sample.py) for intrinsic dimension (k = intrinsic_k
+    uniform sample of K tokens' states (stats/sample.py) for intrinsic dimension (k = intrinsic_k
     neighbours) and batch anisotropy, written to samples.zarr; None: on accelerators a default
     sample for the batch anisotropy only (default_sample_size), on CPU none; 0: none.
 

@@ -10,7 +10,7 @@ contribution is first reduced within the batch (pairwise tree for plain sums, a 
 segment sum for per-token sums, one float32 matmul for the second moments), then added
 with TwoSum, whose rounding error goes into `lo`. hi + lo (taken in float64 by
 finalize) then carries ~48 bits, so drift across 10^4..10^6 batches is gone, and the only
-float32 error left is that of one batch's own partial sum. See finalize.py for the read-out.
+float32 error left is that of one batch's own partial sum. See stats/finalize.py for the read-out.
 
 Second moments are kept centered (Chan, Golub & LeVeque's pairwise update): storing
 Sum (x - mean)(x - mean)^T instead of Sum x x^T avoids the catastrophic cancellation of
@@ -91,7 +91,7 @@ class Accumulators:
     centered_sum_GxSxC: DF  # Sum (x-c)/|x-c| for centered InterSim; C = D or 0
     tok_count_SxV: jax.Array  # int32 occurrences per token; V = 0 without token stats
     tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
-    sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (sample.py); K = 0: no sample
+    sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (stats/sample.py); K = 0: no sample
     sample_SxKxD: jax.Array  # their states, in the forward's dtype
 
 
@@ -109,7 +109,7 @@ def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: i
                       sample_dtype=jnp.float32, gram_rows: int | None = None) -> Accumulators:
     """Zeroed accumulators. group_spectra=False shares one pair of [S, D, D] second moments
     among all groups (groups then report no anisotropy), which saves 4*S*D*D*4 bytes per
-    group beyond the first. sample_size K: a uniform sample of K tokens' states (sample.py).
+    group beyond the first. sample_size K: a uniform sample of K tokens' states (stats/sample.py).
     gram_rows: rows of the second moments this device keeps (StatsOptions.gram_shards);
     None: all D."""
     sh = _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows)

@@ -289,7 +289,7 @@ def finalize(acc: Accumulators, state_names: list[str],
             layer.update(intra_sim=None, intra_sim_weighted=None, intra_tokens=None)
         layers.append(layer)
 
-    for layer in layers:  # the contract's keys, null until a sample measures them (api.measure)
+    for layer in layers:  # the contract's keys, null until a sample measures them (run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std"):
             layer.setdefault(key, None)
     result = {"layers": layers}
@@ -369,7 +369,7 @@ PROGRESS_AFTER_S = 5.0  # sample_metrics logs a line per layer once it has run t
 
 def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, k: int = 20,
                    discard_fraction: float = 0.1) -> list[dict]:
-    """Per state, from the uniform sample (sample.py): anisotropy over batches of BATCH sampled
+    """Per state, from the uniform sample (stats/sample.py): anisotropy over batches of BATCH sampled
     tokens (mean and std, ddof=1, of sigma_1^2 / sum sigma^2, centered and uncentered; The Shape
     of Learning section 2.2: shuffled, then batched) and, if `intrinsic`, the intrinsic dimension
     (isojax.stats.intrinsic): null where fewer than half the sampled points remain once exact duplicates
