@@ -1,9 +1,9 @@
 """Issue 13 experiment: attention of one layer, from the fused qkv projection to [B, T, H, K],
 as the model runs it on GPUs: XLA's rotary and v slice then cuDNN (the default), against
-isojax.packed_attention (rotary in the kernel, key blocks outside the query block's sequences
+isojax.kernels.packed_attention (rotary in the kernel, key blocks outside the query block's sequences
 skipped), on the throughput benchmark's packed sentences.
 
-    python bench/bench_attention.py [--row-len 512]
+    python -m bench.bench_attention [--row-len 512]
 
 Each kernel output is compared with the cuDNN path's on the real (non-padding) positions.
 """
@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_gemm_gelu import timed  # noqa: E402
-from bench_throughput import DEFAULT_BATCH_TOKENS, pack_in_memory  # noqa: E402
-from workload import random_sentences, sentence_lengths  # noqa: E402
+from bench.common import timed
+from bench.bench_throughput import DEFAULT_BATCH_TOKENS
+from bench.common import pack_in_memory
+from bench.common import random_sentences, sentence_lengths
 
-from isojax import packed_attention  # noqa: E402
-from isojax.config import preset  # noqa: E402
-from isojax.model import apply_rotary, rotary_tables, segment_mask  # noqa: E402
+from isojax.kernels import packed_attention
+from isojax.model.config import preset
+from isojax.model.ops import apply_rotary, rotary_tables, segment_mask
 
 
 def cudnn_path(qkv, cos, sin, seg):

@@ -1,6 +1,6 @@
 """Corpus pipeline throughput on this host: sentence splitters, text -> cached tokens, packing.
 
-    PYTHONPATH=. python bench/bench_data.py [--quick]
+    PYTHONPATH=. python -m bench.bench_data [--quick]
 
 Prints tables; also writes $OUT/bench_data.txt when OUT is set. The splitter comparison
 runs every candidate that is installed (syntok is required; blingfire, sentencex, pysbd

@@ -6,7 +6,7 @@ The setup of issue 12: random weights of pythia-1.4b's shapes saved as float16 s
 local Hugging Face directory with the real tokenizer; ~10M tokens of Python sources (the
 interpreter's own standard library) as .jsonl.gz, sentence unit.
 
-    python bench/bench_end_to_end.py --shape pythia-1.4b --chars 34e6 --workdir /tmp/e2e
+    python -m bench.bench_end_to_end --shape pythia-1.4b --chars 34e6 --workdir /tmp/e2e
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO))
 
 
 def build_corpus(path: Path, chars: float) -> int:
@@ -53,7 +51,7 @@ def build_checkpoint(directory: Path, shape: str) -> None:
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
 
-    from isojax.config import preset
+    from isojax.model.config import preset
     cfg = preset(shape)
     hf = GPTNeoXConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                        num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
@@ -91,7 +89,7 @@ def run_peer(model_dir: Path, corpus: Path, batch_tokens: int) -> dict:
     import torch
     from transformers import AutoTokenizer, GPTNeoXForCausalLM
 
-    import peer_hf
+    from bench import peer_hf
     from isojax.data.units import text_units
     t0 = time.time()
     model = GPTNeoXForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).gpt_neox.to("cuda").eval()

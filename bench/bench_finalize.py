@@ -1,8 +1,8 @@
 """Where finalize's seconds go on the device: one state's float64 spectra, piece by piece, and
 ways of taking the eigenvalues of its three [D, D] covariances (issue 12).
 
-    python bench/bench_finalize.py                 # D = 2048 (pythia-1.4b), 26 states
-    python bench/bench_finalize.py --d 256 --states 3 --repeats 1   # CPU, seconds
+    python -m bench.bench_finalize                 # D = 2048 (pythia-1.4b), 26 states
+    python -m bench.bench_finalize --d 256 --states 3 --repeats 1   # CPU, seconds
 
 Rows (ms per state, median of --repeats):
   read           hi + lo -> float64, covariances (the [3, D, D] stack)
@@ -30,7 +30,8 @@ import scipy.linalg
 
 jax.config.update("jax_enable_x64", True)
 
-from isojax import finalize, stats  # noqa: E402
+from isojax.stats import finalize
+from isojax.stats import accumulators as stats
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:

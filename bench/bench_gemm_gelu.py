@@ -1,7 +1,7 @@
 """Issue 13 experiment: is a Mosaic GPU product with bias + GELU in its epilogue faster than
 cuBLAS's product followed by XLA's GELU pass, at the MLP's shapes? (H100 only.)
 
-    python bench/bench_gemm_gelu.py
+    python -m bench.bench_gemm_gelu
 
 Rows: XLA as the model runs it (nn.Dense in bf16, then model.gelu), XLA's product alone, the
 Mosaic kernel without and with the epilogue, for a few tile shapes. Each fused output is checked
@@ -12,28 +12,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax.kernels import Tiles, available, dense_gelu
-from isojax.model import gelu
+from bench.common import timed
+from isojax.kernels.mlp import Tiles, available, dense_gelu
+from isojax.model.ops import gelu
 
 SHAPES = {"pythia-70m": (262144, 512, 2048), "pythia-410m": (262144, 1024, 4096), "pythia-1.4b": (65536, 2048, 8192)}
-
-
-def timed(f, *args, reps: int = 20) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> int:

@@ -1,8 +1,8 @@
-"""Time isojax.intrinsic (accelerator) against scikit-dimension (CPU) on low-dimensional data.
+"""Time isojax.stats.intrinsic (accelerator) against scikit-dimension (CPU) on low-dimensional data.
 
-    PYTHONPATH=. python bench/bench_intrinsic.py                       # 100k x 2048, twonn + mle
-    PYTHONPATH=. python bench/bench_intrinsic.py --n 5000 --d 256      # small, runs on CPU
-    PYTHONPATH=. python bench/bench_intrinsic.py --skdim-n 20000       # skdim on 20k rows only
+    PYTHONPATH=. python -m bench.bench_intrinsic                       # 100k x 2048, twonn + mle
+    PYTHONPATH=. python -m bench.bench_intrinsic --n 5000 --d 256      # small, runs on CPU
+    PYTHONPATH=. python -m bench.bench_intrinsic --skdim-n 20000       # skdim on 20k rows only
 
 Data: a `--latent`-dim standard Gaussian through a random linear map to D dims plus Gaussian
 noise (`--noise` per coordinate), float32. isojax times exclude compilation (shown apart:
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax import intrinsic
+from isojax.stats import intrinsic
 
 try:
     import skdim
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     x_np = make_points(args.n, args.d, args.latent, args.noise, args.seed)
     x_dev = jax.device_put(jnp.asarray(x_np))
     dev = jax.devices()[0]
-    lines = [f"# isojax.intrinsic vs scikit-dimension {skdim.__version__ if skdim else '(not installed)'}; "
+    lines = [f"# isojax.stats.intrinsic vs scikit-dimension {skdim.__version__ if skdim else '(not installed)'}; "
              f"device {dev.platform}:{dev.device_kind}, jax {jax.__version__}, {os.cpu_count()} CPUs; "
              f"data: {args.latent}-dim Gaussian -> random linear map to {args.d} dims + noise "
              f"{args.noise}, float32; k = {args.k}, discard_fraction = 0.1; compile = first call "

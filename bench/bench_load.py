@@ -1,13 +1,13 @@
 """Where loading a Hugging Face checkpoint's seconds go (issue 12): reading the safetensors files
 into host memory, copying host arrays to the device, and isojax's load_model as a whole.
 
-    python bench/bench_load.py --model /tmp/e2e/model      # a local Hugging Face directory
+    python -m bench.bench_load --model /tmp/e2e/model      # a local Hugging Face directory
 
 Rows (seconds, the best of --repeats; the files are in the page cache after the first):
   read            CheckpointReader.read of every tensor into numpy (safetensors get_tensor)
   device_put      jax.device_put of those numpy arrays (pageable host memory), one at a time
   via pinned      the same arrays put into "pinned_host" memory first, then onto the device
-  load_model      isojax.loading.load_model: read, copy and build the parameter tree (bf16)
+  load_model      isojax.hf.loading.load_model: read, copy and build the parameter tree (bf16)
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
 
 
 def best(fn, repeats: int) -> float:
@@ -37,8 +35,8 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from isojax.hf_files import CheckpointReader
-    from isojax.loading import load_model
+    from isojax.hf.files import CheckpointReader
+    from isojax.hf.loading import load_model
 
     reader = CheckpointReader(Path(args.model))
     names = reader.names()

@@ -1,7 +1,7 @@
 """Issue 13: a parallel-residual block's two LayerNorms, XLA's two kernels against one Pallas
-kernel (isojax.norm_kernel), at each model's batch shape. (GPU only.)
+kernel (isojax.kernels.norm), at each model's batch shape. (GPU only.)
 
-    python bench/bench_norm.py
+    python -m bench.bench_norm
 
 Prints ms per pair for XLA and for the kernel at 4 and 8 warps, the effective bandwidth (bytes of
 one read of x and two writes), the share of outputs that differ from XLA's, and how far each
@@ -12,18 +12,15 @@ lies beyond one bf16 rounding of float64 on the first 4,096 rows (norm_kernel.ro
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from bench_gemm_gelu import timed  # noqa: E402
-from isojax import norm_kernel  # noqa: E402
-from isojax.model import LayerNorm  # noqa: E402
+from bench.common import timed
+from isojax.kernels import norm as norm_kernel
+from isojax.model.gpt_neox import LayerNorm
 
 SHAPES = {"pythia-70m": (262144, 512), "pythia-410m": (262144, 1024), "pythia-1.4b": (65536, 2048)}
 

@@ -2,7 +2,7 @@
 stock Hopper kernel (hopper_matmul_mgpu) over its tiles, warpgroup split and thread-block clusters
 (H100 only).
 
-    python bench/bench_products.py
+    python -m bench.bench_products
 
 Prints ms and TFLOP/s per configuration; configurations that do not fit shared memory are listed
 as failed. bench/RESULTS.md 10n.
@@ -15,8 +15,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from bench_gemm_gelu import timed
-from isojax.kernels import available, dense_gelu
+from bench.common import timed
+from isojax.kernels.mlp import available, dense_gelu
 
 SHAPES = {"pythia-410m up": (262144, 1024, 4096), "pythia-1.4b up": (65536, 2048, 8192),
           "pythia-1.4b down": (65536, 8192, 2048)}

@@ -6,9 +6,9 @@ widths above 1024, else 262,144), so k devices run k times the rows per step; sc
 efficiency = tokens/s on k devices / (k x tokens/s on 1). The workload is bench_throughput's
 (log-normal sentence lengths, Zipf token ids), packed by isojax's packer.
 
-    python bench/bench_scaling.py --models pythia-410m,pythia-1.4b --devices 1,2
-    python bench/bench_scaling.py --models pythia-1.4b --devices 1,2 --token-stats on,off --profile /tmp/prof
-    python bench/bench_scaling.py --models pythia-1.4b --devices 4 --checkpoint /tmp/ckpt
+    python -m bench.bench_scaling --models pythia-410m,pythia-1.4b --devices 1,2
+    python -m bench.bench_scaling --models pythia-1.4b --devices 1,2 --token-stats on,off --profile /tmp/prof
+    python -m bench.bench_scaling --models pythia-1.4b --devices 4 --checkpoint /tmp/ckpt
 
 --checkpoint times two checkpoints in a row on the largest device count: the loop runs every
 batch twice while each is written; a checkpoint's cost is the caller's wait, the loop's slowdown
@@ -26,13 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
+import jax
 
-from bench_throughput import pack_in_memory  # noqa: E402
-from workload import random_sentences, sentence_lengths  # noqa: E402
+from bench.common import pack_in_memory
+from bench.common import random_sentences, sentence_lengths
 
 
 def per_device_batch(cfg) -> int:
@@ -44,12 +42,13 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
         reserve: bool = True, mlp_kernel: str = "xla", attention: str | None = None) -> dict:
     import jax.numpy as jnp
 
-    from isojax import checkpointing, parallel
-    from isojax.config import preset
-    from isojax.loading import random_params
-    from isojax.model import GPTNeoX
-    from isojax.options import ForwardOptions
-    from isojax.runner import Runner
+    from isojax.device import checkpoints as checkpointing
+    from isojax.device import mesh as parallel
+    from isojax.model.config import preset
+    from isojax.hf.loading import random_params
+    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.model.options import ForwardOptions
+    from isojax.device.runner import Runner
     cfg = preset(name)
     mesh = parallel.make_mesh({"data": k // model_axis, "model": model_axis}, devices=jax.devices()[:k])
     rows = k * (batch_per_device or per_device_batch(cfg)) // row_len

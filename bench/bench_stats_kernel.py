@@ -1,14 +1,14 @@
-"""Kernel benchmark of one state's statistics update (isojax.stats), one state at a time.
+"""Kernel benchmark of one state's statistics update (isojax.stats.accumulators), one state at a time.
 
-    python bench/bench_stats_kernel.py            # GPU matrix, ~4 min on one H100
-    python bench/bench_stats_kernel.py --quick    # tiny sizes, runs on CPU
+    python -m bench.bench_stats_kernel            # GPU matrix, ~4 min on one H100
+    python -m bench.bench_stats_kernel --quick    # tiny sizes, runs on CPU
 
 Per-token variants (all add the unit vectors of N positions into a [V, D] float32 table):
   scatter_add         tok.at[ids].add(u): plain float32 scatter-add, contended, no compensation
   scatter_add_sorted  sort ids first, then the same scatter-add (indices_are_sorted)
   segment_sum_V       tok + segment_sum(u, ids, V): builds a fresh [V, D] array per batch
   segsum_set          sort, segment-sum in the batch, gather U rows, add, scatter-set (no lo)
-  compensated         isojax.stats: segsum_set with a TwoSum into (hi, lo) rows, the batch's
+  compensated         isojax.stats.accumulators: segsum_set with a TwoSum into (hi, lo) rows, the batch's
                       segment sums by scatter-add (StatsOptions(segment_sum="scatter")) or by a
                       segmented associative scan ("scan", no atomics)
 Gram variants (Sum (x - m)(x - m)^T of one batch, float32 out) by dot algorithm, and the full
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from isojax import stats
-from isojax.options import StatsOptions
+from isojax.stats import accumulators as stats
+from isojax.stats.options import StatsOptions
 
 FAST_GRAM = lax.DotAlgorithmPreset.BF16_BF16_F32_X6  # ~float32 accuracy on tensor cores
 

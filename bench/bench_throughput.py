@@ -6,8 +6,8 @@ states and of unit vectors, per-token IntraSim), fused into the layer scan.
 Peer (bench/peer_hf.py): bf16 transformers GPTNeoX, SDPA, output_hidden_states, length-sorted
 padded batches, unit sums + per-token index_add_ (DESIGN.md's measured peer: no Gram).
 
-    python bench/bench_throughput.py                       # 70m, 410m, 1.4b
-    python bench/bench_throughput.py --models pythia-70m --tokens 2e6 --no-peer
+    python -m bench.bench_throughput                       # 70m, 410m, 1.4b
+    python -m bench.bench_throughput --models pythia-70m --tokens 2e6 --no-peer
 """
 
 from __future__ import annotations
@@ -22,16 +22,13 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the card with torch
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from workload import random_sentences, sentence_lengths  # noqa: E402
+from bench.common import pack_in_memory,  random_sentences, sentence_lengths
 
-from isojax.extract import use_cuda_graphs_for_loops  # noqa: E402
+from isojax.extract import use_cuda_graphs_for_loops
 
 use_cuda_graphs_for_loops()  # as isojax.extract does (XLA_FLAGS that set command buffers win)
 
@@ -39,17 +36,6 @@ DEFAULT_TOKENS = {"pythia-70m": 1.2e7, "pythia-410m": 4e6, "pythia-1.4b": 1.5e6}
 # Token slots per batch, by model (bench/breakdown.py: the small models gain 10-15% from
 # 262,144-token batches; isojax.extract's default does the same by width).
 DEFAULT_BATCH_TOKENS = {"pythia-70m": 262144, "pythia-410m": 262144, "pythia-1.4b": 65536}
-
-
-def pack_in_memory(tokens, offsets, rows, row_len):
-    """Packed [B, T] batches of the workload through isojax's own packer (before timing)."""
-    from isojax.data.packing import pack_batches
-    from isojax.data.tokens import TokenCache
-    cache = TokenCache(tokens=tokens, offsets=offsets, source_ids=np.zeros(len(offsets) - 1, np.int16),
-                       source_names=["synthetic"], fingerprint="bench", max_len=row_len, path=Path("."),
-                       from_cache=False, meta={})
-    batches = list(pack_batches(cache, rows=rows, row_len=row_len, prefetch=0))
-    return [(b.tokens_BxT, b.segment_ids_BxT, b.positions_BxT, b.n_tokens) for b in batches]
 
 
 def bf16_matmul_rate() -> float:
@@ -67,12 +53,13 @@ def bf16_matmul_rate() -> float:
 
 def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, mlp_kernel="xla",
                norm_kernel="xla", gram_block=512, warmup=2):
-    from isojax.config import preset
-    from isojax.loading import random_params
-    from isojax import parallel
-    from isojax.model import GPTNeoX
-    from isojax.options import ForwardOptions, StatsOptions
-    from isojax.runner import Runner
+    from isojax.model.config import preset
+    from isojax.hf.loading import random_params
+    from isojax.device import mesh as parallel
+    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.model.options import ForwardOptions
+    from isojax.stats.options import StatsOptions
+    from isojax.device.runner import Runner
     cfg = preset(name)
     rows = max(1, batch_tokens // row_len)
     t0 = time.perf_counter()
@@ -130,7 +117,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     lines = [f"card: {dev.device_kind}; jax {jax.__version__}; measured bf16 matmul {rate / 1e12:.0f} TFLOP/s"]
     rows_out = []
-    from isojax import kernels
+    from isojax.kernels import mlp as kernels
     mlp_kernels = args.mlp_kernel.split(",") if args.mlp_kernel else ["xla"] + ["mosaic"] * kernels.available()
     for name in args.models.split(","):
         n = int(args.tokens or DEFAULT_TOKENS.get(name, 1e6))
@@ -152,7 +139,7 @@ def main(argv=None) -> int:
         jax.clear_caches()
         if not args.no_peer:
             import torch
-            from peer_hf import run_peer
+            from bench.peer_hf import run_peer
             torch.cuda.reset_peak_memory_stats()
             res["peer"] = run_peer(name, tokens, offsets, batch_tokens=args.peer_batch_tokens, sort_by_length=True,
                                    gram=False, max_seconds=args.peer_seconds)

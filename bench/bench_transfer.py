@@ -14,7 +14,7 @@ work the copy cost (blocked + slowed). Ways:
   torch        what the link allows: PyTorch copies as many bytes from its own device buffer into
                page-locked host memory it allocated beforehand (not isojax; needs torch)
 
-    python bench/bench_transfer.py --gb 10
+    python -m bench.bench_transfer --gb 10
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +99,7 @@ def main() -> int:
 
         def drain(parts=parts, way=way):
             if way == "writer":
-                from isojax import checkpointing
+                from isojax.device import checkpoints as checkpointing
                 shutil.rmtree(args.dir, ignore_errors=True)
                 Path(args.dir).mkdir(parents=True)
                 checkpointing._write_shards(Path(args.dir), [(f"a{i}.npy", p) for i, p in enumerate(parts)])

@@ -1,6 +1,6 @@
-"""Time isojax.isotropy on random matrices of Pythia shapes (CPU, float64).
+"""Time isojax.weights.isotropy on random matrices of Pythia shapes (CPU, float64).
 
-    PYTHONPATH=. python bench/bench_weights.py [--dims 512,2048,5120] [--rows 50688]
+    PYTHONPATH=. python -m bench.bench_weights [--dims 512,2048,5120] [--rows 50688]
 
 Prints one row per matrix size with the seconds of each phase; writes the table to
 $OUT/bench_weights.txt when OUT is set. Random Gaussian rows plus a common offset, stored
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from isojax import isotropy
+from isojax.weights import isotropy
 
 PHASES = ["gram_pass", "eigh_uncentered", "eigh_centered", "eigh_scaled_centered",
           "projection_pass"]
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=50688, help="n, the vocabulary size (pythia-12b: 50688)")
     args = ap.parse_args(argv)
     cols = PHASES + ["layer_norm", "total", "cpu"]
-    lines = [f"# isojax.isotropy.analyze_matrix, float64, {platform.processor() or platform.machine()}, "
+    lines = [f"# isojax.weights.isotropy.analyze_matrix, float64, {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs, numpy {np.__version__}, load average at start "
              f"{os.getloadavg()[0]:.1f}, float64 GEMM {gemm_gflops():.0f} GFLOP/s "
              "(wall seconds per phase; cpu = process CPU seconds)",

@@ -1,7 +1,7 @@
 """Where the time goes: tokens/s of the fused step with parts switched off or changed, one
 model, same card, one variant alive at a time.
 
-    python bench/breakdown.py --model pythia-1.4b [--variants fwd,fwd_nocausal,full,full_b256k,...]
+    python -m bench.breakdown --model pythia-1.4b [--variants fwd,fwd_nocausal,full,full_b256k,...]
 
 Variants (all bf16, random weights, the bench workload of bench_throughput.py):
   fwd            forward only, cuDNN attention with the boolean segment mask
@@ -25,26 +25,23 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from bench_throughput import pack_in_memory  # noqa: E402
-from workload import random_sentences, sentence_lengths  # noqa: E402
-import dataclasses  # noqa: E402
+from bench.common import pack_in_memory
+from bench.common import random_sentences, sentence_lengths
+import dataclasses
 
-from isojax import parallel  # noqa: E402
-from isojax.config import preset  # noqa: E402
-from isojax.loading import random_params  # noqa: E402
-from isojax.model import GPTNeoX  # noqa: E402
-from isojax.options import ForwardOptions, StatsOptions  # noqa: E402
-from isojax.runner import Runner  # noqa: E402
+from isojax.device import mesh as parallel
+from isojax.model.config import preset
+from isojax.hf.loading import random_params
+from isojax.model.gpt_neox import GPTNeoX
+from isojax.model.options import ForwardOptions
+from isojax.stats.options import StatsOptions
+from isojax.device.runner import Runner
 
 ALL = ("fwd_nocausal,fwd,fwd_gelu_xla,fwd_xla,nostats_tok,full,full_chunkN,full_chunk2048,"
        "full_chunk8192,full_gram1,full_hint,full_256,full_b256k")

@@ -1,6 +1,6 @@
 """Largest differences between two result folders' metrics.json (e.g. 1 and 2 GPUs).
 
-    python bench/compare_metrics.py out/1gpu out/2gpu
+    python -m bench.compare_metrics out/1gpu out/2gpu
 """
 
 from __future__ import annotations

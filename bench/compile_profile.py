@@ -1,28 +1,26 @@
 """Compile time of the fused step, piece by piece (which part makes GPU compiles slow).
 
-    python bench/compile_profile.py --model pythia-70m
+    python -m bench.compile_profile --model pythia-70m
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from isojax import parallel  # noqa: E402
-from isojax.options import ForwardOptions, StatsOptions  # noqa: E402
-from isojax.config import preset  # noqa: E402
-from isojax.loading import random_params  # noqa: E402
-from isojax.model import GPTNeoX  # noqa: E402
-from isojax.runner import Runner  # noqa: E402
+from isojax.device import mesh as parallel
+from isojax.model.options import ForwardOptions
+from isojax.stats.options import StatsOptions
+from isojax.model.config import preset
+from isojax.hf.loading import random_params
+from isojax.model.gpt_neox import GPTNeoX
+from isojax.device.runner import Runner
 
 
 def timed_compile(label, fn, *args):

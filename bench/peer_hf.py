@@ -37,9 +37,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 try:
-    from bench.workload import PYTHIA_SHAPES, flops_per_token, random_sentences, sentence_lengths
-except ImportError:  # run as `python bench/peer_hf.py`
-    from workload import PYTHIA_SHAPES, flops_per_token, random_sentences, sentence_lengths
+    from bench.common import PYTHIA_SHAPES, flops_per_token, random_sentences, sentence_lengths
+except ImportError:  # run as `python -m bench.peer_hf`
+    from bench.common import PYTHIA_SHAPES, flops_per_token, random_sentences, sentence_lengths
 
 # Sized so the whole benchmark (3 shapes × 2 batchings × gram on/off) fits in ~3 GPU-minutes
 # (~100 s wall on one H200, model builds included).

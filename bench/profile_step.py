@@ -1,6 +1,6 @@
 """Where the fused step's device time goes: a jax.profiler trace of a few steps, summed per kernel.
 
-    python bench/profile_step.py --model pythia-1.4b [--forward-only] [--steps 3] [--out DIR]
+    python -m bench.profile_step --model pythia-1.4b [--forward-only] [--steps 3] [--out DIR]
 
 Runs warm-up steps, traces `--steps` more, then reads the Perfetto trace JSON that
 jax.profiler writes and prints device time per step by kernel class (matrix products,
@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Kernel classes, first match wins (names of cuBLAS/cuDNN/XLA kernels on Hopper).
 CLASSES = [
@@ -118,14 +116,14 @@ def main() -> int:
 
     import jax
     import jax.numpy as jnp
-    from bench_throughput import pack_in_memory
-    from workload import random_sentences, sentence_lengths
-    from isojax.config import preset
-    from isojax.loading import random_params
-    from isojax.model import GPTNeoX
-    from isojax.runner import Runner
-    from isojax import parallel
-    from isojax.options import ForwardOptions
+    from bench.common import pack_in_memory
+    from bench.common import random_sentences, sentence_lengths
+    from isojax.model.config import preset
+    from isojax.hf.loading import random_params
+    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.device.runner import Runner
+    from isojax.device import mesh as parallel
+    from isojax.model.options import ForwardOptions
     cfg = preset(args.model)
     n_batches = args.steps + 2
     lengths = sentence_lengths(int(args.rows * args.row_len * (n_batches + 1)), seed=1, max_len=args.row_len)

@@ -20,9 +20,9 @@ def main(argv=None) -> int:
 
 
 def convert(args) -> None:
-    from isojax.config import base_preset, hub_id
-    from isojax.hf_files import resolve_checkpoint
-    from converters.orbax_io import convert_dir
+    from isojax.model.config import base_preset, hub_id
+    from isojax.hf.files import resolve_checkpoint
+    from isojax.hf.orbax_io import convert_dir
     src = Path(args.src).expanduser()
     if src.is_dir():
         if args.revision:

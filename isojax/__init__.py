@@ -9,7 +9,7 @@ Notebook API:
 
 import os
 
-# XLA warns on every multi-device compile that GSPMD, which isojax chooses (parallel.py), will be
+# XLA warns on every multi-device compile that GSPMD, which isojax chooses (device/mesh.py), will be
 # deprecated: noise the user cannot act on. Set TF_CPP_MIN_LOG_LEVEL to see XLA's warnings.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -17,9 +17,10 @@ import importlib
 
 # Loaded on first use: the tokenizer's worker processes import isojax.data alone, without JAX
 # (importing JAX in each of 16 workers held back a first run's first tokens by seconds).
-_WHERE = {"Results": "isojax.api", "measure": "isojax.api", "GPTNeoXConfig": "isojax.config",
-          "preset": "isojax.config", "preset_names": "isojax.config", "UserError": "isojax.errors",
-          "LoadedModel": "isojax.loading", "load_model": "isojax.loading"}
+_WHERE = {"Results": "isojax.run.measure", "measure": "isojax.run.measure", "GPTNeoXConfig": "isojax.model.config",
+          "preset": "isojax.model.config", "preset_names": "isojax.model.config", "UserError": "isojax.errors",
+          "LoadedModel": "isojax.hf.loading", "load_model": "isojax.hf.loading",
+          "MeasureConfig": "isojax.run.config"}
 
 __all__ = sorted(_WHERE)
 

@@ -3,6 +3,8 @@
 import errno
 import re
 
+from isojax.log import log
+
 
 class UserError(Exception):
     """Bad input from the user (missing path, unknown model, corrupt checkpoint, ...).
@@ -50,7 +52,7 @@ def run_command(body, args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:
-        print(f"isojax: {e}", file=sys.stderr)
+        log(str(e))
         return Preempted.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

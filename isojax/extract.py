@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from isojax.api import CPU_DEFAULT_MAX_TOKENS, DEFAULT_MODEL
+from isojax.run.measure import CPU_DEFAULT_MAX_TOKENS, DEFAULT_MODEL
 from isojax.errors import UserError, run_command
 
 
@@ -107,14 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def log(msg: str) -> None:
-    print(f"isojax: {msg}", file=sys.stderr, flush=True)
-
-
 def check_out(out: Path, args) -> None:
     """Before any work: --out can be written and holds no input of this run; results already there
     are refused unless --overwrite (or --resume of the run that is to write them)."""
-    from isojax import outdir
+    from isojax.run import outdir
     outdir.check_path(out, [*(args.data or []), *(args.model or [])])
     has_results = (out / "metrics.json").exists()
     has_ckpt = (out / "checkpoint").exists()
@@ -133,8 +129,9 @@ def check_free_space(out: Path, args) -> None:
     """Refuse, before any work, a run whose results (and checkpoints) cannot fit the free space of
     --out's disk; where the model's shapes are not known without loading it, the write itself
     reports a full disk."""
-    from isojax.api import default_sample_size, defaults_platform, peek_config
-    from isojax.results import output_bytes
+    from isojax.device.memory import defaults_platform
+    from isojax.run.measure import default_sample_size, peek_config
+    from isojax.run.results import output_bytes
     cfg = peek_config((args.model or [DEFAULT_MODEL])[0])
     if cfg is None:
         return
@@ -143,7 +140,7 @@ def check_free_space(out: Path, args) -> None:
     need = output_bytes(cfg, token_stats=not args.no_token_stats, save_token_sums=args.save_token_sums,
                         sample_states=sample)
     if args.checkpoint_every_tokens:  # the last two checkpoints kept, a third being written
-        from isojax.runner import per_device_accumulator_bytes
+        from isojax.device.runner import per_device_accumulator_bytes
         need += 3 * per_device_accumulator_bytes(cfg, 1, token_stats=not args.no_token_stats)
     base = next(p for p in [out, *out.absolute().parents] if p.exists())
     free = shutil.disk_usage(base).free
@@ -154,12 +151,14 @@ def check_free_space(out: Path, args) -> None:
 
 
 def run(args) -> Path:
-    from isojax import checkpointing, parallel
+    from isojax.device import checkpoints as checkpointing
+    from isojax.device import mesh as parallel
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
                         timeout_s=args.coordinator_timeout)
-    from isojax.api import measure
-    from isojax.config import paper_steps
-    from isojax.loop import log
+    from isojax.run.config import MeasureConfig
+    from isojax.run.measure import measure
+    from isojax.model.config import paper_steps
+    from isojax.log import log
 
     out = Path(args.out)
     options = dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
@@ -170,23 +169,23 @@ def run(args) -> Path:
                    sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k)
     models = args.model or [None]
     if args.paper_steps or args.revisions or len(models) > 1:
-        from isojax.sweep import run_sweep
+        from isojax.run.sweep import run_sweep
         revisions = paper_steps() if args.paper_steps else \
             [r.strip() for r in (args.revisions or "").split(",") if r.strip()] or [args.revision]
         if None in models:
             raise UserError("a sweep needs --model")
         run_sweep(models, revisions, out, resume=args.resume, overwrite=args.overwrite, plots=not args.no_plots,
-                  measure_kwargs=options)
+                  config=MeasureConfig.build(**options))
         log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
         return out
-    from isojax import outdir
+    from isojax.run import outdir
     names = {"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | (set() if args.no_plots else {"plots"})
     # held to the end: a second run into this --out is refused before it measures anything
     with outdir.claim(out, overwrite=True, names=names) if parallel.is_main_process() else contextlib.nullcontext():
         check_out(out, args)  # after claim: a commit a killed run left half done is undone first
         check_free_space(out, args)
-        results = measure(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
-                          resume_run=args.resume, **options)
+        results = measure(MeasureConfig.build(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
+                                              resume_run=args.resume, **options))
         if parallel.is_main_process():
             results.save(out, overwrite=True, plots=not args.no_plots)
             checkpointing.remove(out / "checkpoint")  # only what isojax wrote there
@@ -205,7 +204,7 @@ def run(args) -> Path:
 def main(argv=None) -> int:
     # JAX takes 75% of each GPU by default; a run owns its devices (gpt-neox-20b on 4 x 80 GB
     # peaks at 57 GB per device). 90%, not more: NCCL allocates outside JAX's pool, and at 95%
-    # it ran out of memory on 4 x H100 (bench/RESULTS.md 7c). Set the variable to share a GPU.
+    # it can run out of memory (bench/RESULTS.md 7c). Set the variable to share a GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
     use_cuda_graphs_for_loops()
     return run_command(run, build_parser().parse_args(argv))
@@ -214,8 +213,8 @@ def main(argv=None) -> int:
 def use_cuda_graphs_for_loops() -> None:
     """XLA records fusions and library calls of a GPU program into CUDA graphs (command buffers)
     but by default not while loops or conditionals; the step's layer scan and per-token rounds are
-    while loops. Adding them gave +5% at pythia-70m on an H100, whose step launches many small
-    kernels (bench/RESULTS.md 10d). Left alone if XLA_FLAGS already sets command buffers; on CPUs
+    while loops. Adding them pays where the step launches many small kernels (small models;
+    bench/RESULTS.md 10d). Left alone if XLA_FLAGS already sets command buffers; on CPUs
     the flag does nothing. Must run before jax starts a backend."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_enable_command_buffer" not in flags:

@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"isojax-tests-xla-{os.getuid()}"))
 
 # The configuration an accelerator run uses, on CPU: ISOJAX_DEFAULTS=gpu gives a GPU run's defaults
-# (bfloat16, the default sample; api.defaults_platform) with XLA's paths for the GPU-only kernels,
+# (bfloat16, the default sample; device.memory.defaults_platform) with XLA's paths for the GPU-only kernels,
 # and the flags a long GPU run typically adds. Lifecycle tests run in it, so they cannot drift
 # from what GPU users run.
 ACCELERATOR_ENV = {"ISOJAX_DEFAULTS": "gpu"}

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from isojax import checkpointing
+from isojax.device import checkpoints as checkpointing
 from isojax.errors import UserError
 
 
@@ -157,7 +157,7 @@ class _Runner:
 
 
 def test_resume_falls_back_past_a_damaged_newest_step(tmp_path, capsys):
-    from isojax.loop import resume
+    from isojax.run.loop import resume
     ckpt = checkpointing.Checkpointer(tmp_path / "ck")
     for step in (1, 2):
         ckpt.save(step, _tree(step), {"settings": {"a": 1}, "cursor": [step], "done": {"tokens": 10 * step}})
@@ -213,7 +213,7 @@ def test_result_files_hold_every_sampled_and_summed_value_exactly(tmp_path):
     import ml_dtypes
     import tensorstore as ts
 
-    from isojax.results import _write_data
+    from isojax.run.results import _write_data
     rng = np.random.default_rng(3)
     sample = rng.normal(size=(3, 7, 5)).astype(ml_dtypes.bfloat16)
     sums = rng.normal(size=(3, 11, 5))

@@ -15,6 +15,7 @@ from isojax import load_model
 from isojax.errors import UserError
 
 
+@pytest.mark.slow
 def test_round_trip_through_orbax(tiny_checkpoint, tmp_path):
     src, model = tiny_checkpoint
     out = tmp_path / "converted"
@@ -59,6 +60,7 @@ def test_mismatched_config_is_refused(tiny_checkpoint):
         load_model(src)
 
 
+@pytest.mark.slow
 def test_converter_cli_bad_input_exits_cleanly(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "converters", str(tmp_path / "missing"), "--out",
                            str(tmp_path / "o")], capture_output=True, text=True)
@@ -66,6 +68,7 @@ def test_converter_cli_bad_input_exits_cleanly(tmp_path):
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("error:")
 
 
+@pytest.mark.slow
 def test_hub_names_resolve_through_cache(tiny_checkpoint, tmp_path, monkeypatch):
     """A preset name + revision goes to huggingface_hub (stand-in here) and its snapshot is read
     directly: no converted copy is written."""
@@ -76,8 +79,8 @@ def test_hub_names_resolve_through_cache(tiny_checkpoint, tmp_path, monkeypatch)
         calls.append((repo, revision))
         return src
 
-    import isojax.hf_files
-    monkeypatch.setattr(isojax.hf_files, "resolve_checkpoint", fake_resolve)
+    import isojax.hf.files
+    monkeypatch.setattr(isojax.hf.files, "resolve_checkpoint", fake_resolve)
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     ids = np.arange(15)
     first = load_model("pythia-70m-deduped", revision="step1000")

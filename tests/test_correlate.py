@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from isojax import correlate
+from isojax.report import correlate
 
 REVISIONS = ["step0", "step1000", "step3000", "step13000", "step71000", "step143000"]
 MODELS = {"pythia-70m": 6, "pythia-410m": 24}
@@ -100,6 +100,7 @@ def _check(entry, x, y):
         assert 0 <= entry["kendall"]["p"] <= 1
 
 
+@pytest.mark.slow
 def test_small_n_p_values_are_exact():
     """At n = 3 a perfect rank correlation has p = 2/6 (two of six orderings reach |rho| = 1):
     scipy's asymptotic Spearman p is 0 there. Ties are permuted as they are; above n = 8 scipy's."""

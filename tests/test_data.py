@@ -18,12 +18,13 @@ from isojax.data import load_corpus, pack_batches, plan_stats, split_sentences, 
 from isojax.data import packing, tokens as tokens_mod
 from isojax.errors import UserError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # excerpts: characters 20,000-70,000 of each book
+TOKENIZER_JSON = Path(__file__).resolve().parents[1] / "isojax" / "data" / "gpt-neox-20b-tokenizer.json"
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_file(str(DATA / "gpt-neox-20b-tokenizer.json"))
+    return Tokenizer.from_file(str(TOKENIZER_JSON))
 
 
 def encode(tok, text):
@@ -36,7 +37,7 @@ def records():
     rng = np.random.default_rng(0)
     out = []
     for book, source in (("moby-dick.txt", "Books3"), ("tinyshakespeare.txt", "Gutenberg (PG-19)")):
-        text = (DATA / book).read_text()[20_000:60_000]
+        text = (DATA / book).read_text()[:40_000]
         out += [{"text": p, "meta": {"pile_set_name": source}} for p in text.split("\n\n") if p.strip()][:60]
     return [out[i] for i in rng.permutation(len(out))]
 
@@ -79,6 +80,7 @@ def check_cache(cache, seqs, per):
         assert cache.sequence(i).tolist() == ids
 
 
+@pytest.mark.slow
 def test_formats_and_sources_agree(tmp_path, tok, records):
     shards = tmp_path / "shards"
     (shards / "sub").mkdir(parents=True)
@@ -108,6 +110,7 @@ def test_formats_and_sources_agree(tmp_path, tok, records):
             check_cache(cache, s_seqs, s_per)
 
 
+@pytest.mark.slow
 def test_worker_processes_match_in_process(tmp_path, tok, records):
     path = write_jsonl(tmp_path / "c.jsonl", records * 3)
     one = tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "a", max_len=64, workers=1)
@@ -140,6 +143,7 @@ def test_long_sequences_split_into_windows(tmp_path, tok, records):
     assert cache.n_tokens == sum(len(ids) for _, ids in seqs)
 
 
+@pytest.mark.slow
 def test_default_corpus(tmp_path, tok):
     from pydoc_data.topics import topics
 
@@ -154,7 +158,7 @@ def test_transformers_tokenizer_shares_cache(tmp_path, tok, records):
     from transformers import PreTrainedTokenizerFast
 
     path = write_jsonl(tmp_path / "c.jsonl", records[:10])
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(DATA / "gpt-neox-20b-tokenizer.json"))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER_JSON))
     first = tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "c", max_len=64, workers=1)
     again = tokenize_corpus(load_corpus([path]), hf, cache_dir=tmp_path / "c", max_len=64, workers=1)
     assert again.from_cache and again.fingerprint == first.fingerprint
@@ -343,14 +347,14 @@ def test_a_few_bad_records_are_skipped_with_warnings(tmp_path, tok):
 def test_no_special_tokens_and_no_truncation(tmp_path, records):
     from tokenizers.processors import TemplateProcessing
 
-    bos = Tokenizer.from_file(str(DATA / "gpt-neox-20b-tokenizer.json"))
+    bos = Tokenizer.from_file(str(TOKENIZER_JSON))
     bos.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
     bos.enable_truncation(8)
     assert bos.encode("Call me Ishmael, please.").ids[0] == 0  # the tokenizer alone would add and cut
     path = write_jsonl(tmp_path / "c.jsonl", records[:10])
     cache = tokenize_corpus(load_corpus([path], unit="document"), bos, cache_dir=tmp_path / "c", max_len=10**6,
                             workers=1)
-    plain = Tokenizer.from_file(str(DATA / "gpt-neox-20b-tokenizer.json"))
+    plain = Tokenizer.from_file(str(TOKENIZER_JSON))
     check_cache(cache, *expected(plain, records[:10]))
 
 

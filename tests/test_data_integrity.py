@@ -25,8 +25,8 @@ from isojax.data import load_corpus, tokenize_corpus, units
 from isojax.data import tokens as tokens_mod
 from isojax.errors import UserError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-TOKENIZER = DATA / "gpt-neox-20b-tokenizer.json"
+DATA = Path(__file__).resolve().parent / "data"  # excerpts: characters 20,000-70,000 of each book
+TOKENIZER = Path(__file__).resolve().parents[1] / "isojax" / "data" / "gpt-neox-20b-tokenizer.json"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,9 @@ def tok():
 
 
 def book(n, name="moby-dick.txt"):
-    return (DATA / name).read_text()[20_000:20_000 + n]
+    """n characters of the book's excerpt, repeated as often as n needs."""
+    text = (DATA / name).read_text()
+    return (text * (n // len(text) + 1))[:n]
 
 
 def records(n=400):
@@ -167,6 +169,7 @@ def test_meta_holds_checksums_of_the_files(cached):
 
 # ---- bounded memory for any record ----
 
+@pytest.mark.slow
 def test_a_long_paragraph_is_split_a_window_at_a_time(monkeypatch):
     one = " ".join(book(100_000).split())  # one paragraph, as a one-line file is
     whole = units.split_sentences(one)
@@ -223,6 +226,7 @@ def _running(pid):
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_killed_build_leaves_no_workers_and_its_tmp_folder_is_cleaned(tmp_path, tok):
     text = " ".join(book(1_000_000).split())

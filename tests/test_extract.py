@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import ACCELERATOR_ENV, ACCELERATOR_FLAGS, TOKENIZER_JSON, build_hf_checkpoint, hf_states
-from isojax.api import CPU_DEFAULT_MAX_TOKENS
+from isojax.run.measure import CPU_DEFAULT_MAX_TOKENS
 from isojax.extract import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +69,7 @@ def reference_metrics(states: list[np.ndarray], ids: list[np.ndarray]) -> list[d
     return out
 
 
+@pytest.mark.slow
 def test_metrics_match_float64_reference_from_hugging_face(tmp_path, monkeypatch):
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     model = build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=64, num_layers=2, num_heads=4)
@@ -192,6 +193,7 @@ def test_interrupted_runs_resume_to_the_uninterrupted_metrics(tmp_path):
         assert not (tmp_path / way / "checkpoint").exists(), way
 
 
+@pytest.mark.slow
 def test_default_run_offline(tmp_path):
     """No arguments but --out: pythia-70m's shapes with random weights (offline), default corpus."""
     proc = run_cli("--out", tmp_path / "out", env={"ISOJAX_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
@@ -220,6 +222,7 @@ def small_vocab_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_bad_inputs_exit_cleanly(tmp_path, small_vocab_checkpoint):
     env = {"ISOJAX_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     empty = tmp_path / "empty.jsonl"
@@ -254,6 +257,7 @@ def test_bad_inputs_exit_cleanly(tmp_path, small_vocab_checkpoint):
     assert (tmp_path / "done" / "metrics.json").read_text() == "{}"  # untouched
 
 
+@pytest.mark.slow
 def test_bfloat16_run_within_documented_tolerance_of_float32(tmp_path, monkeypatch):
     """README 'bfloat16': metrics of a bf16 run within 2e-3 absolute (cosines, anisotropy) of the
     float32 run of the same checkpoint and tokens; measured ~1e-4 on random pythia-70m."""
@@ -291,13 +295,14 @@ def test_overwrite_replaces_all_results(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".partial")]
 
 
+@pytest.mark.slow
 def test_sample_states_intrinsic_dimension_and_batch_anisotropy(tmp_path, monkeypatch):
     """--sample-states: metrics.json's intrinsic dimension equals scikit-dimension on the sample
     written to samples.zarr, and the batch anisotropy numpy's SVD of its batches of 4096."""
     import skdim
     import tensorstore as ts
 
-    from isojax import intrinsic
+    from isojax.stats import intrinsic
 
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=64, num_layers=1, num_heads=4)

@@ -15,8 +15,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from isojax import isotropy, plots
-from isojax import weights as weights_cli
+from isojax import plots
+from isojax.weights import isotropy
+from isojax.weights import command as weights_cli
 from isojax.plots import weights as weight_plots
 from isojax.report import build
 from isojax.report.collect import Run
@@ -101,6 +102,7 @@ def _random_title(titles) -> bool:
     return any("RANDOM WEIGHTS" in t for t in titles)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocks", BLOCKS)
 @pytest.mark.parametrize("weights", ["random", "pretrained"])
 def test_run_plots(tmp_path, drawn, blocks, weights):
@@ -136,6 +138,7 @@ def report_figures(tmp_path_factory):
     return reviewed
 
 
+@pytest.mark.slow
 def test_report_figures(report_figures):
     names = {n.rsplit("/", 1)[-1].rsplit(".", 1)[0]: (titles, layers) for n, titles, layers in report_figures}
     for stem in ("inter_sim_by_layer", "anisotropy_by_layer", "intrinsic_dimension_twonn_by_layer",
@@ -176,6 +179,7 @@ def test_weights_matrix_figures(tmp_path, drawn, scale):
         assert _random_title(titles), name
 
 
+@pytest.mark.slow
 def test_singular_values_axis(monkeypatch, tmp_path):
     """log only when the values span more than a decade, with at least three labelled ticks;
     the uncentered line drawn wide and pale under the centered one; a mathtext axis label."""
@@ -202,6 +206,7 @@ def test_singular_values_axis(monkeypatch, tmp_path):
     assert isinstance(un, Line2D) and un.get_alpha() < 1
 
 
+@pytest.mark.slow
 def test_weights_sweep_figures(tmp_path, drawn):
     rows = [{"revision": f"step{s}", "step": s, **{f"{g}.{m}": float(np.cos(s / 3e4 + i))
                                                   for i, g in enumerate(("embed_in", "embed_out"))

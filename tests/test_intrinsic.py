@@ -1,4 +1,4 @@
-"""isojax.intrinsic against scikit-dimension (the reference) on fresh random point clouds."""
+"""isojax.stats.intrinsic against scikit-dimension (the reference) on fresh random point clouds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from isojax import intrinsic
+from isojax.stats import intrinsic
 from isojax.errors import UserError
 
 skdim = pytest.importorskip("skdim")
@@ -63,6 +63,7 @@ def test_estimators_equal_skdim(kind):
     _close(intrinsic.mom(x32, k=20), skdim.id.MOM().fit(x64, n_neighbors=20).dimension_)
 
 
+@pytest.mark.slow
 def test_other_settings_equal_skdim():
     x32, x64 = _points("subspace", seed=7)
     _close(intrinsic.twonn(x32, discard_fraction=0.3), skdim.id.TwoNN(discard_fraction=0.3).fit(x64).dimension_)
@@ -165,6 +166,7 @@ def test_bad_input(call, message):
             call()
 
 
+@pytest.mark.slow
 def test_sample_metrics_logs_and_degenerate_layers(capsys):
     """extract --sample-states: a layer keeping fewer than half its points once duplicates are
     dropped (the embedding: a few token types repeated) gets null, and a log line names it; drops
@@ -172,7 +174,7 @@ def test_sample_metrics_logs_and_degenerate_layers(capsys):
     says why anisotropy_batch_std is null."""
     import jax.numpy as jnp
 
-    from isojax.finalize import sample_metrics
+    from isojax.stats.finalize import sample_metrics
 
     rng = np.random.default_rng(5)
     n = 4096

@@ -12,7 +12,9 @@ import torch
 from safetensors.numpy import save_file as np_save_safetensors
 from safetensors.torch import save_file as torch_save_safetensors
 
-from isojax import isotropy, matrix_files, weights
+from isojax.weights import isotropy
+from isojax.weights import matrix_files
+from isojax.weights import command as weights
 
 MATRIX_KEYS = {"isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
                "isotropy_scaled_centered", "mean_norm", "mean_vector_norm"}

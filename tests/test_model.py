@@ -9,9 +9,9 @@ import pytest
 
 from conftest import build_hf_checkpoint, hf_states, max_rel_error
 from isojax import load_model
-from isojax.config import preset, preset_names, from_hf_dict
+from isojax.model.config import preset, preset_names, from_hf_dict
 from isojax.errors import UserError
-from isojax.model import param_shapes
+from isojax.model.gpt_neox import param_shapes
 
 # (hidden, heads, layers, rotary_pct, parallel residual, activation): head dims 64, 80, 128, 256;
 # pythia-2.8b's 80-dim heads have 20 rotary dims.
@@ -70,6 +70,7 @@ def test_packed_rows_refuse_a_sequence_in_two_runs(tiny_checkpoint):
         ours.hidden_states_packed(tokens, np.array([[1, 1, 2, 2, 1, 1, 0, 0]]), np.zeros((1, 8), np.int32))
 
 
+@pytest.mark.slow
 def test_bfloat16_states_within_documented_tolerance(tiny_checkpoint):
     """bf16 compute (bf16 weights, float32 LayerNorm statistics and softmax): per-vector relative
     error against float32 under 3e-2 (README: 'bfloat16'); typical values are ~1e-2."""
@@ -113,6 +114,7 @@ def test_unknown_model_lists_presets():
         load_model("no-such-model")
 
 
+@pytest.mark.slow
 def test_fast_gelu_of_bfloat16_against_the_float64_gelu():
     """bf16 forwards use model.fast_erf (within 5e-7 of erf). The bf16 GELU it gives is the
     float64 GELU rounded to bf16 (as PyTorch's bf16 GELU, computed in float32) up to 2e-6
@@ -123,7 +125,7 @@ def test_fast_gelu_of_bfloat16_against_the_float64_gelu():
 
     import jax.numpy as jnp
 
-    from isojax.model import fast_erf, gelu
+    from isojax.model.ops import fast_erf, gelu
 
     erf = np.vectorize(math.erf)
     x = np.linspace(-8.0, 8.0, 400_001)
@@ -144,15 +146,16 @@ def test_fast_gelu_of_bfloat16_against_the_float64_gelu():
     assert (got != want).mean() < 0.25 * (plain != want).mean()  # measured: 7.7% vs 41%
 
 
+@pytest.mark.slow
 def test_pallas_tpu_attention_with_segment_ids_in_interpret_mode():
     """The TPU path (Pallas flash attention with segment ids) gives the states of the plain XLA
     attention on packed rows, run in Pallas' TPU interpret mode on the CPU."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from isojax.config import GPTNeoXConfig
-    from isojax.loading import random_params
-    from isojax.model import GPTNeoX, collect_states
-    from isojax.options import ForwardOptions
+    from isojax.model.config import GPTNeoXConfig
+    from isojax.hf.loading import random_params
+    from isojax.model.gpt_neox import GPTNeoX, collect_states
+    from isojax.model.options import ForwardOptions
 
     cfg = GPTNeoXConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                         rotary_pct=0.25, max_position_embeddings=256)

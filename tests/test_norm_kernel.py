@@ -1,4 +1,4 @@
-"""isojax.norm_kernel: a parallel-residual block's two LayerNorms in one Pallas kernel (interpret
+"""isojax.kernels.norm: a parallel-residual block's two LayerNorms in one Pallas kernel (interpret
 mode on CPU; compiled on a GPU by the GPU-only test), against float64 and against model.LayerNorm."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from isojax import norm_kernel
-from isojax.model import LayerNorm
+from isojax.kernels import norm as norm_kernel
+from isojax.model.gpt_neox import LayerNorm
 
 gpu = pytest.mark.gpu  # skipped without a GPU (conftest)
 
@@ -66,11 +66,12 @@ def test_shapes_it_does_not_take():
 MODEL = r'''
 import sys
 import jax, jax.numpy as jnp, numpy as np
-from isojax import norm_kernel, parallel
-from isojax.config import GPTNeoXConfig
-from isojax.loading import random_params
-from isojax.model import GPTNeoX, collect_states
-from isojax.options import ForwardOptions
+from isojax.kernels import norm as norm_kernel
+from isojax.device import mesh as parallel
+from isojax.model.config import GPTNeoXConfig
+from isojax.hf.loading import random_params
+from isojax.model.gpt_neox import GPTNeoX, collect_states
+from isojax.model.options import ForwardOptions
 calls = []
 kernel = norm_kernel.layer_norm_pair
 def counted(x, *a, **k):
@@ -102,6 +103,7 @@ print("error", err, "equal sharded", bool(np.array_equal(sharded, fused)), "rows
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", ["parallel", "sequential"])
 def test_model_states_with_the_kernel(residual):
     """The bf16 model with norm_kernel pallas (interpret mode): states within bf16 rounding of XLA's
@@ -121,8 +123,8 @@ def test_model_states_with_the_kernel(residual):
 
 
 def test_chosen_on_gpus_only(tmp_path):
-    from isojax.api import check_norm_kernel, choose_norm_kernel
-    from isojax.config import preset
+    from isojax.kernels.select import check_norm_kernel, choose_norm_kernel
+    from isojax.model.config import preset
     from isojax.errors import UserError
     with pytest.raises(UserError, match="norm_kernel must be"):
         check_norm_kernel("triton", "bfloat16")

@@ -1,4 +1,4 @@
-"""Result folders (isojax.outdir): results commit in one step (a kill injected at every rename and
+"""Result folders (isojax.run.outdir): results commit in one step (a kill injected at every rename and
 delete leaves the earlier results or the new ones, whole), isojax touches only what it wrote, a
 lock refuses a second run, and output-path failures end in one `error:` line."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from isojax import outdir
+from isojax.run import outdir
 from isojax.errors import UserError
-from isojax.results import write_results
+from isojax.run.results import write_results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -251,7 +251,8 @@ def test_readers_refuse_results_cut_short_or_changed(tmp_path):
 def test_commands_refuse_out_paths(tmp_path, capsys):
     """report OUT --out OUT, weights --matrix DIR/m.npy --out DIR, correlate --out DIR: one error
     line, nothing touched; correlate writes NaN as null."""
-    from isojax import correlate, weights
+    from isojax.report import correlate
+    from isojax.weights import command as weights
     from isojax.report import build
     _write(tmp_path / "run", 1)
     np.save(tmp_path / "m.npy", np.ones((4, 3)))
@@ -275,7 +276,7 @@ def test_commands_refuse_out_paths(tmp_path, capsys):
 
 
 def test_sweep_resume_refuses_another_corpus_or_budget(tmp_path):
-    from isojax import sweep
+    from isojax.run import sweep
     jobs = [("m", "step1"), ("m", "step2")]
     done = tmp_path / "m" / "step1"
     done.mkdir(parents=True)
@@ -296,6 +297,7 @@ def test_sweep_resume_refuses_another_corpus_or_budget(tmp_path):
     assert (tmp_path / "sweep.csv").read_text().startswith("model,revision,step,tokens,name")
 
 
+@pytest.mark.slow
 def test_cli_run_stays_beside_user_files(tmp_path, monkeypatch, capsys):
     """One real extract into a folder holding the user's plots/ and notes: refused without
     --overwrite the second time, replaced with it; the user's files and checkpoint rules kept."""

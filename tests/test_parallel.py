@@ -68,6 +68,7 @@ def _assert_same(one: dict, other: dict, what: str) -> None:
                                                                                 b["anisotropy"]), (what, name)
 
 
+@pytest.mark.slow
 def test_every_device_count_and_mesh_gives_the_same_metrics(setup):
     """One process with 8 host devices measures the same corpus on meshes of 1, 2, 3 (the
     all-gather merge), 4 and 8 devices (the butterfly merge), data=2 x model=2 and data=2 x
@@ -108,6 +109,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", [None, "data=1,model=4"])
 def test_two_processes_equal_one(setup, tmp_path, mesh):
     """Two processes on localhost (2 host devices each, CPU collectives through jax.distributed)
@@ -145,6 +148,8 @@ def test_two_processes_equal_one(setup, tmp_path, mesh):
 @pytest.mark.parametrize("extra,accelerator", [(ACCELERATOR_FLAGS, True), (["--sample-states", "500", "--centered"], False),
                                                (["--mesh", "data=1,model=4", *ACCELERATOR_FLAGS], True)],
                          ids=["accelerator", "float32 sample+centered", "accelerator grams split"])
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path, extra, accelerator):
     """Two processes (2 host devices each) on a first run, each tokenizing into its own cache,
     checkpointing, both SIGKILLed after the first checkpoint every process finished, then resumed: the metrics of one process
@@ -189,6 +194,8 @@ def test_two_processes_killed_and_resumed_equal_one(setup, tmp_path, extra, acce
             assert value is None and other is None or abs(value - other) <= 1e-4 * value, (a["name"], key)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_bad_meshes_and_coordinators_exit_cleanly(setup, tmp_path):
     cases = [
         (["--mesh", "data=3"], 2, "does not divide"),
@@ -206,6 +213,7 @@ def test_bad_meshes_and_coordinators_exit_cleanly(setup, tmp_path):
         assert "Traceback" not in proc.stderr and needle in proc.stderr, (args, proc.stderr[-1500:])
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_device_count(setup, tmp_path):
     """A checkpoint written on 2 devices is not resumed on 1: its layout depends on the count."""
     script = textwrap.dedent(f"""
@@ -233,9 +241,10 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
         import json, sys
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
-        from isojax import parallel, stats
-        from isojax.options import StatsOptions
-        from isojax.runner import token_order, vocab_rows
+        from isojax.device import mesh as parallel
+        from isojax.stats import accumulators as stats
+        from isojax.stats.options import StatsOptions
+        from isojax.device.runner import token_order, vocab_rows
         parallel.use_gspmd_partitioner()
         mesh = parallel.make_mesh({"data": 4, "model": 1})
         n, V, D, N = 4, 50, 8, 64
@@ -277,6 +286,7 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
         assert res["err"] <= 1e-5, (exchange_rows, res)
 
 
+@pytest.mark.slow
 def test_grams_split_over_model_equal_float64(tmp_path):
     """Second moments pooled over model groups and split by rows (data=2 x model=4: each device
     keeps 4 of 16 rows), three batches whose means drift and whose devices see different
@@ -286,9 +296,11 @@ def test_grams_split_over_model_equal_float64(tmp_path):
         import json, sys
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
-        from isojax import parallel, runner, stats
-        from isojax.finalize import _state_m2
-        from isojax.options import StatsOptions
+        from isojax.device import mesh as parallel
+        from isojax.device import runner
+        from isojax.stats import accumulators as stats
+        from isojax.stats.finalize import _state_m2
+        from isojax.stats.options import StatsOptions
         mesh = parallel.make_mesh({"data": 2, "model": 4})
         n, D, N, B = 8, 16, 32, 3
         rng = np.random.default_rng(1)
@@ -322,6 +334,7 @@ def test_grams_split_over_model_equal_float64(tmp_path):
         assert err <= 1e-6, (field, err)
 
 
+@pytest.mark.slow
 def test_two_devices_without_token_stats_equal_one(setup):
     """--no-token-stats on 2 devices (its empty per-token fields once came back from the step
     with a sharding the next step refused) gives one device's metrics."""
@@ -343,14 +356,16 @@ def test_two_devices_without_token_stats_equal_one(setup):
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["name"], key)
 
 
+@pytest.mark.slow
 def test_the_step_compiles_once_on_two_devices(setup):
     """The step hands the accumulators back with the shardings they came in with: on 2 devices
     XLA once put the empty fields (no token stats, no sample, not centered) elsewhere, and the
     second batch compiled the step again."""
     script = textwrap.dedent(f"""
         import numpy as np, jax
-        from isojax import api, parallel
-        from isojax.loading import load_model
+        from isojax.run import measure as api
+        from isojax.device import mesh as parallel
+        from isojax.hf.loading import load_model
         mesh = parallel.make_mesh({{"data": 2, "model": 1}})
         loaded = load_model({str(setup / "ckpt")!r}, dtype="float32", attention_impl="xla", mesh=mesh)
         runner = api.make_runner(loaded, mesh, token_stats=False, num_groups=1)
@@ -371,7 +386,7 @@ def test_no_persistent_compilation_cache_in_multi_process_runs(monkeypatch, tmp_
     with several processes isojax keeps none; alone it keeps one under ISOJAX_CACHE/xla."""
     import jax
 
-    from isojax import api
+    from isojax.run import measure as api
     before = jax.config.jax_compilation_cache_dir
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path))
     try:

@@ -6,8 +6,6 @@ final LayerNorm) and does all the statistics in float64 numpy. The peer runs pad
 masked, multi-sentence batches in float32.
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import peer_hf, workload  # noqa: E402
+pytestmark = pytest.mark.slow  # the benchmark's PyTorch peer (bench/peer_hf.py), not isojax
+
+from bench import common as workload, peer_hf
 
 D, L, HEADS, VOCAB, FF = 64, 2, 4, 512, 256
 
@@ -147,7 +146,7 @@ def test_pythia_parameter_counts():
 
 
 def test_flops_agree_with_isojax_config():
-    config = pytest.importorskip("isojax.config")
+    config = pytest.importorskip("isojax.model.config")
     for name, shape in workload.PYTHIA_SHAPES.items():
         cfg = config.preset(name)
         assert shape == (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.vocab_size,

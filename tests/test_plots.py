@@ -43,6 +43,7 @@ def _check_png(path):
     assert img.shape[0] > 200 and img.shape[1] > 200
 
 
+@pytest.mark.slow
 def test_all_plots_written(tmp_path):
     m = _metrics()
     m["layers"][2]["intra_sim"] = math.nan  # a NaN point is a gap, not an error
@@ -64,6 +65,7 @@ def test_missing_intra_and_no_sources(tmp_path):
     _check_png(tmp_path / "similarity.png")
 
 
+@pytest.mark.slow
 def test_many_layers(tmp_path):
     paths = plots.plot_metrics(_metrics(n_blocks=48), tmp_path)
     assert len(paths) == 5
@@ -71,6 +73,7 @@ def test_many_layers(tmp_path):
         _check_png(p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights,expect", [("random", True), ("pretrained", False)])
 def test_random_weights_in_title(tmp_path, monkeypatch, weights, expect):
     titles = []
@@ -93,6 +96,7 @@ def test_empty_metrics(tmp_path):
     assert np.isnan(_value({}, "inter_sim"))
 
 
+@pytest.mark.slow
 def test_user_rc_does_not_change_the_figures(tmp_path):
     """Figures are drawn under isojax's style whatever the user's rcParams say (a matplotlibrc with
     text.usetex would cost a LaTeX run per label; here thick lines, big fonts, a red background)."""

@@ -98,6 +98,7 @@ EXPECTED = ["inter_sim_by_layer", "intra_sim_by_layer", "anisotropy_by_layer", "
             "svd2d_embed_out_training_pythia-410m", "intra_sim_by_band", "sources_inter_sim", "sources_anisotropy"]
 
 
+@pytest.mark.slow
 def test_every_figure_as_png_and_svg(report):
     out, _ = report
     figures = out / "figures"
@@ -223,6 +224,7 @@ def test_bad_inputs(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_out_not_overwritten_without_flag(results, tmp_path, capsys):
     root, _ = results
     src = root / "w-pythia-70m" / "step1000"
@@ -238,6 +240,7 @@ def test_out_not_overwritten_without_flag(results, tmp_path, capsys):
     assert not [p for p in out.iterdir() if p.name.startswith(".partial")]
 
 
+@pytest.mark.slow
 def test_correlation_table_from_scores(results, tmp_path):
     """--scores adds Table 1: Spearman by checkpoint of embed_out.isotropy, checked by hand-made ranks."""
     root, data = results
@@ -297,6 +300,7 @@ def test_discovery_of_mixed_layouts(tmp_path):
     assert [r.label for r in res.runs] == ["pythia-70m", "pythia-70m"]
 
 
+@pytest.mark.slow
 def test_shape_of_learning_section(tmp_path):
     """Intrinsic dimension (nested in metrics.json) per layer and averaged over layers (embed
     left out) across training: the table holds the mean computed here."""

@@ -1,4 +1,4 @@
-"""The uniform sample (isojax.sample) against a numpy reference: the K tokens of smallest key,
+"""The uniform sample (isojax.stats.sample) against a numpy reference: the K tokens of smallest key,
 whatever the batching; merging halves; uniform over the corpus; and batch anisotropy against
 numpy's SVD."""
 
@@ -7,9 +7,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from isojax import finalize as fz
-from isojax import sample, stats
+from isojax.stats import finalize as fz
+from isojax.stats import sample
+from isojax.stats import accumulators as stats
 
 
 def _keys(seq_N, pos_N, valid_N):
@@ -77,6 +79,7 @@ def test_keys_are_uniform():
     assert len(np.unique(keys, axis=0)) == n  # no two tokens share a key
 
 
+@pytest.mark.slow
 def test_batch_anisotropy_against_svd():
     rng = np.random.default_rng(2)
     # anisotropic; near-isotropic with D > 64 Lanczos steps; wider than the batch (X X^T)

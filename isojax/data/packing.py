@@ -5,7 +5,7 @@ Row layout (B = rows, T = row_len):
   segment_ids_BxT  0 = padding, 1, 2, ... = the sequences of a row, left to right
   positions_BxT    0, 1, ... restarting in every segment; 0 in padding
   sequences_BxT    the index in the token cache of each token's sequence (its identity, with
-                   its position: sample.py); 0 in padding
+                   its position: stats/sample.py); 0 in padding
 
 Order is a pure function of (cache, B, T): sequences are read in corpus order; each source
 fills its own open batch, first-fit over its B rows (a sequence goes into the first row with

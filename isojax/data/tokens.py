@@ -1,4 +1,5 @@
 """Text -> token ids, cached on disk.
+Length: the token cache's format, its integrity checks and the worker pool that fills it change together.
 
 Cache layout: `CACHE_DIR/<key>/` with raw little-endian arrays `tokens.bin` (int32),
 `offsets.bin` (int64, n_seq+1) and `source_ids.bin` (int16, n_seq), and `meta.json`.
@@ -117,10 +118,6 @@ def backend_tokenizer(tokenizer) -> Tokenizer:
     tok.no_truncation()
     tok.no_padding()
     return tok
-
-
-def tokenizer_hash(tokenizer) -> str:
-    return hashlib.sha256(backend_tokenizer(tokenizer).to_str().encode()).hexdigest()
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
@@ -322,7 +319,7 @@ def _check(path: Path, vocab: int | None) -> dict:
         raise _Damaged(f"meta.json: {type(e).__name__}: {e}") from None
     if not (type(n_tok) is int and type(n_seq) is int and n_tok > 0 and n_seq > 0 and isinstance(names, list)
             and names and all(isinstance(n, str) for n in names) and isinstance(crc, dict) and set(crc) == set(_FILES)):
-        raise _Damaged(f"meta.json: missing or malformed fields")
+        raise _Damaged("meta.json: missing or malformed fields")
     files = {"tokens.bin": ("int32", n_tok), "offsets.bin": ("int64", n_seq + 1), "source_ids.bin": ("int16", n_seq)}
     for name, (dtype, n) in files.items():
         size = (path / name).stat().st_size if (path / name).is_file() else None

@@ -1,5 +1,5 @@
 """Build the report: load the results, draw every section, write report.html, report.md and
-figures/ into a staging folder in --out, and commit them in one step (isojax.outdir): the user's
+figures/ into a staging folder in --out, and commit them in one step (isojax.run.outdir): the user's
 other files in --out stay, isojax's earlier report is replaced only with --overwrite."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import argparse
 import importlib.metadata
 import os
 import pathlib
-import sys
 
-from isojax import outdir
-from isojax.errors import UserError, run_command
+from isojax.log import log
+from isojax.run import outdir
+from isojax.errors import run_command
 from isojax.report import collect, correlation, matrices, render, states
 from isojax.report.document import Figures, Item, Section, Table
 
@@ -42,7 +42,7 @@ def _correlations(res, scores, allow_missing, include_step0) -> tuple[list[dict]
     entries = [e for _, doc in res.correlations for e in doc]
     sources = [str(p) for p, _ in res.correlations]
     if scores:
-        from isojax import correlate
+        from isojax.report import correlate
         entries += correlate.correlate(res, correlate.load_scores(scores), correlate.specs(res),
                                        allow_missing=allow_missing, include_step0=include_step0)
         sources.append("--scores " + ", ".join(map(str, scores)))
@@ -73,8 +73,8 @@ def build(paths, out, overwrite: bool = False, scores=None, allow_missing: bool 
         (tmp / "report.md").write_text(render.to_markdown(title, intro, sections), encoding="utf-8")
     for sec in sections:
         if sec.note:
-            print(f"isojax: {sec.note}", file=sys.stderr)
-    print(f"isojax: report with {len(figs.names)} figures in {out}/report.html and {out}/report.md", file=sys.stderr)
+            log(f"{sec.note}")
+    log(f"report with {len(figs.names)} figures in {out}/report.html and {out}/report.md")
     return out
 
 

@@ -5,7 +5,7 @@ it) and/or `weights.json` (a weights run, `arrays.npz` beside it), at any depth 
 paths given: single runs, extract sweeps (OUT/<model>/<revision>/), weights sweeps
 (OUT/<revision>/), or a mix. `correlation.json` files found the same way are kept too. A folder
 whose results isojax is still moving in, or whose files differ from isojax's record of them, is
-refused (isojax.outdir.check_results).
+refused (isojax.run.outdir.check_results).
 
 A run is identified by (model, revision): the model name is canonical (a preset name such as
 `pythia-70m` becomes its hub id `EleutherAI/pythia-70m`, as extract writes it; names compare
@@ -22,9 +22,10 @@ import math
 import os
 import pathlib
 import re
-import sys
 
-from isojax import outdir
+from isojax.log import log
+from isojax.model.config import step_of
+from isojax.run import outdir
 from isojax.errors import UserError
 
 # Folders that never hold results; hidden ones (staging folders .partial-*, .tmp-*) are skipped too.
@@ -36,7 +37,7 @@ def canonical_model(name) -> str:
     """'pythia-70m' -> 'EleutherAI/pythia-70m'; hub ids, local paths and random:NAME unchanged."""
     name = str(name).strip()
     if name and "/" not in name and ":" not in name:
-        from isojax.config import base_preset, hub_id
+        from isojax.model.config import base_preset, hub_id
         if base_preset(name):
             return hub_id(name)
     return name
@@ -48,11 +49,6 @@ def model_key(model: str) -> str:
 
 def revision_name(revision) -> str:
     return "main" if revision in (None, "") else str(revision)
-
-
-def parse_step(revision: str) -> int | None:
-    m = re.fullmatch(r"step(\d+)", revision or "")
-    return int(m.group(1)) if m else None
 
 
 @dataclasses.dataclass
@@ -71,7 +67,7 @@ class Run:
 
     @property
     def step(self) -> int | None:
-        return parse_step(self.revision)
+        return step_of(self.revision)
 
     @property
     def random(self) -> bool:
@@ -186,8 +182,8 @@ def _check_corpora(runs: list[Run]) -> None:
         raise UserError("extract results measured on different corpora (corpus_fingerprint in manifest.json) "
                         "cannot be compared; " + "; ".join(parts))
     if unknown and by_fp:
-        print(f"isojax: warning: no corpus_fingerprint in {len(unknown)} result(s) (e.g. {unknown[0].folder}); "
-              "their corpus could not be checked", file=sys.stderr)
+        log(f"warning: no corpus_fingerprint in {len(unknown)} result(s) (e.g. {unknown[0].folder}); "
+              "their corpus could not be checked")
 
 
 def _labels(runs: list[Run]) -> None:

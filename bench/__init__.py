@@ -1,0 +1,1 @@
+"""Benchmarks of isojax; run each from the repository root as `python -m bench.NAME`."""

@@ -1,0 +1,183 @@
+"""Devices and hosts: process setup, the mesh, shardings and each process's share of a batch.
+The only module that knows how many devices and hosts there are.
+
+Mesh axes ("data", "model"): every device is data parallel, i.e. the rows of a batch are split
+over all n devices (ALL = both axes). Parameters are replicated, or sharded over "model" (FSDP:
+XLA gathers each layer's weights when the layer scan reaches it), which divides their memory by
+the size of "model". Accumulators (see device/runner.py): the layer part holds one partial per device
+on a leading axis of n; the per-token part is split over the vocabulary, device k owning token
+ids k, k + n, k + 2n, ... (interleaved, so that every device gets its share of a batch's
+distinct tokens: a contiguous split gave the first of 8 devices 2.9 times its share on real
+text).
+
+Multi-host: one process per host, `jax.distributed.initialize` (explicit coordinator or the
+cluster's environment), every process plans the same batches and supplies the rows of its own
+devices (`local_rows`); global arrays are assembled from process-local data.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from isojax.errors import UserError
+
+AXES = ("data", "model")
+ALL = AXES  # rows (and token ids) are split over both axes
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               auto: bool = False, timeout_s: int = 120) -> None:
+    """Join a multi-process run: explicit (coordinator, count, id), or auto = the cluster's
+    environment (TPU pod slices, SLURM, Open MPI; see jax.distributed.initialize). Must run
+    before anything touches a JAX backend."""
+    explicit = coordinator is not None or num_processes is not None or process_id is not None
+    if not (explicit or auto):
+        return
+    if explicit and None in (coordinator, num_processes, process_id):
+        raise UserError("--coordinator, --num-processes and --process-id go together")
+    if explicit and not 0 <= process_id < num_processes:
+        raise UserError(f"--process-id must be in [0, {num_processes})")
+    if explicit and process_id != 0:  # the distributed client aborts the process when it times out
+        _wait_for_coordinator(coordinator, timeout_s)
+    if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU stand-in for a pod
+    try:
+        if explicit:
+            jax.distributed.initialize(coordinator, num_processes, process_id,
+                                       initialization_timeout=timeout_s)
+        else:
+            jax.distributed.initialize(initialization_timeout=timeout_s)
+    except Exception as e:  # unreachable coordinator, no cluster found, ...
+        raise UserError(f"could not join the distributed run ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
+            from None
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Until the coordinator (process 0) listens at HOST:PORT; else a short error."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--coordinator {address!r}: expected HOST:PORT")
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            if time.time() >= deadline:
+                raise UserError(f"coordinator {address} unreachable after {timeout_s:.0f} s ({e.strerror or e}); "
+                                "start process 0 first, or check the address and --coordinator-timeout") from None
+            time.sleep(0.5)
+
+
+def parse_mesh(spec: str | None) -> dict[str, int]:
+    """'data=2,model=2' (either may be left out) -> {"data": 2, "model": 2}; missing sizes are
+    filled in by make_mesh."""
+    if not spec:
+        return {}
+    sizes = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in AXES or not value.strip().isdigit() or int(value) < 1 or name in sizes:
+            raise UserError(f"--mesh {spec!r}: expected data=N,model=M with positive integers")
+        sizes[name] = int(value)
+    return sizes
+
+
+def use_gspmd_partitioner() -> None:
+    """XLA's Shardy partitioner segfaults compiling isojax's step for 2 or more GPUs (jax 0.11.2,
+    CUDA 13, H100/H200: in the shardy-xla pass, for the forward alone and for the statistics
+    alone; single-device programs and small shard_map programs compile; bench/RESULTS.md §7). The GSPMD partitioner compiles and runs it, so isojax uses GSPMD on every
+    backend (the CPU tests then exercise what the GPUs run)."""
+    if hasattr(jax.config, "jax_use_shardy_partitioner") and jax.config.jax_use_shardy_partitioner:
+        jax.config.update("jax_use_shardy_partitioner", False)
+
+
+def make_mesh(sizes: dict[str, int] | None = None, devices=None) -> Mesh:
+    """A ("data", "model") mesh over all devices (of every process); a size left out is what
+    the other leaves."""
+    use_gspmd_partitioner()
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    sizes = dict(sizes or {})
+    model = sizes.get("model")
+    data = sizes.get("data")
+    if model is None:
+        model = n // data if data and n % data == 0 else 1
+    if data is None:
+        data = n // model if n % model == 0 else 0
+    if "data" in sizes and "model" in sizes and data * model < n and jax.process_count() == 1:
+        devices, n = devices[:data * model], data * model  # both sizes given: the first data x model devices
+    if data * model != n:
+        raise UserError(f"mesh data={data},model={model} does not divide the {n} devices "
+                        f"(data x model must equal {n}, or name both to use fewer devices on one host)")
+    return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def rows(mesh: Mesh) -> NamedSharding:
+    """Batch rows split over every device."""
+    return NamedSharding(mesh, P(ALL))
+
+
+def param_shardings(params, mesh: Mesh):
+    """Replicated when "model" has size 1; else each parameter split over "model" along its
+    largest axis that divides evenly (the stacked layer axis of scanned weights excepted)."""
+    m = mesh.shape["model"]
+
+    def one(path, x):
+        if m == 1 or x.ndim == 0:
+            return replicated(mesh)
+        scanned = any(getattr(k, "key", None) == "layers" for k in path)
+        axes = [a for a in range(int(scanned), x.ndim) if x.shape[a] % m == 0]
+        if not axes:
+            return replicated(mesh)
+        a = max(axes, key=lambda i: x.shape[i])
+        spec = [None] * x.ndim
+        spec[a] = "model"
+        return NamedSharding(mesh, P(*spec))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def local_rows(mesh: Mesh, total_rows: int) -> np.ndarray:
+    """The global row indices of a batch this process supplies: the rows of its own devices, in
+    ascending order (on one host: all of them)."""
+    index_map = rows(mesh).addressable_devices_indices_map((total_rows,))
+    return np.unique(np.concatenate([np.arange(total_rows)[idx[0]] for idx in index_map.values()]))
+
+
+def global_rows(local_LxT: np.ndarray, mesh: Mesh, total_rows: int) -> jax.Array:
+    """This process's rows of a batch (those of local_rows(), in that order) -> the global
+    [total_rows, T] array, split over every device."""
+    if jax.process_count() == 1:
+        return jax.device_put(local_LxT, rows(mesh))
+    shape = (total_rows, *local_LxT.shape[1:])
+    where = {r: i for i, r in enumerate(local_rows(mesh, total_rows))}
+    shards = []
+    for device, idx in rows(mesh).addressable_devices_indices_map(shape).items():
+        block = np.arange(total_rows)[idx[0]]
+        shards.append(jax.device_put(local_LxT[[where[r] for r in block]], device))
+    return jax.make_array_from_single_device_arrays(shape, rows(mesh), shards)
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+
+def all_processes_agree(ok: bool) -> bool:
+    """Whether `ok` holds on every process (one small all-gather; on one process, ok itself)."""
+    if jax.process_count() == 1:
+        return bool(ok)
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok], np.int32))))

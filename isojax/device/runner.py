@@ -1,0 +1,377 @@
+"""The device side of a run: one jitted step = GPT-NeoX forward + statistics of every state,
+consumed inside the layer scan, on every device of every process.
+
+The forward is plain jit code that XLA partitions from the shardings of its inputs (rows over
+all devices, parameters replicated or over "model": device/mesh.py). The observer the layer scan
+calls with each state runs the statistics per device under shard_map: each device adds its rows
+to its own partial of the layer part and sends its per-token sums to the tokens' owners
+(stats._update_token_shards).
+
+Global layout of the accumulators (a stats.Accumulators of global arrays):
+  layer part  counts, sums, Grams, centered sums: [n, ...], one partial per device (axis 0 split).
+              With a "model" axis of m > 1 (and m dividing D), the devices of one model group
+              pool their rows for the Grams: each keeps D/m rows [H, S, D/m, D] of the group's
+              Grams (stats.update_state's reduce-scatter), so they cost 1/m per device.
+  token part  tok_count [S, V'], tok_sum [S, V', D]: split over V' = V rounded up to a multiple
+              of n; global row k * V'/n + j holds token id j * n + k (device/mesh.py).
+  sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (stats/sample.py),
+              merged on the host at the end (`sample`).
+`merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
+over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the
+devices, in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from isojax.device import mesh as parallel
+from isojax.stats import accumulators as stats
+from isojax.stats import sample as sample_lib
+from isojax.model.gpt_neox import GPTNeoX
+from isojax.stats.options import StatsOptions
+from isojax.device.mesh import ALL
+
+MAX_GROUP_SPECTRA = 8
+LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
+                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC")
+TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
+SAMPLE_FIELDS = ("sample_keys_Kx2", "sample_SxKxD")  # per device, like the layer part; merged bottom-K
+PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS
+
+
+def _map_fields(acc: stats.Accumulators, fields, fn) -> stats.Accumulators:
+    return acc.replace(**{f: jax.tree.map(fn, getattr(acc, f)) for f in fields})
+
+
+def accumulator_specs(acc: stats.Accumulators) -> stats.Accumulators:
+    """PartitionSpecs of the global layout (module docstring)."""
+    specs = jax.tree.map(lambda _: P(ALL), acc)
+    return specs.replace(tok_count_SxV=P(None, ALL),
+                         tok_sum_SxVxD=jax.tree.map(lambda _: P(None, ALL, None), acc.tok_sum_SxVxD))
+
+
+def vocab_rows(vocab_size: int, n: int) -> int:
+    return -(-vocab_size // n) * n
+
+
+def token_order(values_SxV: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
+    """Rows of the global token layout -> token id order, [S, V'] -> [S, V]."""
+    s, v = values_SxV.shape
+    return values_SxV.reshape(s, n, v // n).transpose(0, 2, 1).reshape(s, v)[:, :vocab_size]
+
+
+class Runner:
+    """Params, accumulators and the compiled step of one model on one mesh."""
+
+    def __init__(self, module: GPTNeoX, params, mesh=None, *, token_stats: bool = True, num_groups: int = 1,
+                 centers_SxD=None, options: StatsOptions | None = None, sample_size: int = 0):
+        cfg = module.cfg
+        self.module, self.cfg = module, cfg
+        self.mesh = mesh if mesh is not None else parallel.make_mesh()
+        self.num_devices = n = self.mesh.size
+        options = options or StatsOptions()
+        self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
+        rows = gram_rows(cfg.hidden_size, self.mesh.shape["model"])
+        if rows:
+            self.options = dataclasses.replace(self.options, gram_shards=self.mesh.shape["model"], gram_axis="model")
+        self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
+        self.centered = centers_SxD is not None
+        self.centers_SxD = jax.device_put(
+            np.asarray(centers_SxD, np.float32) if self.centered else np.zeros((cfg.num_states, 0), np.float32),
+            parallel.replicated(self.mesh))
+        # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
+        self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=self.centered,
+                                group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
+                                sample_dtype=module.dtype, gram_rows=rows)
+        self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
+        shapes = jax.eval_shape(self._init_global)
+        self.specs = accumulator_specs(shapes)
+        self.shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs)
+        self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                     shapes, self.shardings)
+        self.acc = self.fresh_accumulators()
+        self._step = _compiled_step(module, self.mesh, self.options, self.specs, self.centered)
+
+    def _init_global(self) -> stats.Accumulators:
+        acc = stats.init_accumulators(self.cfg.num_states, self.cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
+        return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (self.num_devices, *x.shape)))
+
+    def fresh_accumulators(self) -> stats.Accumulators:
+        return jax.jit(self._init_global, out_shardings=self.shardings)()
+
+    def accumulator_bytes(self) -> int:
+        """Bytes of accumulators on each device."""
+        kw = {k: v for k, v in self.init_kwargs.items() if k != "gram_rows"}
+        return per_device_accumulator_bytes(self.cfg, self.num_devices, model_axis=self.mesh.shape["model"], **kw)
+
+    def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int, sequences_BxT=None) -> jax.Array:
+        """Consume one batch (asynchronous). Arrays: this process's rows (parallel.local_rows) of
+        a batch whose row count is a multiple of the device count; sequences_BxT (the tokens'
+        sequence indices, packing.Batch) only when keeping a sample. Returns an array that is
+        ready when the devices have finished the step."""
+        total = len(tokens_BxT) * self.num_devices // len(self.mesh.local_devices)
+        if sequences_BxT is None:
+            if self.init_kwargs["sample_size"]:
+                raise ValueError("a Runner that keeps a sample needs the batch's sequence indices")
+            sequences_BxT = np.zeros_like(tokens_BxT)
+        rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
+                for a in (tokens_BxT, segment_ids_BxT, positions_BxT, sequences_BxT)]
+        self.acc, finished = self._step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
+        return finished
+
+    def merged_layers(self) -> stats.Accumulators:
+        """The layer part merged over devices (token fields left empty): numpy, but for the
+        second moments, which stay on the devices for finalize to read out there: on a local
+        device, or split by rows over "model" (a global [H, S, D, D] array)."""
+        merged = _layer_part(self.acc)
+        if self.num_devices > 1:
+            merged = _compiled_merge(self.mesh, self.specs, self.cfg.num_states, self.options.gram_shards > 1)(merged)
+        m2 = [getattr(merged, f) for f in ("m2_HxSxDxD", "unit_m2_HxSxDxD")]
+        merged = _map_fields(merged, LAYER_FIELDS, lambda x: x.addressable_shards[0].data[0])
+        if self.options.gram_shards > 1:
+            merged = merged.replace(**dict(zip(("m2_HxSxDxD", "unit_m2_HxSxDxD"),
+                                               [stats.DFPair(model_rows(self.mesh, x.hl)) for x in m2])))
+        merged = _map_fields(merged, [f for f in LAYER_FIELDS if "m2" not in f], np.asarray)
+        return merged.replace(tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
+            *(np.zeros((self.cfg.num_states, 0, self.cfg.hidden_size), np.float32),) * 2))
+
+    def token_readout(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(count_V int64, intra_sim_SxV float64) from the per-token sums, computed on the devices
+        in float64 one state at a time; None without token stats."""
+        if not self.vocab_rows:
+            return None
+        n, v = self.num_devices, self.cfg.vocab_size
+        count = _gather(self.acc.tok_count_SxV[:1])  # every state counts the same tokens
+        # only rows with two or more occurrences have an IntraSim: read out that many per device,
+        # rounded up to a power of two (few compiles); a short run sees a small part of V
+        most = int((count[0] >= 2).reshape(n, -1).sum(1).max())
+        rows = min(1 << max(0, most - 1).bit_length(), self.vocab_rows // n)
+        with jax.enable_x64(True):
+            intra = _gather(_compiled_readout(self.mesh, rows)(self.acc.tok_count_SxV, self.acc.tok_sum_SxVxD))
+        return token_order(count, n, v)[0].astype(np.int64), token_order(intra, n, v)
+
+    def token_sums(self, s: int) -> np.ndarray:
+        """Per-token unit-vector sums of state s, hi + lo in float64, [V, D] in token order."""
+        with jax.enable_x64(True):
+            sums = _gather(_state_sums(self.acc.tok_sum_SxVxD, jnp.int32(s)))
+        n, d = self.num_devices, sums.shape[-1]
+        return sums.reshape(n, -1, d).transpose(1, 0, 2).reshape(-1, d)[:self.cfg.vocab_size]
+
+    def load(self, acc) -> None:
+        self.acc = acc
+
+    def sample(self):
+        """(number of sampled tokens K', states(s) -> [K', D] float32 in key order: shuffled)
+        of the merged sample over every device and process (a jax array on the devices, or numpy
+        where other processes hold part of it); None without a sample."""
+        if not self.init_kwargs["sample_size"]:
+            return None
+        keys = _gather(self.acc.sample_keys_Kx2)  # [n, K, 2]
+        part, slot = sample_lib.merge_host(keys)
+
+        def states(s: int):
+            x = _state_sample(self.acc.sample_SxKxD, jnp.int32(s))  # [n, K, D]
+            if x.is_fully_addressable:  # stays on the devices, where the batch anisotropy reads it
+                return _take_sample(x, part, slot)
+            return _gather(x)[part, slot].astype(np.float32)
+
+        return len(part), states
+
+
+def gram_rows(d: int, model_axis: int) -> int | None:
+    """Rows of the Grams each device keeps on a "model" axis of model_axis devices: D / m where
+    m > 1 divides D; None (all D rows, not split) otherwise."""
+    return d // model_axis if model_axis > 1 and d % model_axis == 0 else None
+
+
+def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, model_axis: int = 1, **kw) -> int:
+    """Bytes on each of n devices: one layer part (its Grams split over model_axis: gram_rows)
+    and sample, plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators'
+    num_groups, centered, group_spectra, sample_*."""
+    rows = vocab_rows(cfg.vocab_size, n) // n if token_stats else 0
+    return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, token_stats=token_stats,
+                                   gram_rows=gram_rows(cfg.hidden_size, model_axis), **kw)
+
+
+def model_rows(mesh, x: jax.Array) -> jax.Array:
+    """Merged Grams split by rows, [n, H, S, D/m, D, 2] (device k: the rows of its model index)
+    -> one [H, S, D, D, 2] array split by rows over "model" (replicated over "data": merged,
+    every data row holds the same)."""
+    shape = (*x.shape[1:3], x.shape[3] * mesh.shape["model"], *x.shape[4:])
+    sharding = NamedSharding(mesh, P(None, None, "model"))
+    return jax.make_array_from_single_device_arrays(shape, sharding, [s.data[0] for s in x.addressable_shards])
+
+
+def _gather(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@jax.jit
+def _state_sample(sample_nxSxKxD, s):
+    return lax.dynamic_index_in_dim(sample_nxSxKxD, s, 1, keepdims=False)
+
+
+@jax.jit
+def _take_sample(x_nxKxD, part_K, slot_K):
+    return x_nxKxD[part_K, slot_K].astype(jnp.float32)
+
+
+@jax.jit
+def _state_sums(tok: stats.DF, s):
+    return tok.hi[s].astype(jnp.float64) + tok.lo[s].astype(jnp.float64)
+
+
+def _layer_part(acc: stats.Accumulators) -> stats.Accumulators:
+    """acc with empty token and sample fields (what the merge of the layer part carries)."""
+    return acc.replace(tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
+        lambda x: x[:, :0], acc.tok_sum_SxVxD), sample_keys_Kx2=acc.sample_keys_Kx2[:, :0],
+        sample_SxKxD=acc.sample_SxKxD[:, :, :0])
+
+
+def _device_view(acc):
+    return _map_fields(acc, PER_DEVICE, lambda x: x[0])
+
+
+def _stacked(acc):
+    return _map_fields(acc, PER_DEVICE, lambda x: x[None])
+
+
+def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered: bool):
+    d, n = module.cfg.hidden_size, mesh.size
+
+    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, exchange, plan, group, centers_SxD):
+        center_D = lax.dynamic_index_in_dim(centers_SxD, s, 0, keepdims=False) if centered else None
+        exchange = jax.tree.map(lambda x: x[0], exchange)
+        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), tokens_BxT.reshape(-1),
+                                 seg_BxT.reshape(-1) != 0, group, center_D, index=index, opts=options,
+                                 sample_plan=plan, exchange=exchange)
+        return _stacked(acc)
+
+    def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
+        """Once per batch and device: the sort of the ids (for all states) and the sample's plan."""
+        acc, valid_N = _device_view(acc), seg_BxT.reshape(-1) != 0
+        rows = acc.tok_count_SxV.shape[1] * n  # the padded vocabulary (0 without token stats)
+        index = stats.index_tokens(tokens_BxT.reshape(-1), valid_N, rows, n) if rows else None
+        exchange = stats.plan_exchange(index, rows // n, options) if rows and n > 1 else None
+        plan = None
+        if acc.sample_keys_Kx2.shape[0]:
+            keys_Nx2 = sample_lib.token_keys(seq_BxT.reshape(-1), pos_BxT.reshape(-1), valid_N)
+            keys, plan = sample_lib.plan(acc.sample_keys_Kx2, keys_Nx2)
+            acc = acc.replace(sample_keys_Kx2=keys)
+        exchange = jax.tree.map(lambda x: x[None], exchange)  # a leading axis of 1 per device
+        return _stacked(acc), index, exchange, plan
+
+    def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, group, centers_SxD):
+        acc, index, exchange, plan = jax.shard_map(
+            local_batch, mesh=mesh, in_specs=(specs, P(ALL), P(ALL), P(ALL), P(ALL)),
+            out_specs=(specs, P(ALL), P(ALL), P(ALL)), check_vma=False)(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT)
+        update = jax.shard_map(local_update, mesh=mesh,
+                               in_specs=(specs, P(), P(ALL), P(ALL), P(ALL), P(ALL), P(ALL), P(ALL), P(), P()),
+                               out_specs=specs, check_vma=False)
+        observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, exchange, plan,
+                                                 group, centers_SxD)
+        acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
+        if not acc.tok_count_SxV.size:  # empty fields out of shard_map come back "manual": fresh ones
+            acc = acc.replace(**{f: jax.tree.map(jnp.zeros_like, getattr(acc, f)) for f in TOKEN_FIELDS})
+        return acc, acc.count_lo_GxS[:, 0, 0]  # one number per device, ready when its step is
+
+    # the accumulators come back where they came from: XLA would put the empty ones (no sample,
+    # not centered) elsewhere on 2+ devices, and the next call would compile the step again
+    out = (jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs), NamedSharding(mesh, P(ALL)))
+    return jax.jit(step, donate_argnums=(1,), out_shardings=out)
+
+
+@functools.cache
+def _compiled_merge(mesh, specs, num_states: int, split_grams: bool):
+    """Merge the per-device layer partials on the devices, one state at a time (memory: one
+    state's partial more per device): over "model", then over "data". Along an axis of a power
+    of two: a butterfly of ppermutes, after which every device holds the same total
+    (stats.merge is symmetric, so partners agree bit for bit); other sizes: all-gather one
+    state and fold. split_grams: the devices of a model group hold rows of one pooled Gram,
+    which the model merge keeps and the data merge merges row by row."""
+
+    def merge_over(part, axis, **kw):
+        size = mesh.shape[axis]
+        if size & (size - 1) == 0:
+            k = 1
+            while k < size:
+                other = jax.tree.map(lambda x: lax.ppermute(x, axis, [(i, i ^ k) for i in range(size)]), part)
+                part = stats.merge(part, other, **kw)
+                k *= 2
+            return part
+        every = jax.tree.map(lambda x: lax.all_gather(x, axis), part)
+        total = jax.tree.map(lambda x: x[0], every)
+        for i in range(1, size):
+            total = stats.merge(total, jax.tree.map(lambda x, i=i: x[i], every), **kw)
+        return total.replace(m2_HxSxDxD=part.m2_HxSxDxD, unit_m2_HxSxDxD=part.unit_m2_HxSxDxD) \
+            if kw.get("keep_m2") else total
+
+    def merge_all(part):
+        part = merge_over(part, "model", keep_m2=split_grams)
+        row0 = lax.axis_index("model") * part.m2_HxSxDxD.hl.shape[2] if split_grams else None
+        return merge_over(part, "data", m2_row0=row0)
+
+    def local(acc):
+        acc = _device_view(acc)
+
+        def one_state(s, acc):
+            take = lambda x: lax.dynamic_slice_in_dim(x, s, 1, axis=1)
+            part = merge_all(_map_fields(acc, LAYER_FIELDS, take))
+            return acc.replace(**{f: jax.tree.map(lambda x, y: lax.dynamic_update_slice_in_dim(x, y, s, axis=1),
+                                                  getattr(acc, f), getattr(part, f)) for f in LAYER_FIELDS})
+
+        return _stacked(lax.fori_loop(0, num_states, one_state, acc))
+
+    layer_specs = specs  # token fields are empty [S, 0(, D)] arrays, split over nothing
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(layer_specs,), out_specs=layer_specs,
+                                 check_vma=False))
+
+
+@functools.cache
+def _compiled_readout(mesh, rows: int):
+    """IntraSim of every token row, in float64 (call under jax.enable_x64): (|hi + lo|^2 - c) /
+    (c^2 - c), NaN where c < 2. Each device reads out its first `rows` rows with c >= 2 (rows:
+    at least as many as any device has), one state at a time."""
+
+    def local(count_SxV, tok):
+        c_V = count_SxV[0]
+        held = c_V.shape[0]
+        idx_R = jnp.nonzero(c_V >= 2, size=rows, fill_value=held)[0]  # padding: out of range
+
+        def one(s):
+            pick = lambda x: x[s].at[idx_R].get(mode="fill", fill_value=0.0).astype(jnp.float64)
+            sum_RxD = pick(tok.hi) + pick(tok.lo)
+            return jnp.einsum("rd,rd->r", sum_RxD, sum_RxD)
+
+        sq_SxR = lax.map(one, jnp.arange(count_SxV.shape[0]))
+        c_R = c_V.at[idx_R].get(mode="fill", fill_value=0).astype(jnp.float64)
+        intra_SxR = (sq_SxR - c_R) / jnp.where(c_R >= 2, c_R * c_R - c_R, 1.0)
+        return jnp.full(count_SxV.shape, jnp.nan, jnp.float64).at[:, idx_R].set(intra_SxR, mode="drop")
+
+    tok_spec = stats.DF(P(None, ALL, None), P(None, ALL, None))
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, ALL), tok_spec), out_specs=P(None, ALL)))
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of one local device (None where the backend does not say, e.g. CPU)."""
+    try:
+        stats_ = jax.local_devices()[0].memory_stats()
+        return int(stats_["bytes_limit"]) if stats_ and "bytes_limit" in stats_ else None
+    except Exception:
+        return None
+
+
+def host_memory_bytes() -> int:
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

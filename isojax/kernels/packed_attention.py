@@ -1,0 +1,206 @@
+"""Attention over packed rows for GPUs, one Pallas (Triton) kernel: rotary embedding in the
+prologue and only the key blocks a query block's sequences reach.
+
+cuDNN's fused attention (the default on GPUs) takes the rotated q and k and a dense v, so XLA
+first slices the fused [B, T, H, 3, K] projection and rotates q and k: three passes over the
+activations (bench/RESULTS.md 10c). It then visits every key
+block on and below the diagonal, although in a packed row a query sees only its own sequence.
+This kernel reads q, k and v straight from the fused projection (before its bias, which XLA
+would otherwise add in a pass of its own), adds the bias and applies Hugging Face's rotate-half
+rotary to the first R dims of q and k as it loads them, and starts each query block's loop at
+the key block that holds the start of its first query's sequence.
+
+Numbers: the rotation rounds as PyTorch's bf16 rotary does (q*cos, rotate_half(q)*sin and
+their sum, each to bf16; rotate_half is a product with a signed permutation, exact); scores and
+the softmax are float32 (base-2 exponentials, as jax's Pallas attention), the probabilities are
+rounded to bf16 for the product with v, as flash attention kernels do. Scores are two products,
+[q_R, k_R] over the rotary dims and [q_pass, k] over the rest (q's rotary columns zeroed), so
+every block shape stays a power of two.
+
+Assumes what isojax's packing gives: each segment id (0 = padding) occupies one contiguous run
+of a row. Applies where the head dim K and the rotary dims R are powers of two >= 16 and the row
+length is a multiple of the blocks (`applies`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+_F32 = jnp.float32
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def applies(row_len: int, head_dim: int, rotary_dims: int, dtype, block_q: int = 64, block_k: int = 64) -> bool:
+    """Whether the kernel takes these shapes: bf16, K and R powers of two >= 16, R <= K, rows a
+    multiple of the blocks."""
+    return (jnp.dtype(dtype) == jnp.bfloat16 and _pow2(head_dim) and _pow2(rotary_dims)
+            and rotary_dims <= head_dim and row_len % block_q == 0 and row_len % block_k == 0)
+
+
+def segment_starts(segment_ids_BxT):
+    """[B, T] int32: the position where each position's run of equal segment ids begins."""
+    t = segment_ids_BxT.shape[1]
+    new_run = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], bool),
+                               segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+    return lax.cummax(jnp.where(new_run, jnp.arange(t, dtype=jnp.int32), 0), axis=1)
+
+
+def rotate_half_matrix(r: int) -> np.ndarray:
+    """[R, R] signed permutation P with x @ P = rotate_half(x) = [-x2, x1]."""
+    p = np.zeros((r, r), np.float32)
+    h = r // 2
+    p[np.arange(h) + h, np.arange(h)] = -1.0
+    p[np.arange(h), np.arange(h) + h] = 1.0
+    return p
+
+
+def _rotate(x_NxR, cos_NxR, sin_NxR, p_RxR):
+    """Hugging Face's bf16 rotary of x's first R dims: round(round(x cos) + round(rh(x) sin))."""
+    bf = x_NxR.dtype
+    half = jnp.dot(x_NxR, p_RxR, preferred_element_type=_F32)  # exact: one +-x per output
+    a = (x_NxR.astype(_F32) * cos_NxR.astype(_F32)).astype(bf)
+    b = (half * sin_NxR.astype(_F32)).astype(bf)
+    return (a.astype(_F32) + b.astype(_F32)).astype(bf)
+
+
+def _add(x, bias):
+    """x + bias rounded to x's dtype, as XLA adds a bf16 bias to a bf16 product."""
+    return (x.astype(_F32) + bias.astype(_F32)[None, :]).astype(x.dtype)
+
+
+def _kernel(q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, cos_ref, sin_ref, p_ref, seg_ref, start_ref, o_ref, *,
+            block_q: int, block_k: int, rot: int, scale: float):
+    """One (query block, row, head): q_ref [block_q, K]; k_ref, v_ref [T, K]; their biases [K];
+    cos/sin [T, R]; seg_ref, start_ref [T] -> o_ref [block_q, K]."""
+    i = pl.program_id(0)
+    head_dim = q_ref.shape[-1]
+    qs, rs = pl.ds(i * block_q, block_q), pl.ds(0, rot)
+    p_RxR = p_ref[...]
+    q_QxK = _add(q_ref[...], bq_ref[...])
+    q_pass = jnp.where(jnp.arange(head_dim)[None, :] < rot, 0.0, q_QxK.astype(_F32)).astype(q_QxK.dtype)
+    q_rot = _rotate(_add(q_ref[:, rs], bq_ref[rs]), cos_ref[qs, :], sin_ref[qs, :], p_RxR)
+    bias_k, bias_kr, bias_v = bk_ref[...], bk_ref[rs], bv_ref[...]
+    seg_q = seg_ref[qs]
+    pos_q = i * block_q + jnp.arange(block_q)
+
+    def body(j, carry):
+        o, m_prev, l_prev = carry
+        ks = pl.ds(j * block_k, block_k)
+        k_rot = _rotate(_add(k_ref[ks, rs], bias_kr), cos_ref[ks, :], sin_ref[ks, :], p_RxR)
+        qk = (jnp.dot(q_pass, _add(k_ref[ks, :], bias_k).T, preferred_element_type=_F32)
+              + jnp.dot(q_rot, k_rot.T, preferred_element_type=_F32)) * scale
+        pos_k = j * block_k + jnp.arange(block_k)
+        keep = (seg_q[:, None] == seg_ref[ks][None, :]) & (pos_q[:, None] >= pos_k[None, :])
+        qk = jnp.where(keep, qk, _MASKED)
+        m_next = jnp.maximum(m_prev, jnp.max(qk, axis=1))
+        corr = jnp.exp2(m_prev - m_next)
+        s = jnp.exp2(qk - m_next[:, None])
+        v = _add(v_ref[ks, :], bias_v)
+        o = corr[:, None] * o + jnp.dot(s.astype(v.dtype), v, preferred_element_type=_F32)
+        return o, m_next, corr * l_prev + jnp.sum(s, axis=1)
+
+    first = lax.div(jnp.min(start_ref[qs]), block_k)  # the key block of the first query's sequence start
+    last = lax.div(block_q * (i + 1) + block_k - 1, block_k)
+    init = (jnp.zeros((block_q, head_dim), _F32), jnp.full((block_q,), -jnp.inf, _F32), jnp.zeros((block_q,), _F32))
+    o, _, l = lax.fori_loop(first, last, body, init)
+    o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_warps", "num_stages", "interpret"))
+def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=None, *, block_q: int = 64,
+              block_k: int = 64, num_warps: int = 4, num_stages: int | None = None, interpret: bool | None = None):
+    """Causal attention within segments from Hugging Face's fused projection [B, T, H, 3, K]
+    (per head q, k, v) before bias and rotary, and its bias [H, 3, K], added as the kernel loads
+    q, k and v (None: zero); cos/sin [B, T, R] float32 (model.ops.rotary_tables). Returns [B, T, H, K].
+    The defaults are the fastest of bench/bench_attention.py's sweep at pythia-70m, 410m and 1.4b
+    (stages None: 3 for K <= 64, else 2; bench/RESULTS.md 10c). interpret None: Pallas' interpret mode
+    unless the backend is a GPU."""
+    b, t, h, _, k = qkv_BxTxHx3xK.shape
+    r = cos_BxTxR.shape[-1]
+    if not applies(t, k, r, qkv_BxTxHx3xK.dtype, block_q, block_k):
+        raise ValueError(f"packed attention does not take T={t}, K={k}, R={r}, {qkv_BxTxHx3xK.dtype} "
+                         f"with blocks {block_q} x {block_k}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    dt = qkv_BxTxHx3xK.dtype
+    cos_BxTxR, sin_BxTxR = cos_BxTxR.astype(dt), sin_BxTxR.astype(dt)  # as Hugging Face: tables in bf16
+    starts_BxT = segment_starts(segment_ids_BxT)
+    p_RxR = jnp.asarray(rotate_half_matrix(r), dt)
+    bias_Hx3xK = jnp.zeros((h, 3, k), dt) if bias_Hx3xK is None else bias_Hx3xK.astype(dt)
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        params = dict(compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages or (3 if k <= 64 else 2)))
+    row = lambda i, bi, hi: (bi, 0)
+    return pl.pallas_call(
+        functools.partial(_kernel, block_q=block_q, block_k=block_k, rot=r, scale=k ** -0.5 * math.log2(math.e)),
+        grid=(t // block_q, b, h),
+        in_specs=[pl.BlockSpec((None, block_q, None, None, k), lambda i, bi, hi: (bi, i, hi, 0, 0)),
+                  pl.BlockSpec((None, t, None, None, k), lambda i, bi, hi: (bi, 0, hi, 1, 0)),
+                  pl.BlockSpec((None, t, None, None, k), lambda i, bi, hi: (bi, 0, hi, 2, 0)),
+                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 0, 0)),
+                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 1, 0)),
+                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 2, 0)),
+                  pl.BlockSpec((None, t, r), lambda i, bi, hi: (bi, 0, 0)),
+                  pl.BlockSpec((None, t, r), lambda i, bi, hi: (bi, 0, 0)),
+                  pl.BlockSpec((r, r), lambda i, bi, hi: (0, 0)),
+                  pl.BlockSpec((None, t), row), pl.BlockSpec((None, t), row)],
+        out_specs=pl.BlockSpec((None, block_q, None, k), lambda i, bi, hi: (bi, i, hi, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, t, h, k), dt),
+        interpret=interpret, name="isojax_packed_attention", **params,
+    )(qkv_BxTxHx3xK, qkv_BxTxHx3xK, qkv_BxTxHx3xK, bias_Hx3xK, bias_Hx3xK, bias_Hx3xK, cos_BxTxR, sin_BxTxR, p_RxR,
+      segment_ids_BxT.astype(jnp.int32), starts_BxT)
+
+
+def reference(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=None):
+    """What the kernel computes, in float64 numpy from the bf16-rotated q and k (the reference
+    of works() and of the tests)."""
+    from isojax.model.ops import apply_rotary, segment_mask
+    if bias_Hx3xK is not None:
+        qkv_BxTxHx3xK = qkv_BxTxHx3xK + bias_Hx3xK.astype(qkv_BxTxHx3xK.dtype)
+    q = apply_rotary(qkv_BxTxHx3xK[..., 0, :], cos_BxTxR, sin_BxTxR)
+    k = apply_rotary(qkv_BxTxHx3xK[..., 1, :], cos_BxTxR, sin_BxTxR)
+    q, k, v = (np.asarray(x.astype(_F32), np.float64) for x in (q, k, qkv_BxTxHx3xK[..., 2, :]))
+    s = np.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(np.asarray(segment_mask(segment_ids_BxT)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqs,bshk->bqhk", p / p.sum(-1, keepdims=True), v)
+
+
+_WORKS: dict = {}
+
+
+def works(head_dim: int, rotary_dims: int) -> str | None:
+    """None where the kernel compiles here for these head shapes and lands within bf16 rounding of
+    the float64 attention on a small packed row, else why not (once per process and shape)."""
+    key = (head_dim, rotary_dims)
+    if key not in _WORKS:
+        t = 128
+        qkv, bias = (jax.random.normal(key, shape, _F32).astype(jnp.bfloat16) for key, shape in
+                     zip(jax.random.split(jax.random.key(0)), ((1, t, 1, 3, head_dim), (1, 3, head_dim))))
+        seg = jnp.asarray(np.repeat([1, 2, 3, 0], [50, 40, 30, 8])[None], jnp.int32)
+        pos = jnp.asarray(np.concatenate([np.arange(n) for n in (50, 40, 30, 8)])[None], jnp.int32)
+        inv = 1.0 / 10000 ** (np.arange(0, rotary_dims, 2) / rotary_dims)
+        emb = np.concatenate([pos[..., None] * inv] * 2, -1)
+        cos, sin = jnp.asarray(np.cos(emb), _F32), jnp.asarray(np.sin(emb), _F32)
+        try:
+            got = np.asarray(attention(qkv, cos, sin, seg, bias).astype(_F32), np.float64)
+            want = reference(qkv, cos, sin, seg, bias)
+            real = np.asarray(seg)[0] > 0
+            err = float(np.abs(got - want)[:, real].max() / np.abs(want[:, real]).max())
+            _WORKS[key] = None if err < 2 ** -6 else f"its result is {err:.3g} (relative) from float64"
+        except Exception as e:  # noqa: BLE001 - any failure means: use cuDNN's path
+            _WORKS[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return _WORKS[key]

@@ -1,0 +1,200 @@
+"""GPT-NeoX model shape: one frozen dataclass, presets in `configs/`, and a strict reader of
+Hugging Face `config.json` files.
+
+The reader is an allowlist: every attribute of a config.json is either implemented, checked
+to have the one value we implement, or known to be irrelevant to a forward pass without
+dropout. Anything else is refused, so a checkpoint we would compute wrongly never runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from isojax.errors import UserError
+
+def _configs_dir() -> Path:
+    """configs/ of a source checkout, else the copy installed as package data of isojax.configs."""
+    here = Path(__file__).resolve().parents[2] / "configs"
+    if here.is_dir():
+        return here
+    import importlib.resources
+    return Path(str(importlib.resources.files("isojax.configs")))
+
+
+CONFIGS_DIR = _configs_dir()
+
+# Activations by Hugging Face name -> whether the tanh approximation is used.
+ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_fast": True, "gelu_pytorch_tanh": True}
+
+# Attributes that do not change the hidden states of an inference forward pass.
+IRRELEVANT_KEYS = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "initializer_range", "use_cache", "attention_dropout", "hidden_dropout",
+    "classifier_dropout", "is_decoder", "return_dict", "output_hidden_states", "output_attentions",
+    "torchscript", "use_bfloat16", "tokenizer_class", "task_specific_params", "problem_type",
+    "id2label", "label2id", "num_labels", "finetuning_task", "prefix", "add_cross_attention",
+    "tie_encoder_decoder", "chunk_size_feed_forward", "is_encoder_decoder", "pruned_heads",
+    "hub_id", "tie_word_embeddings", "use_flash_attention", "gradient_checkpointing",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTNeoXConfig:
+    """Shape of a GPT-NeoX model. `num_states` = L + 2: embed, block_1..block_L, final_ln."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    rotary_pct: float = 0.25
+    rotary_emb_base: float = 10000.0
+    max_position_embeddings: int = 2048
+    layer_norm_eps: float = 1e-5
+    use_parallel_residual: bool = True
+    name: str = ""
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise UserError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UserError(f"hidden_act {self.hidden_act!r} is not implemented (have: {', '.join(ACTIVATIONS)})")
+        if self.rotary_dims % 2:
+            raise UserError(f"rotary dims {self.rotary_dims} must be even")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.rotary_pct)  # as Hugging Face: int() truncates
+
+    @property
+    def num_states(self) -> int:
+        return self.num_layers + 2
+
+    @property
+    def state_names(self) -> list[str]:
+        return ["embed"] + [f"block_{i}" for i in range(1, self.num_layers + 1)] + ["final_ln"]
+
+    def non_embedding_params(self) -> int:
+        d, f = self.hidden_size, self.intermediate_size
+        per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        return self.num_layers * per_layer + 2 * d
+
+    def param_count(self) -> int:
+        return self.non_embedding_params() + 2 * self.vocab_size * self.hidden_size
+
+    def flops_per_token(self, gram: bool = True) -> float:
+        """Forward matmul FLOPs per token (2 x non-embedding params) plus 2d^2 per state for a Gram."""
+        return 2.0 * self.non_embedding_params() + (2.0 * self.hidden_size ** 2 * self.num_states if gram else 0.0)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def from_hf_dict(raw: dict, name: str = "") -> GPTNeoXConfig:
+    """Build a config from a Hugging Face GPT-NeoX `config.json` dict, refusing what we don't implement."""
+    cfg = dict(raw)
+    model_type = cfg.get("model_type", "gpt_neox")
+    if model_type != "gpt_neox":
+        raise UserError(f"model_type {model_type!r} is not GPT-NeoX; isojax runs GPT-NeoX / Pythia checkpoints")
+
+    def check(key, ok, expected):
+        if key in cfg and cfg[key] is not None and not ok(cfg[key]):
+            raise UserError(f"config attribute {key}={cfg[key]!r} is not implemented (isojax supports {expected})")
+
+    check("attention_bias", lambda v: v is True, "attention_bias=true")
+    check("rope_scaling", lambda v: False, "no rope_scaling")
+    check("sliding_window", lambda v: False, "no sliding_window")
+    num_heads = cfg.get("num_attention_heads")
+    if "head_dim" in cfg and cfg["head_dim"] is not None and num_heads:
+        check("head_dim", lambda v: v * num_heads == cfg.get("hidden_size"), "head_dim = hidden_size / heads")
+
+    rotary_pct = cfg.get("rotary_pct", 0.25)
+    rotary_base = cfg.get("rotary_emb_base", 10000.0)
+    rope = cfg.get("rope_parameters")
+    if rope is not None:
+        extra = set(rope) - {"rope_type", "rope_theta", "partial_rotary_factor"}
+        if rope.get("rope_type", "default") != "default" or extra:
+            raise UserError(f"rope_parameters {rope!r} not implemented (isojax supports the default rotary embedding)")
+        rotary_pct = rope.get("partial_rotary_factor", rotary_pct)
+        rotary_base = rope.get("rope_theta", rotary_base)
+
+    handled = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "hidden_act", "rotary_pct", "rotary_emb_base", "rope_parameters", "max_position_embeddings",
+               "layer_norm_eps", "use_parallel_residual", "attention_bias", "rope_scaling", "head_dim",
+               "sliding_window"}
+    unknown = sorted(set(cfg) - handled - IRRELEVANT_KEYS)
+    if unknown:
+        raise UserError(f"config attribute(s) {', '.join(unknown)} not implemented by isojax's GPT-NeoX; "
+                        "refusing rather than computing something different")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if k not in cfg]
+    if missing:
+        raise UserError(f"config.json lacks {', '.join(missing)}")
+    return GPTNeoXConfig(
+        vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
+        intermediate_size=int(cfg["intermediate_size"]), hidden_act=cfg.get("hidden_act", "gelu"),
+        rotary_pct=float(rotary_pct), rotary_emb_base=float(rotary_base),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
+        use_parallel_residual=bool(cfg.get("use_parallel_residual", True)), name=name)
+
+
+def read_hf_config(path: str | Path, name: str = "") -> GPTNeoXConfig:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable config.json ({e})") from None
+    return from_hf_dict(raw, name=name)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
+def base_preset(name: str) -> str | None:
+    """'pythia-410m-deduped' -> 'pythia-410m' (same shapes); None if not a preset name."""
+    stem = name.removesuffix("-deduped")
+    return stem if (CONFIGS_DIR / f"{stem}.json").is_file() else None
+
+
+def preset(name: str) -> GPTNeoXConfig:
+    base = base_preset(name)
+    if base is None:
+        raise UserError(f"unknown preset {name!r}; presets: {', '.join(preset_names())} (and -deduped variants)")
+    return read_hf_config(CONFIGS_DIR / f"{base}.json", name=name)
+
+
+def hub_id(name: str) -> str:
+    """Hub repository of a preset name ('pythia-70m-deduped' -> 'EleutherAI/pythia-70m-deduped')."""
+    base = base_preset(name)
+    if base is None:
+        raise UserError(f"unknown preset {name!r}; presets: {', '.join(preset_names())}")
+    org = json.loads((CONFIGS_DIR / f"{base}.json").read_text())["hub_id"].split("/")[0]
+    return f"{org}/{name}"
+
+
+
+def step_of(revision: str | None) -> int | None:
+    """The training step a Pythia revision names ("step143000" -> 143000); None for any other name."""
+    m = re.fullmatch(r"step(\d+)", revision or "")
+    return int(m.group(1)) if m else None
+
+
+def paper_steps() -> list[str]:
+    """The 21 evenly spaced Pythia checkpoints of Machina & Mercer: step0 and floor(i*143/20)*1000."""
+    return ["step0"] + [f"step{(i * 143 // 20) * 1000}" for i in range(1, 21)]

@@ -1,0 +1,67 @@
+"""Trace-time settings of the forward: one frozen, hashable object handed to the model (the
+statistics' own are isojax.stats.options.StatsOptions)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """Trace-time settings of the forward (GPT-NeoX states do not depend on them beyond the
+    tolerances README "bfloat16" documents)."""
+
+    # "xla" (plain attention, the exact reference), "cudnn" (jax.nn.dot_product_attention's
+    # cuDNN kernel, bf16/fp16 only), "pallas" (Pallas flash attention for TPUs, with segment ids;
+    # rows a multiple of 128), "packed" (isojax.kernels.packed_attention: a Pallas kernel for GPUs that
+    # reads the fused projection, rotates q and k itself and skips the key blocks outside each
+    # query block's sequences) or "auto" (jax picks)
+    attention: str = "xla"
+    # Exact GELU of bf16 activations in float32 with a cheap rational erf (model.ops.gelu); False:
+    # jax's erf (bench/breakdown.py measures the difference)
+    fast_gelu: bool = True
+    # Tell cuDNN that the (already causal) mask is causal, so it skips the blocks above the
+    # diagonal
+    cudnn_causal: bool = True
+    # The MLP's first product with bias and GELU: "xla" (cuBLAS, then an elementwise pass) or
+    # "mosaic" (one Hopper kernel with GELU in its epilogue, isojax.kernels.mlp; where it does not
+    # apply, XLA's)
+    mlp_kernel: str = "xla"
+    # A parallel-residual block's two LayerNorms: "xla" (two kernels) or "pallas" (one Triton
+    # kernel reading the state once, isojax.kernels.norm; where it does not apply, XLA's)
+    norm_kernel: str = "xla"
+    # Sharding the activations [B, T, D] keep between blocks (rows over every device, so that
+    # XLA gathers sharded weights rather than splitting activations); None on one device
+    activation_sharding: Any = None
+
+    def __post_init__(self):
+        if self.attention not in ("xla", "cudnn", "pallas", "packed", "auto"):
+            raise ValueError(f"attention must be xla, cudnn, pallas, packed or auto, not {self.attention!r}")
+        if self.mlp_kernel not in ("xla", "mosaic"):
+            raise ValueError(f"mlp_kernel must be xla or mosaic, not {self.mlp_kernel!r}")
+        if self.norm_kernel not in ("xla", "pallas"):
+            raise ValueError(f"norm_kernel must be xla or pallas, not {self.norm_kernel!r}")
+
+    def devices(self) -> int:
+        return 1 if self.activation_sharding is None else self.activation_sharding.mesh.size
+
+    def per_device(self, fn, sharded, replicated):
+        """fn(*sharded, *replicated) on each device's rows (shard_map over the activation
+        sharding; the leading axis of every `sharded` array is the rows'); a kernel XLA cannot
+        partition would otherwise be gathered onto every device."""
+        if self.activation_sharding is None:
+            return fn(*sharded, *replicated)
+        P = jax.sharding.PartitionSpec
+        spec = self.activation_sharding.spec
+        row_spec = lambda x: P(spec[0], *([None] * (x.ndim - 1)))
+        return jax.shard_map(fn, mesh=self.activation_sharding.mesh,
+                             in_specs=tuple(map(row_spec, sharded)) + (P(),) * len(replicated),
+                             out_specs=spec if len(spec) else P(), check_vma=False)(*sharded, *replicated)
+
+    def constrain(self, x):
+        if self.activation_sharding is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.activation_sharding)

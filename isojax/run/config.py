@@ -1,0 +1,109 @@
+"""One configuration object per measuring run: `MeasureConfig`, frozen and nested (data, model,
+stats, kernels, devices, checkpoint), built by `python -m isojax.extract`, by sweeps and by notebook
+users, and passed whole to `isojax.measure(config)`.
+
+    config = MeasureConfig.build("pythia-70m", ["corpus.jsonl"], max_tokens=10**6, centered=True)
+    results = isojax.measure(config)
+
+`MeasureConfig.build` takes the keyword arguments `isojax.measure(model, data, **kwargs)` always
+took; `measure` records the kernels it chose in `Results.config` (kernels.attention, mlp, norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """data: paths or hub: specs (None: CPython's bundled documentation); unit: sentence, paragraph
+    or document; sources: the sources to keep; seq_len: tokens per row; batch_tokens: token slots
+    per step over all devices; max_tokens: stop after this many tokens."""
+    data: Any = None
+    unit: str = "sentence"
+    sources: Any = None
+    seq_len: int | None = None
+    batch_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """model: preset, random:<preset>, directory, hub id or a LoadedModel (None: pythia-70m);
+    revision: a hub revision; dtype: float32 or bfloat16 (None: the platform's default)."""
+    model: Any = None
+    revision: str | None = None
+    dtype: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsConfig:
+    """token_stats: per-token IntraSim; centered: a second pass for centred metrics;
+    save_token_sums: write the per-token unit sums; sample_states: K sampled states (None: the
+    platform's default, 0: none); intrinsic_k: neighbours of the intrinsic-dimension estimators."""
+    token_stats: bool = True
+    centered: bool = False
+    save_token_sums: bool = False
+    sample_states: int | None = None
+    intrinsic_k: int = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """attention: auto, xla, cudnn, pallas or packed; mlp: auto, xla or mosaic; norm: auto, xla or
+    pallas. A run's Results.config holds the ones chosen (never auto)."""
+    attention: str = "auto"
+    mlp: str = "auto"
+    norm: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """mesh: {"data": N, "model": M}, one of them, or None (chosen from the devices' memory)."""
+    mesh: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """directory: where checkpoints go (None: none); every_tokens: how often; resume: continue the
+    run checkpointed in directory."""
+    directory: Any = None
+    every_tokens: int | None = None
+    resume: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasureConfig:
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    stats: StatsConfig = StatsConfig()
+    kernels: KernelConfig = KernelConfig()
+    devices: DeviceConfig = DeviceConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    progress: bool = True
+
+    @classmethod
+    def build(cls, model=None, data=None, *, revision=None, unit: str = "sentence", sources=None, dtype=None,
+              seq_len=None, batch_tokens=None, max_tokens=None, token_stats: bool = True, centered: bool = False,
+              save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto",
+              norm_kernel: str = "auto", mesh=None, checkpoint_dir=None, checkpoint_every_tokens=None,
+              resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
+              intrinsic_k: int = 20) -> MeasureConfig:
+        """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
+        return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens),
+                   model=ModelConfig(model, revision, dtype),
+                   stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k),
+                   kernels=KernelConfig(attention, mlp_kernel, norm_kernel),
+                   devices=DeviceConfig(mesh),
+                   checkpoint=CheckpointConfig(checkpoint_dir, checkpoint_every_tokens, resume_run),
+                   progress=progress)
+
+    def replace(self, **parts) -> MeasureConfig:
+        """A copy with parts replaced by name: `config.replace(model=dict(revision="step1000"))`
+        (a dict updates that part's fields, a part object replaces it)."""
+        out = {}
+        for name, value in parts.items():
+            old = getattr(self, name)
+            out[name] = dataclasses.replace(old, **value) if isinstance(value, dict) else value
+        return dataclasses.replace(self, **out)

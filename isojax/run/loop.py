@@ -1,0 +1,131 @@
+"""The host side of the device loop: feed batches, count what the devices have finished,
+checkpoint every N tokens, resume."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from isojax.device import mesh as parallel
+from isojax.errors import Preempted, UserError
+from isojax.log import log
+
+IN_FLIGHT = 2  # steps dispatched ahead of the last finished one: enough to keep the devices busy
+
+
+@contextlib.contextmanager
+def _sigterm_flag():
+    """Yields a list that holds True once SIGTERM arrived (a cluster preempting the job), where one
+    process can checkpoint on its own: the main thread of a single-process run. Elsewhere (several
+    processes would stop at different batches) SIGTERM keeps its default action."""
+    flag: list = []
+    if jax_processes() > 1 or threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    before = signal.signal(signal.SIGTERM, lambda *_: flag.append(True))
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def jax_processes() -> int:
+    import jax
+    return jax.process_count()
+
+
+def consume(runner, batches, done: dict, total: int, *, max_tokens=None, checkpoint_every=None,
+            save_checkpoint=None, progress: bool = True, desc: str = "tokens",
+            after_first_step=None) -> tuple[dict, float]:
+    """Feed batches to the devices until they run out or max_tokens is reached (whole batches).
+    The progress bar counts tokens the devices have finished, not dispatched, up to `total`: an
+    int, or a function giving it once known and None before (the corpus still being tokenized:
+    the bar shows count and rate). after_first_step() is called once the first step (its compile)
+    is done. Returns (done, seconds of the first step: compile and first batch). SIGTERM (given
+    save_checkpoint) checkpoints after the batch in hand and raises Preempted."""
+    from tqdm import tqdm
+
+    done = dict(done)
+    last_ckpt = done["tokens"]
+    known_total = total if callable(total) else lambda: total
+    first_total = known_total()
+    bar = tqdm(total=first_total, initial=min(done["tokens"], first_total or done["tokens"]), unit="tok",
+               unit_scale=True, file=sys.stderr, dynamic_ncols=True, smoothing=0.1, desc=desc,
+               disable=None if progress and parallel.is_main_process() else True)
+    pending = collections.deque()  # (marker of a dispatched step, its tokens)
+    first_step = None
+
+    def finish(keep: int) -> None:
+        while len(pending) > keep:
+            marker, n = pending.popleft()
+            marker.block_until_ready()
+            if bar.total is None and known_total() is not None:
+                bar.total = known_total()
+                bar.n = min(bar.n, bar.total)
+            bar.update(n if bar.total is None else min(n, max(bar.total - bar.n, 0)))
+
+    with _sigterm_flag() if save_checkpoint is not None else contextlib.nullcontext([]) as stop:
+        try:
+            for batch in batches:
+                if max_tokens and done["tokens"] >= max_tokens:
+                    break
+                t = time.time()
+                pending.append((runner.step(batch.tokens_BxT, batch.segment_ids_BxT, batch.positions_BxT,
+                                            batch.group, batch.sequences_BxT), batch.n_tokens))
+                if first_step is None:
+                    finish(0)
+                    first_step = time.time() - t
+                    if after_first_step is not None:
+                        after_first_step()
+                done = {"tokens": done["tokens"] + batch.n_tokens, "sequences": done["sequences"] + batch.n_sequences,
+                        "batches": done["batches"] + 1}
+                finish(IN_FLIGHT)
+                if stop or checkpoint_every and done["tokens"] - last_ckpt >= checkpoint_every:
+                    save_checkpoint(done, batch.cursor)
+                    last_ckpt = done["tokens"]
+                if stop:
+                    raise Preempted(f"stopped by SIGTERM after {done['tokens']:,} tokens; the checkpoint is written: "
+                                    "rerun with --resume to continue")
+            finish(0)
+        finally:
+            bar.close()
+            if hasattr(batches, "close"):
+                batches.close()
+    return done, first_step or 0.0
+
+
+def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
+    """(cursor, done) after the newest checkpoint that reads back whole, whose accumulators are
+    loaded into runner. A damaged step (a file missing, truncated or failing its checksum) is
+    named, removed and the one before it taken; every process takes the same step."""
+    from isojax.device import checkpoints as checkpointing
+    steps = checkpointing.complete_steps(ckpt_dir)
+    if not steps:
+        log(f"--resume: no complete checkpoint under {ckpt_dir}: starting from the beginning")
+        return None, done
+    for step in steps:
+        try:
+            meta, _ = checkpointing.read_meta(ckpt_dir, step)
+            if meta["settings"] != settings:
+                diff = [k for k in settings if meta["settings"].get(k) != settings[k]]
+                raise UserError(f"the checkpoint was made with other settings ({', '.join(diff)}); rerun with the "
+                                "same arguments (and device and process counts) or start over with --overwrite")
+            acc = checkpointing.load(ckpt_dir, step, runner.abstract)
+            damage = None
+        except checkpointing.Damaged as e:
+            acc, damage = None, str(e)
+        if not parallel.all_processes_agree(damage is None):
+            older = [s for s in steps if s < step]
+            log(f"checkpoint step {step} under {ckpt_dir} is damaged ({damage or 'on another process'}); "
+                + (f"falling back to step {older[0]}" if older else "no earlier checkpoint"))
+            checkpointing.discard(ckpt_dir, step)
+            continue
+        runner.load(acc)
+        log(f"resuming after {meta['done']['tokens']:,} tokens (checkpoint step {step})")
+        return meta["cursor"], meta["done"]
+    raise UserError(f"no checkpoint under {ckpt_dir} reads back whole; start over with --overwrite")

@@ -1,0 +1,144 @@
+"""Writing a run's results: metrics.json, layers.csv, per-token zarr arrays, spectra, manifest,
+plots. Everything is written into a staging folder and committed into OUT in one step
+(isojax.run.outdir), so a failed or killed run never damages earlier results."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import csv
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def result_names(final: dict, plots: bool) -> set[str]:
+    """The names write_results will write for these results."""
+    return ({"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | ({"plots"} if plots else set())
+            | ({"tokens.zarr"} if final.get("token") is not None else set())
+            | ({"samples.zarr"} if final.get("sample") is not None else set()))
+
+
+def output_bytes(cfg, *, token_stats: bool, save_token_sums: bool, sample_states: int) -> int:
+    """An upper bound of the bytes a run's results take in --out (uncompressed; the figures and
+    JSON files within the 64 MB added): per-token counts and IntraSim [V] + [S, V], unit sums
+    [S, V, D] float64 with --save-token-sums, the sample [S, K, D] float32, three spectra [S, D]."""
+    S, V, D = cfg.num_states, cfg.vocab_size, cfg.hidden_size
+    tokens = 8 * V * (1 + S) + (8 * S * V * D if save_token_sums else 0) if token_stats else 0
+    return tokens + 4 * S * sample_states * D + 3 * 8 * S * D + (64 << 20)
+
+
+def json_safe(x):
+    """JSON-safe: NaN/inf -> null, numpy scalars -> Python."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def flat_layer(layer: dict) -> dict:
+    """A layer's scalar metrics, dicts of scalars flattened (intrinsic_dimension ->
+    intrinsic_dimension_twonn, ...); lists (IntraSim by band) are left to metrics.json."""
+    row = {}
+    for k, v in layer.items():
+        if isinstance(v, dict):
+            row.update({f"{k}_{sub}": x for sub, x in v.items() if not isinstance(x, (list, dict))})
+        elif not isinstance(v, list):
+            row[k] = v
+    return row
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(keys)
+        for row in rows:
+            w.writerow(["" if row.get(k) is None else row.get(k) for k in keys])
+
+
+def write_layers_csv(path: Path, layers: list[dict]) -> None:
+    """One row per state (flat_layer)."""
+    write_csv(path, [flat_layer(layer) for layer in layers])
+
+
+def _open_zarr(path: Path, dtype: str, shape: tuple):
+    import tensorstore as ts
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
+    return ts.open(spec, create=True, dtype=dtype, shape=shape).result()
+
+
+def write_zarr(path: Path, array: np.ndarray) -> None:
+    _open_zarr(path, array.dtype.name, array.shape).write(array).result()
+
+
+def write_token_sums(path: Path, state_sums, num_states: int) -> None:
+    """The per-token unit sums [S, V, D] in float64, written one state at a time (all at once in
+    float64 they would double the host memory of the accumulators). state_sums(s) -> [V, D]."""
+    first = state_sums(0)
+    store = _open_zarr(path, "float64", (num_states, *first.shape))
+    for s in range(num_states):
+        store[s].write(first if s == 0 else state_sums(s)).result()
+
+
+def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str], token_sums) -> None:
+    (stage / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=1) + "\n")
+    write_layers_csv(stage / "layers.csv", json_safe(metrics["layers"]))
+    spectra = final.get("spectra", {})
+    np.savez(stage / "spectra.npz", state_names=np.array(state_names), **{k: np.asarray(v) for k, v in spectra.items()})
+    token = final.get("token")
+    if token is not None:
+        write_zarr(stage / "tokens.zarr" / "count", np.asarray(token["count_V"], np.int64))
+        write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
+        if token_sums is not None:
+            write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
+    states = final.get("sample")
+    if states is not None:  # the uniform sample, [S, K, D] float32, one state at a time
+        first = np.asarray(states(0))
+        store = _open_zarr(stage / "samples.zarr" / "states", "float32", (len(state_names), *first.shape))
+        for s in range(len(state_names)):
+            store[s].write(first if s == 0 else np.asarray(states(s))).result()
+
+
+def _plot(metrics: dict, plot_dir: Path) -> list[Path]:
+    from isojax.plots import plot_metrics
+    return plot_metrics(metrics, plot_dir)
+
+
+def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
+                  token_sums=None, plots: bool = True, timings=None) -> list[str]:
+    """Stage every file, then commit them into `out` in one step (isojax.run.outdir.staged: isojax's
+    earlier results there are replaced, the user's files are left alone).
+    `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None.
+    `timings` (run.timings.Timings): gets the seconds of "write" and "plots"; the manifest, written last,
+    gets them and the wall time."""
+    from isojax.run import outdir
+    from isojax.run.timings import Timings, in_background
+    timings = timings if timings is not None else Timings()
+    out.mkdir(parents=True, exist_ok=True)
+    drawing = None
+    with outdir.staged(out) as stage:
+        try:
+            if plots:  # drawn while the data is written; "plots" counts only the wait for them after
+                (stage / "plots").mkdir()
+                drawing = in_background(lambda: _plot(metrics, stage / "plots"))
+            with timings("write"):
+                _write_data(stage, metrics, final, state_names, token_sums)
+            if drawing is not None:
+                with timings("plots"):
+                    manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]
+            manifest["timings"] = dict(timings)
+            manifest["timeline"] = getattr(timings, "timeline", [])
+            manifest["seconds_wall"] = time.time() - timings.start
+            (stage / "manifest.json").write_text(json.dumps(json_safe(manifest), indent=1) + "\n")
+            return sorted(p.name for p in stage.iterdir())
+        finally:
+            if drawing is not None:  # on a failure, the figures finish before their folder goes
+                concurrent.futures.wait([drawing])

@@ -1,0 +1,548 @@
+"""Exact streaming statistics of hidden states, accumulated on device.
+Length: the double-float arithmetic and the accumulators that use it are one numerical unit, tested together.
+
+Axis names: G groups (data sources), S states (embed, block_1..block_L, final_ln),
+N packed positions of one batch, D model width, V vocabulary, H = G when each group keeps
+its own second moments and 1 when they share one.
+
+Every floating-point sum is a double-float pair (`hi`, `lo`) in float32: each batch's
+contribution is first reduced within the batch (pairwise tree for plain sums, a sorted
+segment sum for per-token sums, one float32 matmul for the second moments), then added
+with TwoSum, whose rounding error goes into `lo`. hi + lo (taken in float64 by
+finalize) then carries ~48 bits, so drift across 10^4..10^6 batches is gone, and the only
+float32 error left is that of one batch's own partial sum. See stats/finalize.py for the read-out.
+
+Second moments are kept centered (Chan, Golub & LeVeque's pairwise update): storing
+Sum (x - mean)(x - mean)^T instead of Sum x x^T avoids the catastrophic cancellation of
+Sum x x^T / n - mean mean^T when the states are nearly parallel (cos ~ 0.999 costs three
+decimal digits that float32 cannot spare). The uncentered Gram is rebuilt exactly in
+float64 as M2 + sum sum^T / n.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from isojax.stats import sample
+from isojax.stats.options import StatsOptions
+
+DEFAULT_OPTIONS = StatsOptions()
+
+_COUNT_BITS = 30  # counts are int32 limbs: n = hi * 2**30 + lo, exact to 2**61
+
+
+@struct.dataclass
+class DF:
+    """A double-float sum: the value is hi + lo, |lo| <= ulp(hi)/2 after each add."""
+
+    hi: jax.Array
+    lo: jax.Array
+
+
+@struct.dataclass
+class DFPair:
+    """A double-float sum kept as one [..., 2] array (hi, lo on the last axis) for the Grams: an
+    update writes both halves with one in-place slice. With separate hi and lo arrays XLA kept a
+    copy of the whole hi array inside the layer scan (lo's new value reads hi's old one): every
+    Gram twice, 13 GB per device at gpt-neox-20b (bench/RESULTS.md 7b)."""
+
+    hl: jax.Array
+
+    @property
+    def hi(self) -> jax.Array:
+        return self.hl[..., 0]
+
+    @property
+    def lo(self) -> jax.Array:
+        return self.hl[..., 1]
+
+    @classmethod
+    def of(cls, hi, lo) -> "DFPair":
+        return cls(jnp.stack([hi, lo], -1))
+
+
+def _two_sum(a, b):
+    """a + b = s + err exactly (Knuth's TwoSum, branch-free; needs no |a| >= |b|)."""
+    s = a + b
+    b_virtual = s - a
+    err = (a - (s - b_virtual)) + (b - b_virtual)
+    return s, err
+
+
+def _df_add(hi, lo, v):
+    s, err = _two_sum(hi, v)
+    return s, lo + err
+
+
+def _df_zeros(shape):
+    return DF(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+
+
+@struct.dataclass
+class Accumulators:
+    count_lo_GxS: jax.Array  # int32 limbs of the valid-position count
+    count_hi_GxS: jax.Array
+    sum_GxSxD: DF  # Sum x
+    unit_sum_GxSxD: DF  # Sum x/|x|  (InterSim)
+    norm_sum_GxS: DF  # Sum |x|
+    m2_HxSxDxD: DFPair  # Sum (x - mean)(x - mean)^T over the H-slot's population
+    unit_m2_HxSxDxD: DFPair  # the same for unit vectors
+    centered_sum_GxSxC: DF  # Sum (x-c)/|x-c| for centered InterSim; C = D or 0
+    tok_count_SxV: jax.Array  # int32 occurrences per token; V = 0 without token stats
+    tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
+    sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (stats/sample.py); K = 0: no sample
+    sample_SxKxD: jax.Array  # their states, in the forward's dtype
+
+
+def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows):
+    g, s, h = num_groups, num_states, num_groups if group_spectra else 1
+    v = vocab_size if token_stats else 0
+    return dict(
+        count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d),
+        centered=(g, s, d if centered else 0), tok_count=(s, v), tok_sum=(s, v, d))
+
+
+def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: int = 1,
+                      token_stats: bool = True, centered: bool = False,
+                      group_spectra: bool = True, sample_size: int = 0,
+                      sample_dtype=jnp.float32, gram_rows: int | None = None) -> Accumulators:
+    """Zeroed accumulators. group_spectra=False shares one pair of [S, D, D] second moments
+    among all groups (groups then report no anisotropy), which saves 4*S*D*D*4 bytes per
+    group beyond the first. sample_size K: a uniform sample of K tokens' states (stats/sample.py).
+    gram_rows: rows of the second moments this device keeps (StatsOptions.gram_shards);
+    None: all D."""
+    sh = _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows)
+    return Accumulators(
+        count_lo_GxS=jnp.zeros(sh["count"], jnp.int32),
+        count_hi_GxS=jnp.zeros(sh["count"], jnp.int32),
+        sum_GxSxD=_df_zeros(sh["sum"]), unit_sum_GxSxD=_df_zeros(sh["sum"]),
+        norm_sum_GxS=_df_zeros(sh["norm"]),
+        m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
+        unit_m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
+        centered_sum_GxSxC=_df_zeros(sh["centered"]),
+        tok_count_SxV=jnp.zeros(sh["tok_count"], jnp.int32),
+        tok_sum_SxVxD=_df_zeros(sh["tok_sum"]),
+        sample_keys_Kx2=jnp.full((sample_size, 2), sample.EMPTY, jnp.uint32),
+        sample_SxKxD=jnp.zeros((num_states, sample_size, d), sample_dtype))
+
+
+def accumulator_bytes(num_states, d, vocab_size, *, num_groups=1, token_stats=True, centered=False,
+                      group_spectra=True, sample_size=0, sample_dtype=jnp.float32, gram_rows=None) -> int:
+    """Device bytes of init_accumulators(...), without allocating. Every float sum is two
+    float32 arrays (hi, lo), so the per-token part is 2 * S * V * D * 4 bytes: 21.4 GB for
+    pythia-1.4b (S = 26, V = 50304, D = 2048)."""
+    shaped = jax.eval_shape(lambda: init_accumulators(
+        num_states, d, vocab_size, num_groups=num_groups, token_stats=token_stats,
+        centered=centered, group_spectra=group_spectra, sample_size=sample_size, sample_dtype=sample_dtype,
+        gram_rows=gram_rows))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shaped))
+
+
+def pairwise_sum(x_NxD):
+    """Sum over rows in levels of 16 (a 16-ary tree): at most 15 rounding errors per level and
+    element, ceil(log16 N) levels (4 for N <= 65536), against up to N for one sequential reduce.
+    Each level is one reduce op. (A binary tree of slices fuses into a single GPU kernel with N
+    leaves, which XLA's GPU compiler took minutes to build.)"""
+    while x_NxD.shape[0] > 1:
+        n = x_NxD.shape[0]
+        pad = -n % 16
+        if pad:
+            x_NxD = jnp.concatenate([x_NxD, jnp.zeros((pad, *x_NxD.shape[1:]), x_NxD.dtype)])
+        x_NxD = x_NxD.reshape((n + pad) // 16, 16, *x_NxD.shape[1:]).sum(axis=1)
+    return x_NxD[0]
+
+
+@struct.dataclass
+class TokenIndex:
+    """The sort of one batch's token ids, shared by all S states of that batch.
+
+    Sorting is by key: the token id itself, or, when the vocabulary is split over `shards`
+    devices (device k owns ids k, k + shards, ...), key = owner * (V / shards) + id // shards,
+    so that each owner's tokens form one contiguous run of segments and key % (V / shards) is
+    the row on the owner. uniq_U holds the distinct valid keys in ascending order at ranks
+    0..U-1; the remaining N - U slots hold distinct out-of-range keys (>= V), so a scatter with
+    mode='drop' skips them and every index is unique and sorted (no contention, no atomics)."""
+
+    order_N: jax.Array  # permutation that sorts the batch by key
+    starts_N: jax.Array  # bool: sorted position opens a new segment
+    rank_N: jax.Array  # segment (distinct-key) index of each sorted position
+    uniq_U: jax.Array  # [N] keys per segment, padded with V, V+1, ... (dropped)
+    count_U: jax.Array  # [N] valid occurrences per segment
+
+
+def index_tokens(token_ids_N, valid_N, vocab_size, shards: int = 1) -> TokenIndex:
+    """vocab_size: the (padded) vocabulary, a multiple of `shards`."""
+    n = token_ids_N.shape[0]
+    ids_N = token_ids_N.astype(jnp.int32)
+    if shards > 1:
+        ids_N = (ids_N % shards) * (vocab_size // shards) + ids_N // shards
+    ids_N = jnp.where(valid_N, ids_N, vocab_size)  # padding sorts last
+    order_N = jnp.argsort(ids_N, stable=True)
+    sorted_N = ids_N[order_N]
+    starts_N = jnp.concatenate([jnp.ones(1, bool), sorted_N[1:] != sorted_N[:-1]])
+    rank_N = jnp.cumsum(starts_N.astype(jnp.int32)) - 1
+    # Padding forms one segment of id V; unused slots get V + slot, all distinct.
+    uniq_U = (vocab_size + jnp.arange(n, dtype=jnp.int32)).at[rank_N].set(sorted_N)
+    count_U = jax.ops.segment_sum((sorted_N < vocab_size).astype(jnp.int32), rank_N,
+                                  num_segments=n, indices_are_sorted=True)
+    return TokenIndex(order_N, starts_N, rank_N, uniq_U, count_U)
+
+
+@struct.dataclass
+class Exchange:
+    """What one batch's per-token exchange needs beyond the rows (inside shard_map, once per
+    batch: the same for every state). Segment j of the batch's sort belongs to owner o for
+    bounds_O1[o] <= j < bounds_O1[o + 1]; round r sends segments bounds_O1[o] + r * cap + c."""
+
+    bounds_O1: jax.Array
+    rounds: jax.Array  # the most segments any device sends to any owner, over cap; >= 1 (a pmax)
+    recv_local_OxC: jax.Array  # round 0, received: sender o's rows land on these local rows
+    recv_count_OxC: jax.Array  # ... with these token counts
+
+
+def _add_count(lo, hi, n):
+    lo = lo + n
+    return lo & ((1 << _COUNT_BITS) - 1), hi + (lo >> _COUNT_BITS)
+
+
+def _count_f32(lo, hi):
+    return hi.astype(jnp.float32) * float(1 << _COUNT_BITS) + lo.astype(jnp.float32)
+
+
+def _centered_gram(x_NxD, valid_N, mean_D, gram_dtype, opts: StatsOptions):
+    """Sum (x - m)(x - m)^T over the valid rows, [D, D] float32.
+
+    gram_dtype bfloat16 (for states from a bfloat16 forward): the deviations are rounded to
+    bf16 and multiplied on the tensor cores with float32 accumulation. Rounding errors are
+    unbiased and independent, so their effect on M2 shrinks like 1/sqrt(n); the bias left is
+    ~(2^-8)^2 relative (measured: README, "bfloat16")."""
+    d = x_NxD.shape[1]
+    block = opts.gram_block
+    k = d // block if d >= 2 * block and d % block == 0 else 1
+    blocks = [slice(i * d // k, (i + 1) * d // k) for i in range(k)]
+    # each column block's deviations computed on their own, so that each is contiguous
+    devs = [jnp.where(valid_N[:, None], x_NxD[:, c] - mean_D[c], 0.0).astype(gram_dtype) for c in blocks]
+    kw = dict(preferred_element_type=jnp.float32)
+    if gram_dtype != jnp.bfloat16:
+        kw["precision"] = opts.gram_dot_precision()
+    # Sum dev dev^T is symmetric: the k(k+1)/2 blocks on and above the diagonal are
+    # (k+1)/(2k) of the products (5/8 at D = 2048)
+    upper = {(i, j): jnp.einsum("nd,ne->de", devs[i], devs[j], **kw) for i in range(k) for j in range(i, k)}
+    return jnp.block([[upper[i, j] if i <= j else upper[j, i].T for j in range(k)] for i in range(k)])
+
+
+def chan_term(n_a, sum_a_D, n_b, sum_b_D, row0=None, rows=None):
+    """What Chan, Golub & LeVeque add to M2_a + M2_b when two populations merge:
+    n_a n_b / n (mean_b - mean_a)(mean_b - mean_a)^T. Leading axes broadcast ([..., D] sums,
+    [...] counts -> [..., D, D]; with row0 and rows: only rows row0..row0 + rows, [..., rows, D]);
+    the one place isojax writes the formula (stats.merge, the batch update and finalize's
+    groups use it)."""
+    n = n_a + n_b
+    delta = sum_b_D / jnp.maximum(n_b, 1.0)[..., None] - sum_a_D / jnp.maximum(n_a, 1.0)[..., None]
+    w = n_a * n_b / jnp.maximum(n, 1.0)
+    left = delta if rows is None else lax.dynamic_slice_in_dim(delta, row0, rows, axis=-1)
+    return w[..., None, None] * left[..., :, None] * delta[..., None, :]
+
+
+def _merge_m2(m2: DFPair, idx, n_a, sum_a_D, n_b, sum_b_D, m2_b_RxD, row0=None):
+    """M2 = M2_a + M2_b + chan_term, into the double-float slot idx (one in-place write); R = D
+    rows, or the rows row0.. this device keeps (StatsOptions.gram_shards)."""
+    old_RxDx2 = m2.hl[idx]
+    rows = old_RxDx2.shape[0] if row0 is not None else None
+    hi, lo = _df_add(old_RxDx2[..., 0], old_RxDx2[..., 1],
+                     m2_b_RxD + chan_term(n_a, sum_a_D, n_b, sum_b_D, row0, rows))
+    return DFPair(m2.hl.at[idx].set(jnp.stack([hi, lo], -1)))
+
+
+def _population(acc_sum: DF, count_lo, count_hi, m2_slots, group, s):
+    """(n, Sum x) of the population that M2 slot covers: one group, or all groups."""
+    if m2_slots > 1:
+        return (_count_f32(count_lo[group, s], count_hi[group, s]),
+                acc_sum.hi[group, s] + acc_sum.lo[group, s])
+    n = jnp.sum(_count_f32(count_lo[:, s], count_hi[:, s]))
+    return n, jnp.sum(acc_sum.hi[:, s] + acc_sum.lo[:, s], axis=0)
+
+
+def _df_slot_add(df: DF, idx, v):
+    hi, lo = _df_add(df.hi[idx], df.lo[idx], v)
+    return DF(df.hi.at[idx].set(hi), df.lo.at[idx].set(lo))
+
+
+def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, center_D=None,
+                 *, index: TokenIndex | None = None, opts: StatsOptions = DEFAULT_OPTIONS,
+                 sample_plan: sample.Plan | None = None, exchange: Exchange | None = None) -> Accumulators:
+    """Add state s of one batch. s, group: (traced) int32 scalars; padding rows
+    (valid_N False) contribute nothing, whatever they hold. `index` (from index_tokens)
+    lets a caller sort the ids once per batch instead of once per state; `sample_plan` (from
+    sample.plan, once per batch) says which rows enter the sample. With
+    opts.token_shards > 1 this runs inside shard_map: the per-token accumulators hold this
+    device's share of the vocabulary and the batch's per-token sums are exchanged."""
+    s, group = jnp.asarray(s, jnp.int32), jnp.asarray(group, jnp.int32)
+    token_ids_N, valid_N = jnp.asarray(token_ids_N), jnp.asarray(valid_N)
+    gram_dtype = jnp.bfloat16 if x_NxD.dtype == jnp.bfloat16 else jnp.float32
+    if sample_plan is not None:
+        acc = acc.replace(sample_SxKxD=sample.insert(acc.sample_SxKxD, s, x_NxD, sample_plan))
+    x_NxD = jnp.where(valid_N[:, None], x_NxD.astype(jnp.float32), 0.0)
+    n_b = jnp.sum(valid_N.astype(jnp.int32))
+    n_bf = n_b.astype(jnp.float32)
+    norm_N = jnp.sqrt(jnp.sum(x_NxD * x_NxD, axis=1))
+    # Zero vectors (and padding) stay zero rather than becoming NaN.
+    unit_NxD = x_NxD / jnp.where(norm_N > 0, norm_N, 1.0)[:, None]
+
+    m2_slots = acc.m2_HxSxDxD.hl.shape[0]
+    m2_idx = (group if m2_slots > 1 else 0, s)
+    gs = (group, s)
+    n_a, sum_a_D = _population(acc.sum_GxSxD, acc.count_lo_GxS, acc.count_hi_GxS,
+                               m2_slots, group, s)
+    _, unit_sum_a_D = _population(acc.unit_sum_GxSxD, acc.count_lo_GxS, acc.count_hi_GxS,
+                                  m2_slots, group, s)
+
+    sum_D, unit_sum_D = pairwise_sum(x_NxD), pairwise_sum(unit_NxD)  # invalid rows are zero
+    n_m, sum_m_D, unit_sum_m_D, row0 = n_bf, sum_D, unit_sum_D, None  # the batch's M2 population
+    if opts.gram_shards > 1:  # the devices of gram_axis pool their rows; each keeps its rows of M2
+        axis = opts.gram_axis
+        n_a, sum_a_D, unit_sum_a_D, n_m, sum_m_D, unit_sum_m_D = lax.psum(
+            (n_a, sum_a_D, unit_sum_a_D, n_bf, sum_D, unit_sum_D), axis)
+        row0 = lax.axis_index(axis) * acc.m2_HxSxDxD.hl.shape[2]
+    grams = [_centered_gram(v_NxD, valid_N, v_sum_D / jnp.maximum(n_m, 1.0), gram_dtype, opts)
+             for v_NxD, v_sum_D in ((x_NxD, sum_m_D), (unit_NxD, unit_sum_m_D))]
+    if opts.gram_shards > 1:  # [D, D] -> this device's rows of the pooled sum, [D / shards, D]
+        grams = [lax.psum_scatter(g_DxD, opts.gram_axis, scatter_dimension=0, tiled=True) for g_DxD in grams]
+    m2_RxD, unit_m2_RxD = grams
+    acc = acc.replace(
+        m2_HxSxDxD=_merge_m2(acc.m2_HxSxDxD, m2_idx, n_a, sum_a_D, n_m, sum_m_D, m2_RxD, row0),
+        unit_m2_HxSxDxD=_merge_m2(acc.unit_m2_HxSxDxD, m2_idx, n_a, unit_sum_a_D, n_m,
+                                  unit_sum_m_D, unit_m2_RxD, row0),
+        sum_GxSxD=_df_slot_add(acc.sum_GxSxD, gs, sum_D),
+        unit_sum_GxSxD=_df_slot_add(acc.unit_sum_GxSxD, gs, unit_sum_D),
+        norm_sum_GxS=_df_slot_add(acc.norm_sum_GxS, gs, pairwise_sum(norm_N[:, None])[0]))
+    lo, hi = _add_count(acc.count_lo_GxS[gs], acc.count_hi_GxS[gs], n_b)
+    acc = acc.replace(count_lo_GxS=acc.count_lo_GxS.at[gs].set(lo),
+                      count_hi_GxS=acc.count_hi_GxS.at[gs].set(hi))
+
+    if acc.centered_sum_GxSxC.hi.shape[-1]:
+        if center_D is None:
+            raise ValueError("accumulators were made with centered=True: pass center_D")
+        dev_NxD = jnp.where(valid_N[:, None], x_NxD - center_D.astype(jnp.float32), 0.0)
+        dnorm_N = jnp.sqrt(jnp.sum(dev_NxD * dev_NxD, axis=1))
+        dunit_NxD = dev_NxD / jnp.where(dnorm_N > 0, dnorm_N, 1.0)[:, None]
+        acc = acc.replace(centered_sum_GxSxC=_df_slot_add(
+            acc.centered_sum_GxSxC, gs, pairwise_sum(dunit_NxD)))
+
+    rows = acc.tok_count_SxV.shape[1]
+    if rows:
+        shards = opts.token_shards
+        if index is None:
+            index = index_tokens(token_ids_N, valid_N, rows * shards, shards)
+        if shards == 1:
+            acc = _update_tokens(acc, s, unit_NxD, index, opts)
+        else:
+            acc = _update_token_shards(acc, s, unit_NxD, index, opts, exchange)
+    return acc
+
+
+def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int, opts: StatsOptions = DEFAULT_OPTIONS):
+    """Per-segment sums of rows already in sorted order, at rows 0..U-1 of a [num_rows, D]
+    array (num_rows >= U)."""
+    if opts.segment_sum_mode() == "scatter":
+        return jax.ops.segment_sum(sorted_NxD, index.rank_N, num_segments=num_rows,
+                                   indices_are_sorted=sorted_NxD.shape[1] <= opts.sorted_scatter_max_d)
+
+    def add_within_segment(a, b):
+        (start_a, sum_a), (start_b, sum_b) = a, b
+        return start_a | start_b, jnp.where(start_b[:, None], sum_b, sum_a + sum_b)
+
+    _, prefix_NxD = lax.associative_scan(add_within_segment, (index.starts_N, sorted_NxD))
+    ends_N = jnp.concatenate([index.starts_N[1:], jnp.ones(1, bool)])
+    target_N = jnp.where(ends_N, index.rank_N, num_rows)  # only segment ends land; the rest drop
+    return jnp.zeros((num_rows, sorted_NxD.shape[1]), sorted_NxD.dtype).at[target_N].set(
+        prefix_NxD, mode="drop", unique_indices=True, indices_are_sorted=True)
+
+
+def _update_tokens(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts: StatsOptions) -> Accumulators:
+    """Per-token unit sums: segment-sum the sorted batch (a fresh [M, D], M <= min(N, V + 1)
+    rounded up to the chunk, never [V, D] per batch), then, opts.token_chunk distinct tokens at
+    a time, gather their accumulator rows, TwoSum-add and scatter-set them back in place. Only
+    ceil(U / chunk) rounds run (a dynamic trip count), so the gathers and scatters move ~U
+    rows, not N: U ~ 15k distinct ids in a 65k-token batch of text."""
+    n = unit_NxD.shape[0]
+    vocab_size = acc.tok_count_SxV.shape[1]
+    chunk = opts.token_chunk if n % opts.token_chunk == 0 else n
+    # U <= V + 1 (the distinct ids and one padding segment): a batch longer than the
+    # vocabulary needs no more rows than that
+    num_rows = min(n, -(-(vocab_size + 1) // chunk) * chunk)
+    seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows, opts)
+    n_unique = index.rank_N[-1] + 1
+    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+
+    def add_chunk(c, carry):
+        hi_SxVxD, lo_SxVxD, count_SxV = carry
+        take = lambda x: lax.dynamic_slice_in_dim(x, c * chunk, chunk)
+        rows = (s, take(index.uniq_U))
+        hi_CxD = hi_SxVxD.at[rows].get(mode="fill", fill_value=0.0)
+        lo_CxD = lo_SxVxD.at[rows].get(mode="fill", fill_value=0.0)
+        hi_CxD, lo_CxD = _df_add(hi_CxD, lo_CxD, take(seg_MxD))
+        cnt_C = count_SxV.at[rows].get(mode="fill", fill_value=0) + take(index.count_U)
+        return (hi_SxVxD.at[rows].set(hi_CxD, **kw), lo_SxVxD.at[rows].set(lo_CxD, **kw),
+                count_SxV.at[rows].set(cnt_C, **kw))
+
+    tok = acc.tok_sum_SxVxD
+    hi, lo, count = lax.fori_loop(0, (n_unique + chunk - 1) // chunk, add_chunk,
+                                  (tok.hi, tok.lo, acc.tok_count_SxV))
+    return acc.replace(tok_sum_SxVxD=DF(hi, lo), tok_count_SxV=count)
+
+
+def _add_owned_rows(carry, s, rows_KxD, local_K, count_K):
+    """TwoSum-add K rows of partial sums to this device's token rows local_K: distinct and
+    ascending (one sender's share of a round); slots >= the rows held are dropped."""
+    hi_SxVxD, lo_SxVxD, count_SxV = carry
+    rows = (s, local_K)
+    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
+    hi_KxD, lo_KxD = _df_add(hi_SxVxD.at[rows].get(mode="fill", fill_value=0.0),
+                             lo_SxVxD.at[rows].get(mode="fill", fill_value=0.0), rows_KxD)
+    return (hi_SxVxD.at[rows].set(hi_KxD, **kw), lo_SxVxD.at[rows].set(lo_KxD, **kw),
+            count_SxV.at[rows].set(count_SxV.at[rows].get(mode="fill", fill_value=0) + count_K, **kw))
+
+
+def exchange_cap(opts: StatsOptions, n: int) -> int:
+    """Segments sent to each owner per round, for a device batch of n rows."""
+    return max(1, (opts.exchange_rows or max(1, n // 4)) // opts.token_shards)
+
+
+def _round_meta(index: TokenIndex, bounds_O1, r, cap: int, held: int):
+    """(segments j_OxC, ok_OxC, local rows, counts) that round r sends to each owner; unused
+    slots get distinct local rows >= held (dropped on arrival)."""
+    shards = bounds_O1.shape[0] - 1
+    j_OxC = bounds_O1[:-1, None] + r * cap + jnp.arange(cap, dtype=jnp.int32)[None]
+    ok_OxC = j_OxC < bounds_O1[1:, None]
+    unused_OxC = held + jnp.arange(shards * cap, dtype=jnp.int32).reshape(shards, cap)
+    local_OxC = jnp.where(ok_OxC, index.uniq_U.at[j_OxC].get(mode="fill", fill_value=0) % held, unused_OxC)
+    count_OxC = jnp.where(ok_OxC, index.count_U.at[j_OxC].get(mode="fill", fill_value=0), 0)
+    return j_OxC, ok_OxC, local_OxC, count_OxC
+
+
+def plan_exchange(index: TokenIndex, held: int, opts: StatsOptions) -> Exchange:
+    """The batch's Exchange: owner bounds, round count, and round 0's metadata, exchanged once."""
+    shards, axes, cap = opts.token_shards, opts.token_axes, exchange_cap(opts, index.order_N.shape[0])
+    bounds_O1 = jnp.searchsorted(index.uniq_U, jnp.arange(shards + 1, dtype=jnp.int32) * held).astype(jnp.int32)
+    most = jnp.max(bounds_O1[1:] - bounds_O1[:-1])
+    rounds = jnp.maximum(1, lax.pmax((most + cap - 1) // cap, axes))
+    _, _, local_OxC, count_OxC = _round_meta(index, bounds_O1, 0, cap, held)
+    recv_OxCx2 = lax.all_to_all(jnp.stack([local_OxC, count_OxC], -1), axes, 0, 0)
+    return Exchange(bounds_O1, rounds, recv_OxCx2[..., 0], recv_OxCx2[..., 1])
+
+
+def _exchange_rows(carry, s, rows_OxCxD, recv_local_OxC, recv_count_OxC, opts: StatsOptions):
+    """Send rows_OxCxD[o] to owner o and TwoSum-add what every sender sent here, sender by
+    sender (each sender's rows are distinct and ascending: no sort). n - 1 ppermutes (shift k:
+    to device me + k, from me - k); this device's own share stays in place. Ppermutes, not one
+    all_to_all of every share, because they scale better over devices (bench/RESULTS.md 7b)."""
+    shards, axes = opts.token_shards, opts.token_axes
+    me = lax.axis_index(axes)
+    take = lambda x, o: lax.dynamic_index_in_dim(x, o % shards, 0, keepdims=False)
+    carry = _add_owned_rows(carry, s, take(rows_OxCxD, me), take(recv_local_OxC, me), take(recv_count_OxC, me))
+    for k in range(1, shards):
+        got_CxD = lax.ppermute(take(rows_OxCxD, me + k), axes, [(i, (i + k) % shards) for i in range(shards)])
+        carry = _add_owned_rows(carry, s, got_CxD, take(recv_local_OxC, me - k), take(recv_count_OxC, me - k))
+    return carry
+
+
+def _update_token_shards(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts: StatsOptions,
+                         exchange: Exchange | None = None) -> Accumulators:
+    """Per-token unit sums with the vocabulary split over opts.token_shards devices (inside
+    shard_map). Each device segment-sums its rows of the batch (keys grouped by owner), then
+    sends up to cap = exchange_rows / shards segments to every owner (_exchange_rows); their
+    local rows and counts went once per batch (plan_exchange). The first round is
+    unconditional, so that XLA may overlap it with the next block's compute; further rounds
+    (usually none) run in a loop and carry their own metadata. The traffic is each device's ~U
+    distinct-token rows, once, padded to cap per owner."""
+    n, d = unit_NxD.shape
+    held = acc.tok_count_SxV.shape[1]  # token rows this device owns: V / shards
+    cap = exchange_cap(opts, n)
+    num_rows = min(n, opts.token_shards * held + 1)  # >= the segments of the batch (distinct keys + padding)
+    seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows, opts)
+    ex = exchange if exchange is not None else plan_exchange(index, held, opts)
+
+    def rows(j_OxC, ok_OxC):
+        return jnp.where(ok_OxC[..., None], seg_MxD.at[j_OxC].get(mode="fill", fill_value=0.0), 0.0)
+
+    def later_round(r, carry):
+        j_OxC, ok_OxC, local_OxC, count_OxC = _round_meta(index, ex.bounds_O1, r, cap, held)
+        recv_OxCx2 = lax.all_to_all(jnp.stack([local_OxC, count_OxC], -1), opts.token_axes, 0, 0)
+        return _exchange_rows(carry, s, rows(j_OxC, ok_OxC), recv_OxCx2[..., 0], recv_OxCx2[..., 1], opts)
+
+    j_OxC, ok_OxC, _, _ = _round_meta(index, ex.bounds_O1, 0, cap, held)
+    tok = acc.tok_sum_SxVxD
+    carry = _exchange_rows((tok.hi, tok.lo, acc.tok_count_SxV), s, rows(j_OxC, ok_OxC), ex.recv_local_OxC,
+                           ex.recv_count_OxC, opts)
+    hi, lo, count = lax.fori_loop(1, ex.rounds, later_round, carry)
+    return acc.replace(tok_sum_SxVxD=DF(hi, lo), tok_count_SxV=count)
+
+
+def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
+           centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS, token_keys_Nx2=None) -> Accumulators:
+    """Add all S states of one batch (ids sorted once, a fori_loop over states). token_keys:
+    the tokens' sample keys (sample.token_keys), needed when the accumulators keep a sample."""
+    vocab_size = acc.tok_count_SxV.shape[1] * opts.token_shards
+    states_SxNxD, token_ids_N, valid_N = map(jnp.asarray, (states_SxNxD, token_ids_N, valid_N))
+    centers_SxD = None if centers_SxD is None else jnp.asarray(centers_SxD)
+    index = index_tokens(token_ids_N, valid_N, max(vocab_size, 1), opts.token_shards)
+    plan = None
+    if acc.sample_keys_Kx2.shape[0]:
+        keys, plan = sample.plan(acc.sample_keys_Kx2, jnp.asarray(token_keys_Nx2))
+        acc = acc.replace(sample_keys_Kx2=keys)
+
+    def body(s, acc):
+        center_D = None if centers_SxD is None else centers_SxD[s]
+        return update_state(acc, s, states_SxNxD[s], token_ids_N, valid_N, group, center_D,
+                            index=index, opts=opts, sample_plan=plan)
+
+    return lax.fori_loop(0, states_SxNxD.shape[0], body, acc)
+
+
+def merge(a: Accumulators, b: Accumulators, *, keep_m2: bool = False, m2_row0=None) -> Accumulators:
+    """The accumulators of the concatenated data: data parallelism, multi-host and resuming.
+    Equal to one pass up to float32 rounding of the merge terms (measured <= 1e-8 relative
+    on the finalized metrics), in any association order. Second moments split by rows
+    (StatsOptions.gram_shards): keep_m2 keeps a's (a and b hold rows of one pooled population);
+    else both hold rows m2_row0.. of their populations' M2."""
+
+    def df_merge(x: DF, y: DF) -> DF:
+        hi, err = _two_sum(x.hi, y.hi)
+        return DF(hi, x.lo + y.lo + err)
+
+    n_a_GxS = _count_f32(a.count_lo_GxS, a.count_hi_GxS)
+    n_b_GxS = _count_f32(b.count_lo_GxS, b.count_hi_GxS)
+
+    def m2_merge(m2_a: DFPair, m2_b: DFPair, sum_a: DF, sum_b: DF) -> DFPair:
+        if keep_m2:
+            return m2_a
+        if m2_a.hi.shape[0] > 1:
+            na, nb = n_a_GxS, n_b_GxS
+            sa, sb = sum_a.hi + sum_a.lo, sum_b.hi + sum_b.lo
+        else:
+            na, nb = n_a_GxS.sum(0, keepdims=True), n_b_GxS.sum(0, keepdims=True)
+            sa = (sum_a.hi + sum_a.lo).sum(0, keepdims=True)
+            sb = (sum_b.hi + sum_b.lo).sum(0, keepdims=True)
+        merged = df_merge(m2_a, m2_b)
+        rows = m2_a.hi.shape[-2]
+        hi, lo = _df_add(merged.hi, merged.lo, chan_term(na, sa, nb, sb, *(
+            (m2_row0, rows) if rows != sa.shape[-1] else ())))
+        return DFPair.of(hi, lo)
+
+    lo = a.count_lo_GxS + b.count_lo_GxS  # < 2**31 since each limb < 2**30
+    return Accumulators(
+        count_lo_GxS=lo & ((1 << _COUNT_BITS) - 1),
+        count_hi_GxS=a.count_hi_GxS + b.count_hi_GxS + (lo >> _COUNT_BITS),
+        sum_GxSxD=df_merge(a.sum_GxSxD, b.sum_GxSxD),
+        unit_sum_GxSxD=df_merge(a.unit_sum_GxSxD, b.unit_sum_GxSxD),
+        norm_sum_GxS=df_merge(a.norm_sum_GxS, b.norm_sum_GxS),
+        m2_HxSxDxD=m2_merge(a.m2_HxSxDxD, b.m2_HxSxDxD, a.sum_GxSxD, b.sum_GxSxD),
+        unit_m2_HxSxDxD=m2_merge(a.unit_m2_HxSxDxD, b.unit_m2_HxSxDxD, a.unit_sum_GxSxD,
+                                 b.unit_sum_GxSxD),
+        centered_sum_GxSxC=df_merge(a.centered_sum_GxSxC, b.centered_sum_GxSxC),
+        tok_count_SxV=a.tok_count_SxV + b.tok_count_SxV,
+        tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD),
+        **dict(zip(("sample_keys_Kx2", "sample_SxKxD"), sample.merge(
+            a.sample_keys_Kx2, a.sample_SxKxD, b.sample_keys_Kx2, b.sample_SxKxD))))

@@ -1,0 +1,2 @@
+"""The weights command (python -m isojax.weights: command), the matrix metrics (isotropy) and matrix
+files (matrix_files)."""

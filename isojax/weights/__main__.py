@@ -1,0 +1,5 @@
+import sys
+
+from isojax.weights.command import main
+
+sys.exit(main())

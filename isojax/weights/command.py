@@ -1,0 +1,368 @@
+"""Isotropy of a checkpoint's weights: `python -m isojax.weights --model pythia-70m --out DIR`.
+
+For GPT-NeoX checkpoints: I(W) and friends of the embedding (`embed_in`) and unembedding
+(`embed_out`) matrices and the final LayerNorm's g and b (Machina & Mercer §4.2-4.4);
+`random:<preset>` measures the random weights `isojax.load_model` gives that name, offline.
+With `--tensor NAME`: the matrix metrics of any 2-D tensor of any checkpoint; with
+`--matrix PATH[:KEY]`: of a matrix in any file (`isojax.weights.matrix_files`).
+Results go to a temporary directory next to OUT that replaces OUT only when the run has
+succeeded, so a failed run never damages earlier results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import pathlib
+import re
+import sys
+
+import numpy as np
+
+from isojax.log import log
+from isojax.hf import files as hf_files
+from isojax.weights import isotropy
+from isojax.weights import matrix_files
+from isojax.run import outdir
+from isojax.plots import weights as weight_plots
+from isojax.errors import UserError, run_command
+from isojax.model.config import paper_steps, step_of
+
+EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
+LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
+MATRIX_METRICS = ["isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
+                  "isotropy_scaled_centered", "mean_norm", "mean_vector_norm"]
+LN_METRICS = [("avgnorm_g", "avgnorm_b"), ("b_over_g",), ("gao_sum",),
+              ("b_parallel_norm", "b_perp_norm")]
+
+
+class RandomWeights:
+    """`random:<preset>`: the four tensors this command reads, from `loading.random_params` (the
+    weights `load_model("random:<preset>")` runs), under their Hugging Face names and layout."""
+
+    format = "random"
+    NAMES = (EMBED_IN, EMBED_OUT, LN_G, LN_B)
+
+    def __init__(self, preset_name: str, only=None):
+        import jax
+
+        from isojax.model.config import preset
+        from isojax.hf.loading import random_params
+
+        for name in only or ():
+            self._check(name)
+        cfg = preset(preset_name)
+        # jitted and trimmed, XLA skips the blocks' initializers: same values, a fraction of the work
+        p = jax.jit(lambda: {k: v for k, v in random_params(cfg).items() if k != "layers"})()
+        # flax's embed_out is [D, V]; Hugging Face stores embed_out.weight as [V, D] like embed_in
+        self._t = {EMBED_IN: np.asarray(p["embed_in"], np.float32),
+                   EMBED_OUT: np.ascontiguousarray(np.asarray(p["embed_out"], np.float32).T),
+                   LN_G: np.asarray(p["final_layer_norm"]["scale"], np.float32),
+                   LN_B: np.asarray(p["final_layer_norm"]["bias"], np.float32)}
+
+    def _check(self, name: str) -> None:
+        if name not in self.NAMES:
+            raise UserError(f"random weights hold only {', '.join(self.NAMES)}, not {name!r}")
+
+    def names(self) -> list[str]:
+        return sorted(self.NAMES)
+
+    def shape(self, name) -> tuple:
+        self._check(name)
+        return self._t[name].shape
+
+    def dtype(self, name) -> str:
+        return "float32"
+
+    def read(self, name) -> np.ndarray:
+        self.shape(name)
+        return self._t[name]
+
+    rows = read
+
+
+def _matrix(reader, name: str):
+    shape = reader.shape(name)
+    if len(shape) != 2 or 0 in shape:
+        raise UserError(f"tensor {name!r} has shape {tuple(shape)}: the matrix metrics need a "
+                        "non-empty 2-D tensor")
+    return reader.rows(name)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w.\-]+", "_", name)
+
+
+def _unique_safe(names: list[str]) -> list[str]:
+    """File-name-safe keys for names, one per name, all distinct."""
+    out: list[str] = []
+    for n in names:
+        k = base = _safe(n)
+        i = 1
+        while k in out:
+            i += 1
+            k = f"{base}_{i}"
+        out.append(k)
+    return out
+
+
+def model_label(model: str, revision: str | None = None) -> str:
+    """How plots name a model: 'pythia-70m @ step1000', 'pythia-70m — RANDOM WEIGHTS',
+    'EleutherAI/pythia-70m @ 0123abcd' for a Hugging Face cache snapshot, or the path."""
+    if model.startswith("random:"):
+        return f"{model.removeprefix('random:')} — RANDOM WEIGHTS"
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        m = re.search(r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]+)", str(path.resolve()))
+        if m:
+            return f"{m[1]}/{m[2]} @ {m[3][:8]}"
+        return _short_path(model)
+    return model + (f" @ {revision}" if revision else "")
+
+
+def _short_path(p: str) -> str:
+    parts = pathlib.PurePath(p).parts
+    return p if len(p) <= 48 or len(parts) <= 2 else "…/" + "/".join(parts[-2:])
+
+
+def _measure(W, where: str, key: str, title: tuple[str, str], arrays: dict, out: pathlib.Path,
+             plots: bool) -> dict:
+    """Matrix metrics of W (reported as `where` on bad values); arrays and PNGs under `key`."""
+    try:
+        rep = isotropy.analyze_matrix(W)
+    except ValueError as exc:
+        if isinstance(W, np.ndarray) and W.ndim == 2 and not np.isfinite(W).all():
+            row = int(np.argmax(~np.isfinite(W).all(axis=1)))
+            exc = f"the matrix holds NaN or infinite values (the first in row {row})"
+        raise UserError(f"{where}: {exc}") from None
+    if any(isinstance(v, float) and not math.isfinite(v) for v in rep.metrics.values()):
+        raise UserError(f"{where}: the matrix holds values too large for its metrics")
+    arrays.update({f"{key}/singular_values": rep.singular_values,
+                   f"{key}/singular_values_centered": rep.singular_values_centered,
+                   f"{key}/proj2d": rep.proj2d, f"{key}/proj2d_centered": rep.proj2d_centered})
+    if plots:
+        weight_plots.matrix_plots(rep, key, out, *title)
+    return dict(rep.metrics)
+
+
+def _write(out: pathlib.Path, result: dict, arrays: dict) -> None:
+    np.savez(out / "arrays.npz", **{_safe(k): v for k, v in arrays.items()})
+    (out / "weights.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+
+
+def analyze_checkpoint(model: str, revision: str | None, tensors: list[str] | None,
+                       out: pathlib.Path, plots: bool = True) -> dict:
+    """Measure one checkpoint, write `out/weights.json` (+ arrays.npz, PNGs); return the JSON."""
+    needed = tensors or [EMBED_IN, EMBED_OUT, LN_G, LN_B]
+    if model.startswith("random:"):
+        reader, directory = RandomWeights(model.removeprefix("random:"), only=needed), None
+        result: dict = {"model": model, "revision": None, "weights": "random", "checkpoint": None}
+    else:
+        directory = hf_files.resolve_weights(model, revision, tensors=needed)
+        reader = hf_files.CheckpointReader(directory, only=needed)
+        result = {"model": model, "revision": revision, "weights": "pretrained",
+                  "checkpoint": str(directory)}
+    result["format"] = reader.format
+    source = f"random weights of {model.removeprefix('random:')}" if directory is None else directory
+    if tensors:
+        matrices = {t: t for t in tensors}
+        result["tensors"] = {}
+    else:
+        names = set(reader.names())
+        missing = [t for t in (EMBED_IN, EMBED_OUT, LN_G, LN_B) if t not in names]
+        if missing:
+            raise UserError(f"not a GPT-NeoX checkpoint: {directory} has no {missing[0]}; "
+                            "use --tensor NAME to measure any 2-D tensor")
+        matrices = {"embed_in": EMBED_IN, "embed_out": EMBED_OUT}
+    arrays: dict = {}
+    label = model_label(model, revision)
+    for (key, name), safe in zip(matrices.items(), _unique_safe(list(matrices))):
+        m = _measure(_matrix(reader, name), f"tensor {name!r} in {source}", safe, (label, key),
+                     arrays, out, plots)
+        m.update(tensor=name, dtype=reader.dtype(name))
+        (result["tensors"] if tensors else result)[key] = m
+    if not tensors:
+        g, b = reader.read(LN_G), reader.read(LN_B)
+        if g.ndim != 1 or g.shape != b.shape:
+            raise UserError(f"final LayerNorm weight {g.shape} and bias {b.shape} in {source} "
+                            "are not two vectors of one length")
+        if not (np.all(np.isfinite(g)) and np.all(np.isfinite(b))):
+            raise UserError(f"final LayerNorm in {source} holds NaN or infinite values")
+        result["final_ln"] = isotropy.layer_norm_metrics(g, b)
+    _write(out, result, arrays)
+    return result
+
+
+def _matrix_key(path: pathlib.Path, key: str | None) -> str:
+    """How a --matrix names its plots and arrays: the file name without its extension (and .gz),
+    then _KEY: glove.6B.50d.txt -> glove.6B.50d, emb.safetensors:embed.weight -> emb_embed.weight."""
+    name = path.name.removesuffix(".gz")
+    stem = name.rsplit(".", 1)[0] if "." in name.lstrip(".") else name
+    return stem + (f"_{key}" if key is not None else "")
+
+
+def analyze_matrices(specs: list[str], out: pathlib.Path, plots: bool = True) -> dict:
+    """Measure matrices from files (`PATH[:KEY]`, `isojax.weights.matrix_files`); write and return the
+    JSON `{"tensors": {spec: M}}`."""
+    result: dict = {"tensors": {}}
+    arrays: dict = {}
+    files = [matrix_files.read_matrix(s) for s in specs]  # every input checked before the work
+    keys = _unique_safe([_matrix_key(f.path, f.key) for f in files])
+    for f, key in zip(files, keys):
+        where = f"{f.path}" + (f" [{f.key}]" if f.key is not None else "")
+        m = _measure(f.matrix, where, key, (_short_path(f.spec), ""), arrays, out, plots)
+        m.update(file=str(f.path), key=f.key, format=f.format, dtype=f.dtype)
+        result["tensors"][f.spec] = m
+    _write(out, result, arrays)
+    return result
+
+
+def _flat(result: dict) -> dict:
+    """Scalar metrics as `group.metric` columns for the sweep table."""
+    row = {}
+    groups = result.get("tensors") or {k: result[k] for k in ("embed_in", "embed_out", "final_ln")}
+    for g, metrics in groups.items():
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) or v is None:
+                row[f"{g}.{k}"] = v
+    return row
+
+
+def _check_sources(args) -> None:
+    """Exactly one of --model and --matrix; --matrix with nothing but --out/--overwrite/--no-plots."""
+    if args.matrix:
+        extra = [flag for flag, given in (("--model", args.model), ("--revision", args.revision),
+                                          ("--revisions", args.revisions),
+                                          ("--paper-steps", args.paper_steps),
+                                          ("--tensor", args.tensor)) if given]
+        if extra:
+            raise UserError(f"--matrix takes no {extra[0]} (it combines only with --out, "
+                            "--overwrite and --no-plots)")
+        dup = next((m for i, m in enumerate(args.matrix) if m in args.matrix[:i]), None)
+        if dup is not None:
+            raise UserError(f"--matrix {dup} is given twice")
+        if not all(args.matrix):
+            raise UserError("--matrix needs PATH[:KEY]")
+    elif not args.model:
+        raise UserError("give --model NAME_OR_PATH, or --matrix PATH[:KEY] for matrices in files")
+    elif args.model.startswith("random:") and (args.revision or args.revisions or args.paper_steps):
+        raise UserError(f"{args.model} has no revisions: random weights are made, not downloaded")
+
+
+def run(args) -> None:
+    _check_sources(args)
+    out = pathlib.Path(args.out)
+    # inputs: --model's folder, --matrix files (PATH or PATH:KEY; paths that do not exist are skipped)
+    inputs = [args.model or "", *(args.matrix or []), *(m.rpartition(":")[0] for m in args.matrix or [])]
+    outdir.check_path(out, inputs)
+    if args.paper_steps:
+        revisions = paper_steps()
+    elif args.revisions:
+        revisions = [r.strip() for r in args.revisions.split(",") if r.strip()]
+        if not revisions:
+            raise UserError("--revisions is empty")
+    else:
+        revisions = None
+    if (args.revision or revisions) and pathlib.Path(args.model or "").expanduser().is_dir():
+        raise UserError(f"{args.model} is a local directory: revisions apply to hub models only")
+    if args.tensor:
+        for t in args.tensor:
+            if not t:
+                raise UserError("--tensor needs a tensor name")
+    names = {"weights.json", "arrays.npz", "sweep.csv"}
+    with outdir.claim(out, overwrite=args.overwrite, names=names, inputs=inputs), outdir.staged(out) as tmp:
+        if args.matrix:
+            analyze_matrices(args.matrix, tmp, not args.no_plots)
+        elif revisions is None:
+            analyze_checkpoint(args.model, args.revision, args.tensor, tmp, not args.no_plots)
+        else:
+            _sweep(args, revisions, tmp)
+    _summary(out, revisions)
+
+
+def _summary(out: pathlib.Path, revisions: list[str] | None) -> None:
+    """The one line a successful run ends with: what was measured, I(W), where the results are."""
+    pngs = len(list(out.glob("*.png")))
+    if revisions is not None:
+        log(f"{len(revisions)} revisions measured; results in {out}/<revision>/ and {out}/sweep.csv"
+              + (f", {pngs} sweep plots" if pngs else ""))
+        return
+    doc = json.loads((out / "weights.json").read_text())
+    groups = doc.get("tensors") or {k: doc[k] for k in ("embed_in", "embed_out")}
+    iso = [f"{name} {m['isotropy']:.4g}" for name, m in groups.items()]
+    more = f" and {len(iso) - 3} more" if len(iso) > 3 else ""
+    log(f"I(W) of {', '.join(iso[:3])}{more}; results in {out} (weights.json, arrays.npz"
+          + (f", {pngs} PNGs)" if pngs else ")"))
+
+
+def _sweep(args, revisions: list[str], tmp: pathlib.Path) -> None:
+    from tqdm import tqdm
+
+    rows = []
+    for rev in tqdm(revisions, desc="revisions", unit="ckpt", file=sys.stderr,
+                    disable=len(revisions) < 2):
+        sub = tmp / _safe(rev)
+        sub.mkdir()
+        res = analyze_checkpoint(args.model, rev, args.tensor, sub, not args.no_plots)
+        rows.append({"revision": rev, "step": step_of(rev), **_flat(res)})
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with open(tmp / "sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows([{k: "" if r.get(k) is None else r.get(k) for k in cols} for r in rows])
+    if not args.no_plots:
+        groups = list(args.tensor) if args.tensor else ["embed_in", "embed_out"]
+        weight_plots.sweep_plots(rows, groups, MATRIX_METRICS, [] if args.tensor else LN_METRICS, tmp,
+                                 model_label(args.model))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m isojax.weights",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Partition-function isotropy I(W) of the embedding and unembedding "
+                    "matrices and statistics\nof the final LayerNorm of a GPT-NeoX checkpoint "
+                    "(or of any 2-D tensor with --tensor,\nor of matrices in files with --matrix).",
+        epilog="outputs in OUT (one subfolder per revision for sweeps):\n"
+               "  weights.json             metrics (embed_in, embed_out, final_ln | tensors)\n"
+               "  arrays.npz               normalized singular values, 2-D SVD projections\n"
+               "  *_singular_values.png    normalized singular values before/after centering\n"
+               "  *_svd2d.png              2-D SVD projection, uncentered and centered\n"
+               "  sweep.csv, sweep_*.png   sweeps only: one row per revision, one plot per metric\n"
+               "I(W) = min Z(c) / max Z(c) over the eigenvectors c of W^T W and their negations;\n"
+               "isotropy_one_sided: one sign per eigenvector, <c, mean row> > 0 (isojax.weights.isotropy).")
+    ap.add_argument("--model", metavar="NAME_OR_PATH",
+                    help="preset (pythia-70m, pythia-70m-deduped, ...), random:<preset> (random "
+                         "weights, offline), hub id (EleutherAI/pythia-70m) or local directory "
+                         "in Hugging Face layout")
+    rev = ap.add_mutually_exclusive_group()
+    rev.add_argument("--revision", help="hub revision (branch, tag or commit), e.g. step143000")
+    rev.add_argument("--revisions", metavar="R1,R2,...",
+                     help="sweep comma-separated revisions: OUT/REV/ per revision, "
+                          "OUT/sweep.csv and OUT/sweep_*.png")
+    rev.add_argument("--paper-steps", action="store_true",
+                     help="sweep the paper's 21 checkpoints: step0 and floor(i*143/20)*1000 "
+                          "for i = 1..20")
+    ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace existing results in OUT (refused without it)")
+    ap.add_argument("--tensor", action="append", metavar="NAME",
+                    help="measure this 2-D tensor instead of the GPT-NeoX set; repeatable; "
+                         "works for any safetensors checkpoint (reads only that tensor)")
+    ap.add_argument("--matrix", action="append", metavar="PATH[:KEY]",
+                    help="measure a 2-D matrix in a file instead of a model; repeatable: .npy, "
+                         ".npz:ARRAY, .safetensors:TENSOR, .bin/.pt:KEY (weights_only; nested "
+                         "dicts as a.b.c), word vectors .txt/.vec[.gz] (word2vec text or GloVe); "
+                         "KEY may be left out when the file holds one matrix")
+    ap.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    return ap
+
+
+def main(argv=None) -> int:
+    return run_command(run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The package's layout: no import circles among isojax's modules (function-level imports
+included), the kernels import only JAX and isojax.model.ops, and no module runs over ~400 lines
+without saying why at its top (a line starting "Length:" in its first 20 lines)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "isojax"
+MAX_LINES = 400
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """isojax modules that `path` imports anywhere in its body (a package's __init__ is not counted
+    for `from package import module`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in known)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    # the lazy top-level package and the thin public shims are entry points, not layers
+    return {m: imports_of(p, known) - {"isojax", m} for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    assert cycles(graph()) == []
+
+
+def test_kernels_import_only_jax_and_ops():
+    g = graph()
+    for m, deps in g.items():
+        if m.startswith("isojax.kernels.") and m != "isojax.kernels.select":
+            assert deps <= {"isojax.model.ops"}, (m, deps)
+    for path in (PACKAGE / "kernels").glob("*.py"):
+        assert "flax" not in path.read_text(), path
+
+
+def test_modules_say_why_they_are_long():
+    for m, path in modules().items():
+        lines = path.read_text().splitlines()
+        if len(lines) > MAX_LINES:
+            assert any(line.lstrip().startswith("Length:") for line in lines[:20]), \
+                f"{m}: {len(lines)} lines and no 'Length:' reason at its top"
+
+
+def folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else module
+
+
+def test_no_two_way_arrows_between_folders():
+    """Folders import one way. The one exception is by design: the model calls the kernels, and the
+    kernels use the numerics below both (model.ops, model.config), never the Flax model."""
+    g = graph()
+    edges = {(folder(a), folder(d)) for a, deps in g.items() for d in deps if folder(a) != folder(d)}
+    two_way = {tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges}
+    assert two_way <= {("kernels", "model")}, two_way
+    for m, deps in g.items():
+        if folder(m) == "kernels":
+            assert {d for d in deps if folder(d) == "model"} <= {"isojax.model.ops", "isojax.model.config"}, (m, deps)
