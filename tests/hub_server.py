@@ -269,6 +269,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if what == "tree":
                     prefix = urllib.parse.unquote((m[5] or "").lstrip("/")).strip("/")
                     recursive = (query.get("recursive") or ["false"])[0].lower() in ("1", "true")
+                    if prefix and not any(f.startswith(prefix + "/") for f in branch.files):
+                        return self._error(404, "EntryNotFound", f"{prefix} does not exist on \"{rev}\"")
                     return self._json(self._tree(branch, prefix, recursive))
                 if what == "paths-info":
                     form = urllib.parse.parse_qs(getattr(self, "_body", b"").decode())

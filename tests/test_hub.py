@@ -58,9 +58,9 @@ def repos(tmp_path_factory):
         save_bin(build_hf_checkpoint(b[r], seed=10 + seed, **dict(SMALL, hidden_size=48)), b[r])
         (b[r] / "model.safetensors").unlink()
     data = root / "data"
-    write_zst_jsonl(data / "test.jsonl.zst", 120, seed=1)
-    write_zst_jsonl(data / "train" / "00.jsonl.zst", 60, seed=2)
-    write_zst_jsonl(data / "train" / "01.jsonl.zst", 60, seed=3)
+    write_zst_jsonl(data / "data" / "test-00000-of-00002.jsonl.zst", 90, seed=1)
+    write_zst_jsonl(data / "data" / "test-00001-of-00002.jsonl.zst", 90, seed=2)
+    write_zst_jsonl(data / "data" / "train-00000-of-00001.jsonl.zst", 30, seed=3)
     (data / "README.md").write_text("---\nlicense: other\n---\n# a Pile-shaped test corpus\n")
     return {"a": a, "b": b, "data": {"main": data}}
 
@@ -140,3 +140,147 @@ print(json.dumps(dict(refs=sorted(b.name for b in refs.branches), sha=info.sha, 
     assert Path(out["f"]).read_bytes() == (repos["b"]["step0"] / "pytorch_model.bin").read_bytes()
     assert out["errs"] == {"rev": "RevisionNotFoundError", "entry": "RemoteEntryNotFoundError",
                            "repo": "RepositoryNotFoundError"}
+
+
+def closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once closed
+
+
+EXTRACT_SMALL = ["--seq-len", "64", "--batch-tokens", "512", "--no-plots"]
+
+
+def write_jsonl(path: Path, n_docs: int = 40) -> Path:
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(n_docs):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=12)),
+                                "meta": {"pile_set_name": SOURCES[i % 2]}}) + "\n")
+    return path
+
+
+# --- findings of issue 29 ------------------------------------------------------------------------
+
+def test_hub_reachable_follows_hf_endpoint(hub, env, tmp_path):
+    """HF_ENDPOINT decides whether the hub is reachable: a mirror that answers is, one that does
+    not is not (huggingface.co plays no part); HF_HUB_OFFLINE=1 is offline whatever the endpoint."""
+    code = "from isojax.network import hub_reachable; print(hub_reachable())"
+    assert py(code, env).stdout.strip() == "True"
+    down = dict(env, HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
+    assert py(code, down).stdout.strip() == "False"
+    assert py(code, dict(env, HF_HUB_OFFLINE="1")).stdout.strip() == "False"
+
+
+def test_mirror_down_no_cache_is_an_error_naming_the_endpoint(tmp_path):
+    """A hub model with HF_ENDPOINT unreachable and nothing cached: one error line naming the
+    endpoint, exit 2, no traceback."""
+    url = f"http://127.0.0.1:{closed_port()}"
+    p = run("-m", "isojax.extract", "--model", A, "--data", write_jsonl(tmp_path / "d.jsonl"), *EXTRACT_SMALL,
+            "--out", tmp_path / "out", env=hub_env(url, tmp_path))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert last_line(p).startswith("error:") and url in last_line(p) and "cache" in last_line(p)
+    assert "Traceback" not in p.stderr
+
+
+def test_default_model_not_on_the_hub_is_an_error_not_random_weights(hub, env, tmp_path):
+    """The hub at HF_ENDPOINT answers but has no pythia-70m: the default command must not fall back
+    to random weights with exit 0 (that fallback is for a machine that cannot reach any hub)."""
+    p = run("-m", "isojax.extract", "--data", write_jsonl(tmp_path / "d.jsonl"), *EXTRACT_SMALL,
+            "--out", tmp_path / "out", env=env)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "RANDOM WEIGHTS" not in p.stderr
+    assert last_line(p).startswith("error:") and "EleutherAI/pythia-70m" in last_line(p)
+    assert "not found" in last_line(p)
+
+
+def test_unknown_revision_and_repo_are_named_not_unreachable(hub, env, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl")
+    p = run("-m", "isojax.extract", "--model", A, "--revisions", "step0,step77", "--data", data, *EXTRACT_SMALL,
+            "--out", tmp_path / "out", env=env)
+    assert p.returncode == 2 and "step77" in last_line(p), p.stderr[-2000:]
+    assert "main, step0, step1000" in last_line(p)  # the revisions that exist
+    assert not hub.downloads()  # refused before anything was downloaded
+    p = run("-m", "isojax.extract", "--model", A, "--revision", "step77", "--data", data, *EXTRACT_SMALL,
+            "--out", tmp_path / "out2", env=env)
+    assert p.returncode == 2 and "revision 'step77' not found" in last_line(p), p.stderr[-2000:]
+    p = run("-m", "isojax.extract", "--model", "tiny-org/none", "--data", data, *EXTRACT_SMALL,
+            "--out", tmp_path / "out3", env=env)
+    assert p.returncode == 2 and "tiny-org/none not found" in last_line(p), p.stderr[-2000:]
+    assert "unreachable" not in p.stderr and "cannot be reached" not in p.stderr
+
+
+def test_model_download_takes_safetensors_only(hub, env):
+    """A revision shipping model.safetensors and pytorch_model.bin (Pythia's main): one copy of
+    the weights is fetched, the safetensors; a .bin-only repo gets its .bin; shards all come."""
+    code = f"""
+from isojax.hf_files import resolve_model
+for repo, rev in [({A!r}, None), ({B!r}, "step0"), ({A!r}, "step1000")]:
+    print(sorted(p.name for p in resolve_model(repo, rev).iterdir()))
+"""
+    p = py(code, env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    main, b0, sharded = (eval(line) for line in p.stdout.strip().splitlines()[-3:])
+    assert "model.safetensors" in main and "pytorch_model.bin" not in main and "tokenizer.json" in main
+    assert "pytorch_model.bin" in b0
+    assert sum(n.endswith(".safetensors") for n in sharded) == 3
+    got = hub.downloads(A)
+    assert not any(g.endswith("pytorch_model.bin") for g in got), got
+
+
+def test_weights_refuses_unknown_revision_before_measuring(hub, env, tmp_path):
+    p = run("-m", "isojax.weights", "--model", A, "--revisions", "step0,step9999", "--out", tmp_path / "w",
+            env=env)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert last_line(p).startswith("error:") and "step9999" in last_line(p)
+    assert not hub.downloads(), hub.downloads()  # step0 was not downloaded (nor measured)
+
+
+def test_tokenizer_comes_from_the_requested_revision(hub, env, repos, tmp_path):
+    """A checkpoint whose snapshot has no tokenizer.json: the tokenizer of that revision on the hub,
+    never main's."""
+    main = tmp_path / "c-main"
+    main.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (main / f).write_bytes((repos["a"]["main"] / f).read_bytes())
+    tok = json.loads((main / "tokenizer.json").read_text())
+    tok["added_tokens"] = tok["added_tokens"][:1]  # main's differs from step0's
+    (main / "tokenizer.json").write_text(json.dumps(tok))
+    hub.add_model("tiny-org/neox-c", {"main": main, "step0": repos["a"]["step0"]})
+    code = f"""
+import json
+from isojax.config import read_hf_config
+from isojax.tokenizer import load_tokenizer
+cfg = read_hf_config(__import__("pathlib").Path({str(main)!r}))
+tok, desc = load_tokenizer(None, cfg, hub_repo="tiny-org/neox-c", hub_revision="step0")
+print(json.dumps(desc))
+"""
+    p = py(code, env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    desc = json.loads(p.stdout.strip().splitlines()[-1])
+    assert hub.repos[("model", "tiny-org/neox-c")].branches["step0"].commit in desc
+
+
+def test_missing_hub_dataset_error_is_the_last_line(hub, env, tmp_path):
+    p = run("-m", "isojax.extract", "--model", A, "--data", "hub:tiny-org/nope:test", *EXTRACT_SMALL,
+            "--out", tmp_path / "out", env=env)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert last_line(p).startswith("error:") and "tiny-org/nope" in last_line(p), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert not hub.downloads(A)  # refused before the model was fetched
+
+
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "no route"])
+def test_offline_hub_data_fails_at_once(hub, env, tmp_path, offline):
+    import time
+    env = dict(env, HF_HUB_OFFLINE="1") if offline == "HF_HUB_OFFLINE" else \
+        dict(env, HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
+    t0 = time.monotonic()
+    p = run("-m", "isojax.extract", "--model", "random:pythia-70m", "--data", f"hub:{DATA}:test",
+            *EXTRACT_SMALL, "--out", tmp_path / "out", env=env)
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and last_line(p) == errors[0] and DATA in errors[0], p.stderr[-2000:]
+    assert "Retrying" not in p.stderr and took < 25, took
