@@ -284,3 +284,81 @@ def test_offline_hub_data_fails_at_once(hub, env, tmp_path, offline):
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and last_line(p) == errors[0] and DATA in errors[0], p.stderr[-2000:]
     assert "Retrying" not in p.stderr and took < 25, took
+
+
+# --- the README's commands, run against the loopback hub ---------------------------------------
+
+def paper_steps() -> list[str]:
+    return ["step0", *(f"step{(i * 143 // 20) * 1000}" for i in range(1, 21))]
+
+
+@pytest.mark.slow
+def test_readme_paper_commands_end_to_end(hub, env, repos, tmp_path):
+    """The commands of "The paper's setup" and "Sweeps" with tiny models: sizes over several
+    sources, a training sweep over two models x two revisions (the hub holds step0 and step1000:
+    --paper-steps is refused naming them), `weights --paper-steps` (a repo holding all 21 steps),
+    report and correlate; one result folder per model and revision, per-source metrics,
+    sweep.csv, report.html; one copy of the weights downloaded per checkpoint."""
+    import csv
+    P = "tiny-org/neox-p"
+    hub.add_model(P, {r: repos["a"]["step0"] for r in ["main", *paper_steps()]})
+    out = tmp_path / "out"
+    data = ["--data", f"hub:{DATA}:test"]
+    both = ["--model", A, "--model", B]
+
+    p = run("-m", "isojax.extract", *both, "--paper-steps", *data, "--source", "Enron Emails", *EXTRACT_SMALL,
+            "--out", out / "training", env=env)
+    assert p.returncode == 2 and "step7000" in last_line(p) and "step1000" in last_line(p), p.stderr[-2000:]
+    assert not hub.downloads()
+
+    p = run("-m", "isojax.extract", *both, "--revisions", "step0,step1000", *data, "--source", "Enron Emails",
+            *EXTRACT_SMALL, "--out", out / "training", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for m in (A, B):
+        for r in ("step0", "step1000"):
+            metrics = json.loads((out / "training" / m.replace("/", "--") / r / "metrics.json").read_text())
+            assert metrics["model"] == m and metrics["revision"] == r and metrics["weights"] == "pretrained"
+    rows = list(csv.DictReader(open(out / "training" / "sweep.csv")))
+    assert {(r["model"], r["revision"]) for r in rows} == {(m, s) for m in (A, B) for s in ("step0", "step1000")}
+    got = hub.downloads()
+    assert not any(g.endswith(".bin") for g in got if A in g)  # A's safetensors, B's .bin
+    assert any(g.endswith("pytorch_model.bin") for g in got if B in g)
+    assert len([g for g in got if g.endswith("model-00001-of-00003.safetensors")]) == 1  # fetched once
+
+    p = run("-m", "isojax.extract", *both, *data, "--source", "Enron Emails", "--source", "HackerNews",
+            "--source", "Github", *EXTRACT_SMALL, "--out", out / "sizes", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for m in (A, B):
+        found = list((out / "sizes").rglob("metrics.json"))
+        assert found, list((out / "sizes").rglob("*"))
+    assert not any(g.endswith(f"{A}/resolve/main/pytorch_model.bin".split("/", 1)[1]) for g in hub.downloads(A))
+    docs = [json.loads(f.read_text()) for f in (out / "sizes").rglob("metrics.json")]
+    assert {d["model"] for d in docs} == {A, B}
+    assert all(set(SOURCES) <= set(json.dumps(d.get("sources") or d)) for d in docs) or \
+        all(all(s in json.dumps(d) for s in SOURCES) for d in docs)
+
+    p = run("-m", "isojax.weights", "--model", P, "--paper-steps", "--out", out / "w", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    wrows = list(csv.DictReader(open(out / "w" / "sweep.csv")))
+    assert [r["revision"] for r in wrows] == paper_steps()
+
+    with open(tmp_path / "scores.csv", "w") as f:
+        f.write("model,revision,task,score\n")
+        for i, r in enumerate(paper_steps()):
+            f.write(f"{P},{r},sciq/acc,{0.2 + 0.03 * i + 0.01 * (i % 3)}\n")
+    p = run("-m", "isojax.correlate", out / "w", "--scores", tmp_path / "scores.csv", "--metric",
+            "embed_out.isotropy", "--out", tmp_path / "correlation.json", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    corr = json.loads((tmp_path / "correlation.json").read_text())
+    entries = corr if isinstance(corr, list) else corr.get("entries") or corr.get("correlations") or []
+    assert any(e.get("n") == 20 for e in entries), corr
+
+    # one report per corpus: sizes (several sources) and training (Enron Emails) were measured on
+    # two corpora, which report refuses to mix
+    p = run("-m", "isojax.report", out / "sizes", out / "training", "--out", out / "mixed", env=env)
+    assert p.returncode == 2 and "different corpora" in last_line(p), p.stderr[-2000:]
+    for name, inputs in (("report", [out / "sizes", out / "w"]), ("report-training", [out / "training", out / "w"])):
+        p = run("-m", "isojax.report", *inputs, "--out", out / name, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert (out / name / "report.html").stat().st_size > 10_000
+        assert list((out / name / "figures").glob("*.png"))
