@@ -21,6 +21,7 @@ import os
 import pathlib
 import re
 import sys
+import time
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
 import numpy as np
@@ -94,8 +95,17 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
     from isojax.network import hub_reachable, why_unreachable
     online = hub_reachable()
     try:  # no network: the cache only, without huggingface_hub's ~30 s of retries
-        local = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
-                                                  local_files_only=not online)
+        for attempt in range(API_ATTEMPTS):
+            try:
+                local = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
+                                                          local_files_only=not online)
+                break
+            except Exception as exc:
+                if not online or attempt + 1 == API_ATTEMPTS or not _transient_api_error(exc):
+                    raise
+                print(f"isojax: the hub answered {_status_of(exc) or type(exc).__name__} for {repo_id}@"
+                      f"{revision or 'main'}; trying again ({attempt + 2}/{API_ATTEMPTS})", file=sys.stderr, flush=True)
+                time.sleep(2.0 * (attempt + 1))
     except Exception as exc:  # every hub/network failure becomes one line for the user
         err = _hub_error(exc, repo_id, revision)
         if repo_id == name_or_path:  # it could also have been meant as a local path
@@ -109,6 +119,34 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
 
 
 _ANNOUNCED: set = set()
+API_ATTEMPTS = 3  # huggingface_hub retries neither the repo info and tree listing nor a file's GET on a 5xx
+
+
+def _status_of(exc: BaseException) -> int | None:
+    """The HTTP status behind an error (or behind its cause)."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status is not None:
+            return status
+    return None
+
+
+def _transient_api_error(exc: BaseException) -> bool:
+    """A 5xx/408/429 (or a timeout, a refused connection) from the hub's API (/api/...): worth
+    another try. huggingface_hub falls back to the cache on these, raising LocalEntryNotFoundError
+    with the HTTP error as its cause."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is None:
+            continue
+        status = _status_of(e)
+        request = getattr(getattr(e, "response", None), "request", None)
+        url, method = str(getattr(request, "url", "") or ""), getattr(request, "method", "")
+        # not a HEAD of a file: huggingface_hub retries those itself (5 times, ~25 s)
+        if status is not None and (status >= 500 or status in (408, 429)) and ("/api/" in url or method == "GET"):
+            return True
+        if type(e).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException"):
+            return True
+    return False
 
 
 def resolve_model(name_or_path: str, revision: str | None = None) -> pathlib.Path:

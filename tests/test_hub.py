@@ -362,3 +362,81 @@ def test_readme_paper_commands_end_to_end(hub, env, repos, tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         assert (out / name / "report.html").stat().st_size > 10_000
         assert list((out / name / "figures").glob("*.png"))
+
+
+# --- faults a download meets ---------------------------------------------------------------------
+
+RESOLVE = """
+import sys
+from isojax.errors import UserError
+from isojax.hf_files import CheckpointReader, resolve_model
+try:
+    d = resolve_model({repo!r}, {rev!r})
+    r = CheckpointReader(d)
+    print("OK", d, len(r.names()))
+except UserError as e:
+    print(f"error: {{e}}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def resolve(repo, rev, env):
+    return py(RESOLVE.format(repo=repo, rev=rev), env)
+
+
+def test_connection_dropped_mid_weight_file_is_resumed(hub, env, repos):
+    hub.fail(r"/resolve/[^/]+/model\.safetensors$", drop_after=1_000_000, methods=("GET",))
+    p = resolve(A, "step0", env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    local = Path(p.stdout.split()[1])
+    assert (local / "model.safetensors").read_bytes() == (repos["a"]["step0"] / "model.safetensors").read_bytes()
+    gets = hub.seen(r"model\.safetensors$", "GET")
+    assert len(gets) == 2  # the cut download was fetched again (resumed or whole), once
+
+
+def test_connection_dropped_every_time_is_a_clean_error(hub, env):
+    hub.fail(r"/resolve/[^/]+/model\.safetensors$", drop_after=100_000, methods=("GET",), times=-1)
+    p = resolve(A, "step0", env)
+    assert p.returncode == 2 and last_line(p).startswith("error:"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    snap = list((Path(env["HF_HOME"]) / "hub").rglob("model.safetensors"))
+    assert not snap  # no truncated file in the cache to be taken as a model later
+
+
+def test_server_errors_then_success(hub, env):
+    hub.fail(r"/api/models/", status=503, times=2)
+    hub.fail(r"/resolve/[^/]+/model\.safetensors$", status=502, times=1, methods=("GET",))
+    p = resolve(A, "step0", env)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_server_errors_always_end_in_one_error(hub, env):
+    import time
+    hub.fail(r"/resolve/[^/]+/model\.safetensors$", status=503, times=-1)
+    t0 = time.monotonic()
+    p = resolve(A, "step0", env)
+    assert p.returncode == 2 and last_line(p).startswith("error:") and "503" in p.stderr, p.stderr[-3000:]
+    assert time.monotonic() - t0 < 120
+    assert len(hub.seen(r"model\.safetensors$")) <= 12  # bounded retries
+
+
+@pytest.mark.parametrize("token", [None, "hf_wrong"])
+def test_gated_repo_says_to_log_in(hub, env, repos, token):
+    hub.add_model("tiny-org/gated", {"main": repos["a"]["step0"]}, gated=True, tokens=["hf_good"])
+    p = resolve("tiny-org/gated", None, dict(env, HF_TOKEN=token) if token else env)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "gated" in last_line(p) and "hf auth login" in last_line(p) and "HF_TOKEN" in last_line(p)
+    assert ("403" if token else "401") in last_line(p)
+    assert resolve("tiny-org/gated", None, dict(env, HF_TOKEN="hf_good")).returncode == 0
+
+
+def test_unreachable_hub_with_warm_cache_runs_offline(hub, env, tmp_path):
+    assert resolve(A, "step1000", env).returncode == 0
+    n = len(hub.requests)
+    down = dict(env, HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
+    p = resolve(A, "step1000", down)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "cannot be reached" in p.stderr and "offline from the Hugging Face cache" in p.stderr
+    p = resolve(A, "step0", down)  # not cached: an error naming the endpoint
+    assert p.returncode == 2 and down["HF_ENDPOINT"] in last_line(p)
+    assert len(hub.requests) == n
