@@ -285,6 +285,36 @@ def _read_parquet(corpus: Corpus, inp: Input):
                 yield out
 
 
+def check_hub_dataset(inp: Input) -> None:
+    """A hub dataset is streamed: refuse it at once offline (no route to HF_ENDPOINT, or
+    HF_HUB_OFFLINE) instead of after `datasets`' retries, and refuse a repository or revision the
+    hub does not have before anything is tokenized. A local folder given as hub:PATH is left to
+    `datasets`."""
+    if Path(inp.path).expanduser().is_dir():
+        return
+    from isojax.hf.network import hub_endpoint, hub_reachable, why_unreachable
+    spec = f"hub:{inp.path}" + (f"@{inp.revision}" if inp.revision else "")
+    if not hub_reachable():
+        raise UserError(f"{spec}: {why_unreachable()}, and hub datasets are streamed from it (download the "
+                        "dataset's files and pass them to --data as paths to run offline)")
+    import huggingface_hub
+    from huggingface_hub import errors
+    try:
+        huggingface_hub.HfApi().dataset_info(inp.path, revision=inp.revision, timeout=30)
+    except errors.RevisionNotFoundError:
+        raise UserError(f"{spec}: the dataset has no revision {inp.revision!r}") from None
+    except errors.GatedRepoError:
+        from isojax.hf.files import LOGIN_HINT
+        raise UserError(f"{spec}: the dataset is gated: accept its terms on its page and {LOGIN_HINT}") from None
+    except errors.RepositoryNotFoundError:
+        from isojax.hf.files import LOGIN_HINT
+        raise UserError(f"{spec}: no such dataset on {hub_endpoint()} (if it is private or gated, "
+                        f"{LOGIN_HINT})") from None
+    except Exception as e:  # 5xx after retries, a timeout, a dropped connection
+        raise UserError(f"{spec}: cannot reach the dataset on {hub_endpoint()} "
+                        f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
+
+
 def _read_hub(corpus: Corpus, inp: Input):
     import datasets
 
@@ -342,6 +372,9 @@ def load_corpus(paths: list[str] | None, *, unit: str = "sentence", sources=None
         corpus = default_corpus(unit=unit)
     else:
         inputs = [inp for spec in paths for inp in _expand(str(spec))]
+        for inp in inputs:
+            if inp.kind == "hub":
+                check_hub_dataset(inp)
         corpus = Corpus(tuple(inputs), unit=unit)
     corpus.sources, corpus.text_field, corpus.max_bad_records = srcs, text_field, max_bad_records
     return corpus

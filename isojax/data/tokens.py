@@ -220,9 +220,18 @@ def _build(corpus: Corpus, tok: Tokenizer, tmp: Path, workers: int, progress: bo
     """Tokenize into tmp's files. publish(lengths, source ids, names), when given, is called after
     each chunk is written and flushed; stop, when set, ends the build with _Cancelled."""
     names: dict[str, int] = {}
-    n_tok = n_seq = 0
     crc = dict.fromkeys(_FILES, 0)
     bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress)
+    try:
+        return _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc)
+    except BaseException:  # the error is the last line: the bar is cleared, not drawn again after it
+        bar.leave = False
+        bar.close()
+        raise
+
+
+def _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc) -> dict:
+    n_tok = n_seq = 0
     with open(tmp / "tokens.bin", "wb") as ft, open(tmp / "offsets.bin", "wb") as fo, \
             open(tmp / "source_ids.bin", "wb") as fs:
         def put(f, data: bytes) -> None:

@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import re
+import time
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
 import numpy as np
@@ -28,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from isojax.model.config import base_preset, hub_id
 from isojax.errors import UserError
+from isojax.log import log
 
 class RowBlocks(abc.ABC):
     """A matrix too big to hold, read in row blocks: `W[a:b]` -> ndarray [b - a, d].
@@ -56,19 +58,32 @@ def preset_hub_id(name: str) -> str | None:
     return hub_id(name) if base_preset(name) else None
 
 
+LOGIN_HINT = "log in with `hf auth login` (formerly `huggingface-cli login`) or set HF_TOKEN"
+
+
 def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> UserError:
     from huggingface_hub import errors as e
 
+    from isojax.hf.network import hub_endpoint, hub_offline, hub_reachable, why_unreachable
     rev = revision or "main"
+    status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, e.RevisionNotFoundError):
         return UserError(f"revision {rev!r} not found in hub repo {repo_id}")
     if isinstance(exc, e.GatedRepoError):
-        return UserError(f"hub repo {repo_id} is gated: accept its terms and log in (hf auth login)")
+        return UserError(f"hub repo {repo_id} is gated ({status or 'refused'}): accept its terms on its page "
+                         f"and {LOGIN_HINT}")
     if isinstance(exc, e.RepositoryNotFoundError):
-        return UserError(f"hub repo {repo_id} not found (or private)")
+        return UserError(f"hub repo {repo_id} not found (if it is private or gated, {LOGIN_HINT})")
+    if isinstance(exc, e.HfHubHTTPError) and status in (401, 403):
+        return UserError(f"hub repo {repo_id}: access refused ({status}); {LOGIN_HINT}")
     if isinstance(exc, e.LocalEntryNotFoundError):
-        return UserError(f"{repo_id}@{rev} is not in the Hugging Face cache and the hub is "
-                         "unreachable or offline (HF_HUB_OFFLINE)")
+        if hub_offline() or not hub_reachable():
+            return UserError(f"{repo_id}@{rev} is not in the Hugging Face cache and {why_unreachable()}")
+        cause = exc.__cause__ or exc.__context__
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0]}" if cause is not None and str(cause) else \
+            str(exc).splitlines()[0]
+        return UserError(f"cannot download {repo_id}@{rev} from {hub_endpoint()} ({reason[:200]}), "
+                         "and it is not in the Hugging Face cache")
     return UserError(f"cannot download {repo_id}@{rev}: {type(exc).__name__}: "
                      f"{str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
 
@@ -89,16 +104,67 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
         raise UserError(f"model not found: {name_or_path} (no such {kind})")
     import huggingface_hub
 
-    from isojax.hf.network import hub_reachable
+    from isojax.hf.network import hub_reachable, why_unreachable
+    online = hub_reachable()
     try:  # no network: the cache only, without huggingface_hub's ~30 s of retries
-        local = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
-                                                  local_files_only=not hub_reachable())
+        for attempt in range(API_ATTEMPTS):
+            try:
+                local = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
+                                                          local_files_only=not online)
+                break
+            except Exception as exc:
+                if not online or attempt + 1 == API_ATTEMPTS or not _transient_api_error(exc):
+                    raise
+                log(f"the hub answered {_status_of(exc) or type(exc).__name__} for {repo_id}@"
+                    f"{revision or 'main'}; trying again ({attempt + 2}/{API_ATTEMPTS})")
+                time.sleep(2.0 * (attempt + 1))
     except Exception as exc:  # every hub/network failure becomes one line for the user
         err = _hub_error(exc, repo_id, revision)
         if repo_id == name_or_path:  # it could also have been meant as a local path
             err = UserError(f"{err} (and there is no local directory {name_or_path})")
         raise err from exc
+    if not online and (repo_id, revision) not in _ANNOUNCED:
+        _ANNOUNCED.add((repo_id, revision))
+        log(f"{why_unreachable()}: {repo_id}@{revision or 'main'} read offline from the Hugging Face cache")
     return pathlib.Path(local)
+
+
+_ANNOUNCED: set = set()
+API_ATTEMPTS = 3  # huggingface_hub retries neither the repo info and tree listing nor a file's GET on a 5xx
+
+
+def _status_of(exc: BaseException) -> int | None:
+    """The HTTP status behind an error (or behind its cause)."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status is not None:
+            return status
+    return None
+
+
+def _transient_api_error(exc: BaseException) -> bool:
+    """A 5xx/408/429 (or a timeout, a refused connection) from the hub's API (/api/...): worth
+    another try. huggingface_hub falls back to the cache on these, raising LocalEntryNotFoundError
+    with the HTTP error as its cause."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is None:
+            continue
+        status = _status_of(e)
+        request = getattr(getattr(e, "response", None), "request", None)
+        url, method = str(getattr(request, "url", "") or ""), getattr(request, "method", "")
+        # not a HEAD of a file: huggingface_hub retries those itself (5 times, ~25 s)
+        if status is not None and (status >= 500 or status in (408, 429)) and ("/api/" in url or method == "GET"):
+            return True
+        if type(e).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException"):
+            return True
+    return False
+
+
+def resolve_model(name_or_path: str, revision: str | None = None) -> pathlib.Path:
+    """A whole checkpoint for measuring: its JSON files (config, tokenizer, index) and one copy of
+    the weights, safetensors when the revision has them, else `.bin` (never both: Pythia's `main`
+    ships both, twice the bytes)."""
+    return resolve_weights(name_or_path, revision)
 
 
 def resolve_weights(name_or_path: str, revision: str | None = None, *,

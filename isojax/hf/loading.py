@@ -51,11 +51,13 @@ class LoadedModel:
     norm_impl: str = "xla"             # ForwardOptions.norm_kernel
     tokenizer_dir: Path | None = None  # where tokenizer.json is looked for; None: the hub repo's
     hub_repo: str | None = None
+    hub_revision: str | None = None  # the revision whose tokenizer.json is fetched when tokenizer_dir has none
 
     @functools.cached_property
     def tokenizer(self):
         """The tokenizers.Tokenizer, loaded on first use (states from token ids need none)."""
-        tok, self.source["tokenizer"] = load_tokenizer(self.tokenizer_dir, self.config, hub_repo=self.hub_repo)
+        tok, self.source["tokenizer"] = load_tokenizer(self.tokenizer_dir, self.config, hub_repo=self.hub_repo,
+                                                           hub_revision=self.hub_revision)
         return tok
 
     @property
@@ -149,8 +151,10 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
         from isojax.model.config import preset_names
         raise UserError(f"unknown model {name!r}: not a directory, a hub id (org/name), or a preset "
                         f"({', '.join(preset_names())}, their -deduped variants, random:<preset>)")
-    from isojax.hf.files import resolve_checkpoint
-    return _load_dir(resolve_checkpoint(repo, revision), repo, revision, dtype, attention_impl, mesh)
+    from isojax.hf.files import resolve_model
+    loaded = _load_dir(resolve_model(repo, revision), repo, revision, dtype, attention_impl, mesh)
+    loaded.hub_repo, loaded.hub_revision = repo, revision  # a snapshot without tokenizer.json: the revision's
+    return loaded
 
 
 def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str, mesh=None) -> LoadedModel:

@@ -1,19 +1,63 @@
 """Whether the Hugging Face hub can be reached, decided once per process without waiting on
-huggingface_hub's retry loop (which spends ~30 s backing off on a machine with no network)."""
+huggingface_hub's retry loop (which spends ~30 s backing off on a machine with no network).
+
+The hub is the one HF_ENDPOINT names (a mirror, a company's proxy), huggingface.co when unset:
+its host is resolved and its port contacted (a short TCP connect), so a mirror reachable while
+huggingface.co is not counts as reachable, and a mirror that is down does not."""
 
 from __future__ import annotations
 
 import functools
 import os
 import socket
+from urllib.parse import urlsplit
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+CONNECT_TIMEOUT_S = 5.0
+
+
+def hub_endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set: no request may leave the machine."""
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_reachable() -> bool:
+    """Whether HF_ENDPOINT's host resolves and accepts a connection (False when offline)."""
+    return not hub_offline() and _reachable(hub_endpoint())
+
+
+def why_unreachable() -> str:
+    """A few words on why the hub is not used: offline mode, or no route to HF_ENDPOINT."""
+    if hub_offline():
+        return "HF_HUB_OFFLINE is set"
+    return f"the hub at {hub_endpoint()} cannot be reached"
 
 
 @functools.cache
-def hub_reachable(host: str = "huggingface.co") -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+def _reachable(endpoint: str) -> bool:
+    url = urlsplit(endpoint)
+    host = url.hostname
+    if not host:
         return False
     try:
-        socket.getaddrinfo(host, 443)
-        return True
+        port = url.port or (80 if url.scheme == "http" else 443)
+    except ValueError:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         return False
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.settimeout(CONNECT_TIMEOUT_S)
+                s.connect(addr)
+                return True
+        except OSError:
+            continue
+    return False

@@ -14,14 +14,15 @@ from isojax.model.config import GPTNeoXConfig
 from isojax.errors import UserError
 
 
-def _from_hub(repo: str) -> Path | None:
+def _from_hub(repo: str, revision: str | None = None) -> Path | None:
+    """tokenizer.json of the repository at `revision` (None: main), never another revision's."""
     try:
         from huggingface_hub import hf_hub_download
         from isojax.hf.network import hub_reachable
         try:
-            return Path(hf_hub_download(repo, "tokenizer.json", local_files_only=True))
+            return Path(hf_hub_download(repo, "tokenizer.json", revision=revision, local_files_only=True))
         except Exception:
-            return Path(hf_hub_download(repo, "tokenizer.json")) if hub_reachable() else None
+            return Path(hf_hub_download(repo, "tokenizer.json", revision=revision)) if hub_reachable() else None
     except Exception:
         return None
 
@@ -29,10 +30,11 @@ def _from_hub(repo: str) -> Path | None:
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "gpt-neox-20b-tokenizer.json"
 
 
-def load_tokenizer(directory: Path | None, cfg: GPTNeoXConfig, hub_repo: str | None = None):
+def load_tokenizer(directory: Path | None, cfg: GPTNeoXConfig, hub_repo: str | None = None,
+                   hub_revision: str | None = None):
     path = Path(directory) / "tokenizer.json" if directory is not None else None
     if path is None or not path.is_file():
-        path = _from_hub(hub_repo) if hub_repo else None
+        path = _from_hub(hub_repo, hub_revision) if hub_repo else None
     if path is None or not path.is_file():
         # GPT-NeoX-20B's tokenizer (Pythia's; Apache-2.0), shipped with isojax
         log(f"WARNING: the model's own tokenizer is not available{' offline' if directory is None else ''}; "

@@ -135,7 +135,10 @@ def load(model, revision, dtype: str, attention: str, mesh):
         return load_model(model, revision=revision, dtype=dtype, attention_impl=attention, mesh=mesh)
     try:
         return load_model(DEFAULT_MODEL, revision=revision, dtype=dtype, attention_impl=attention, mesh=mesh)
-    except UserError as e:  # offline and not cached
+    except UserError as e:  # offline and not cached: the demo runs on random weights, saying why
+        from isojax.hf.network import hub_reachable
+        if hub_reachable():  # the hub answered: its refusal (unknown revision, an error) is the user's to see
+            raise
         log(f"could not load {DEFAULT_MODEL} ({e})")
         log("*" * 72)
         log(f"WARNING: RANDOM WEIGHTS of {DEFAULT_MODEL}'s shapes: the results describe an untrained model")

@@ -65,14 +65,21 @@ def check_revisions(model: str, revisions: list[str | None]) -> None:
     repo = hub_id(model) if base_preset(model) else model
     try:
         refs = huggingface_hub.HfApi().list_repo_refs(repo)
-    except Exception as e:  # repo not found, network trouble: loading will say precisely
+    except Exception as e:  # network trouble: loading will say precisely
+        from huggingface_hub import errors
+        if isinstance(e, (errors.RepositoryNotFoundError, errors.GatedRepoError)):
+            from isojax.hf.files import _hub_error
+            raise _hub_error(e, repo, None) from None
         log(f"could not list the revisions of {repo} ({type(e).__name__}); checking them one by one")
         return
     known = {b.name for b in refs.branches} | {t.name for t in refs.tags}
     missing = [r for r in wanted if r not in known]
     if missing:
-        raise UserError(f"{repo} has no revision {', '.join(missing[:5])} (it has {len(known)} branches and tags, "
-                        f"e.g. {', '.join(sorted(known)[:3])})")
+        steps = sorted((k for k in known if step_of(k) is not None), key=step_of)
+        others = sorted(k for k in known if step_of(k) is None)
+        shown = others + (steps if len(steps) <= 12 else [*steps[:5], "…", *steps[-5:]])
+        raise UserError(f"{repo} has no revision {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''} "
+                        f"(it has {len(known)} branches and tags: {', '.join(shown)})")
 
 
 def _prefetch(model: str, revision: str | None) -> None:
@@ -81,8 +88,8 @@ def _prefetch(model: str, revision: str | None) -> None:
         return
     try:
         from isojax.model.config import base_preset, hub_id
-        from isojax.hf.files import resolve_checkpoint
-        resolve_checkpoint(hub_id(model) if base_preset(model) else model, revision)
+        from isojax.hf.files import resolve_model
+        resolve_model(hub_id(model) if base_preset(model) else model, revision)
     except Exception:
         pass
 

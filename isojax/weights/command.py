@@ -271,6 +271,9 @@ def run(args) -> None:
         for t in args.tensor:
             if not t:
                 raise UserError("--tensor needs a tensor name")
+    if revisions is not None:  # refuse unknown revisions before measuring any (as extract does)
+        from isojax.run.sweep import check_revisions
+        check_revisions(args.model, revisions)
     names = {"weights.json", "arrays.npz", "sweep.csv"}
     with outdir.claim(out, overwrite=args.overwrite, names=names, inputs=inputs), outdir.staged(out) as tmp:
         if args.matrix:
