@@ -257,7 +257,7 @@ def test_offline_cache_snapshot(tmp_path, sharded):
     shutil.copytree(sharded[0], snap)
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "step1000").write_text(commit)
-    code = ("from isojax import hf_files; from isojax.errors import UserError\n"
+    code = ("from isojax.hf import files as hf_files; from isojax.errors import UserError\n"
             "print(hf_files.resolve_checkpoint('pythia-70m', 'step1000'))\n"
             "try: hf_files.resolve_checkpoint('pythia-70m', 'step2000')\n"
             "except UserError as e: print('error:', e)\n")

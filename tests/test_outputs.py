@@ -201,7 +201,7 @@ def test_out_checked_before_any_work(tmp_path, monkeypatch):
 def test_lock_refuses_a_second_run_and_a_dead_ones_is_taken_over(tmp_path):
     out = tmp_path / "out"
     (out / ".partial-99999-dead").mkdir(parents=True)  # a killed run's staging folder
-    code = ("import sys, time; from isojax import outdir\n"
+    code = ("import sys, time; from isojax.run import outdir\n"
             "with outdir.claim(sys.argv[1], overwrite=True):\n    print('ready', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))
