@@ -279,6 +279,7 @@ def test_bfloat16_run_within_documented_tolerance_of_float32(tmp_path, monkeypat
     assert 1e-7 < worst < 2e-3, worst  # it really ran in bf16, and stayed close
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_all_results(tmp_path, monkeypatch):
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)

@@ -194,6 +194,7 @@ def test_default_model_not_on_the_hub_is_an_error_not_random_weights(hub, env, t
     assert "not found" in last_line(p)
 
 
+@pytest.mark.slow
 def test_unknown_revision_and_repo_are_named_not_unreachable(hub, env, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl")
     p = run("-m", "isojax.extract", "--model", A, "--revisions", "step0,step77", "--data", data, *EXTRACT_SMALL,
@@ -228,6 +229,7 @@ for repo, rev in [({A!r}, None), ({B!r}, "step0"), ({A!r}, "step1000")]:
     assert not any(g.endswith("pytorch_model.bin") for g in got), got
 
 
+@pytest.mark.slow
 def test_weights_refuses_unknown_revision_before_measuring(hub, env, tmp_path):
     p = run("-m", "isojax.weights", "--model", A, "--revisions", "step0,step9999", "--out", tmp_path / "w",
             env=env)
@@ -383,6 +385,7 @@ def resolve(repo, rev, env):
     return py(RESOLVE.format(repo=repo, rev=rev), env)
 
 
+@pytest.mark.slow
 def test_connection_dropped_mid_weight_file_is_resumed(hub, env, repos):
     hub.fail(r"/resolve/[^/]+/model\.safetensors$", drop_after=1_000_000, methods=("GET",))
     p = resolve(A, "step0", env)
@@ -393,6 +396,7 @@ def test_connection_dropped_mid_weight_file_is_resumed(hub, env, repos):
     assert len(gets) == 2  # the cut download was fetched again (resumed or whole), once
 
 
+@pytest.mark.slow
 def test_connection_dropped_every_time_is_a_clean_error(hub, env):
     hub.fail(r"/resolve/[^/]+/model\.safetensors$", drop_after=100_000, methods=("GET",), times=-1)
     p = resolve(A, "step0", env)
@@ -402,6 +406,7 @@ def test_connection_dropped_every_time_is_a_clean_error(hub, env):
     assert not snap  # no truncated file in the cache to be taken as a model later
 
 
+@pytest.mark.slow
 def test_server_errors_then_success(hub, env):
     hub.fail(r"/api/models/", status=503, times=2)
     hub.fail(r"/resolve/[^/]+/model\.safetensors$", status=502, times=1, methods=("GET",))
@@ -409,6 +414,7 @@ def test_server_errors_then_success(hub, env):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_server_errors_always_end_in_one_error(hub, env):
     import time
     hub.fail(r"/resolve/[^/]+/model\.safetensors$", status=503, times=-1)
@@ -419,6 +425,7 @@ def test_server_errors_always_end_in_one_error(hub, env):
     assert len(hub.seen(r"model\.safetensors$")) <= 12  # bounded retries
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("token", [None, "hf_wrong"])
 def test_gated_repo_says_to_log_in(hub, env, repos, token):
     hub.add_model("tiny-org/gated", {"main": repos["a"]["step0"]}, gated=True, tokens=["hf_good"])
@@ -429,6 +436,7 @@ def test_gated_repo_says_to_log_in(hub, env, repos, token):
     assert resolve("tiny-org/gated", None, dict(env, HF_TOKEN="hf_good")).returncode == 0
 
 
+@pytest.mark.slow
 def test_unreachable_hub_with_warm_cache_runs_offline(hub, env, tmp_path):
     assert resolve(A, "step1000", env).returncode == 0
     n = len(hub.requests)

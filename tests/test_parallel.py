@@ -233,6 +233,7 @@ def test_resume_refuses_another_device_count(setup, tmp_path):
     assert "other settings (devices" in again.stderr
 
 
+@pytest.mark.slow
 def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
     """The per-token sums with the vocabulary split over 4 devices: the default exchange (one
     round) and exchange_rows=4 (one row per owner per round: many rounds) against float64 sums

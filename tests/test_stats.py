@@ -107,6 +107,7 @@ def test_o_n_formulas_match_pairwise_definitions():
     assert abs(layer["anisotropy"] - sv[0] ** 2 / (sv**2).sum()) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parallel", "isotropic"])
 def test_million_vectors_every_metric(kind):
     rng = np.random.default_rng(2 if kind == "parallel" else 3)
