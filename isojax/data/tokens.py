@@ -59,6 +59,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from isojax.atomic import fsync_dir
 from isojax.errors import UserError
 from isojax.data.readers import Corpus
 from isojax.data.units import text_units
@@ -449,23 +450,15 @@ def _make(corpus: Corpus, tok: Tokenizer, tok_hash: str, tmp: Path, final: Path,
             f.write(json.dumps(meta, indent=1))
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished the same cache first; theirs is identical
             if not (final / "meta.json").exists():
                 raise
-        _fsync_dir(final.parent)  # the rename itself survives a power cut
+        fsync_dir(final.parent)  # the rename itself survives a power cut
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _lookup(corpus: Corpus, tokenizer, cache_dir, max_len: int):

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from isojax import faults
+from isojax.atomic import fsync_dir
 from isojax.errors import UserError
 from isojax.log import log
 
@@ -63,14 +64,6 @@ def _storage(dtype) -> np.dtype:
 def _header(f, shape, dtype) -> None:
     np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(_storage(dtype)),
                                              "fortran_order": False, "shape": tuple(shape)})
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _crc(obj) -> int:
@@ -274,14 +267,14 @@ class Checkpointer:
                 f.write(json.dumps({"meta": meta, "files": files, "crc32": _crc([meta, files])}))
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             final = self.directory / str(step) / _process_dir()
             final.parent.mkdir(exist_ok=True)
             if final.exists():  # this step written once already (a resume fell back past it)
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
-            _fsync_dir(self.directory)
+            fsync_dir(final.parent)
+            fsync_dir(self.directory)
             faults.reached("checkpoint_written")
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)  # a partial write must not keep the disk full
