@@ -32,12 +32,13 @@ LAYER_LABEL = re.compile(r"\d+|embed|final_ln")
 def _review_saves(mp) -> list:
     """From now on every figure saved is drawn and reviewed at its first save; returns the list
     that receives (file name, titles, number of layer axes) of each."""
-    seen, out = set(), []
+    out = []
     orig = Figure.savefig
 
     def review(fig, fname, *args, **kwargs):
-        if id(fig) not in seen:
-            seen.add(id(fig))
+        # marked on the figure itself: an id() is reused once a closed figure is freed
+        if not getattr(fig, "_isojax_reviewed", False):
+            fig._isojax_reviewed = True
             out.append(_review(fig, str(fname)))
         return orig(fig, fname, *args, **kwargs)
 
