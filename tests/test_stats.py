@@ -389,16 +389,30 @@ def test_accelerator_spectra_equal_numpy_eigvalsh():
         got_S = fz._bisect_states([fz._state_spectra(*a, per_group=True, how="tridiagonal") for _, a in states])
         want_S = [[fz._host_eigs(part) for part in jax.device_get(fz._state_spectra(*a, per_group=True, how="matrices"))]
                   for _, a in states]
-    for (x_GxNxD, _), got, want in zip(states, got_S, want_S):
-        for (eig, msn), (ref, ref_msn) in zip(got, want):
-            assert eig.shape == ref.shape and eig.shape[-2:] == (3, d)
+    for (x_GxNxD, _), (whole, groups), (ref_whole, ref_groups) in zip(states, got_S, want_S):
+        assert whole[0].shape == ref_whole[0].shape == (3, d) and groups[0].shape == ref_groups[0].shape == (g, d)
+        for eig, ref in ((whole[0], ref_whole[0]), (groups[0], ref_groups[0])):
             assert np.all(np.diff(eig, axis=-1) <= 0)  # descending
             np.testing.assert_allclose(eig, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
-            np.testing.assert_allclose(msn, ref_msn, rtol=1e-14)
-        # and the whole population's covariance is numpy's own, from the pooled rows
+        np.testing.assert_allclose(whole[1], ref_whole[1], rtol=1e-14)
+        np.testing.assert_allclose(groups[2], ref_groups[2], rtol=1e-14)
+        # the whole population's covariance is numpy's own, from the pooled rows
         cov = np.cov(x_GxNxD.reshape(-1, d).T, bias=True)
-        np.testing.assert_allclose(got[0][0][0], np.linalg.eigvalsh(cov)[::-1], rtol=0,
+        np.testing.assert_allclose(whole[0][0], np.linalg.eigvalsh(cov)[::-1], rtol=0,
                                    atol=1e-10 * np.linalg.eigvalsh(cov).max())
+        # each group: its centered spectrum, and sigma_1^2 / sum sigma^2 of its second moment and of
+        # its unit vectors' covariance (Lanczos), from numpy on the group's own rows
+        for k in range(g):
+            x = x_GxNxD[k]
+            u = x / np.linalg.norm(x, axis=-1, keepdims=True)
+            cov = np.cov(x.T, bias=True)
+            np.testing.assert_allclose(groups[0][k], np.linalg.eigvalsh(cov)[::-1], rtol=0,
+                                       atol=1e-10 * np.linalg.eigvalsh(cov).max())
+            for j, m in enumerate((x.T @ x / n, np.cov(u.T, bias=True))):
+                e = np.linalg.eigvalsh(m)
+                for got in (groups[1][k, j], ref_groups[1][k, j]):
+                    np.testing.assert_allclose(got, e[-1] / e.sum(), rtol=1e-12)
+
 
 def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
     """finalize.compile_ahead (run while the devices measure) compiles the accelerators' float64
@@ -421,4 +435,4 @@ def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
         ratios = np.asarray(fz._batch_anisotropy(x.reshape(2, fz.BATCH, d)))
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not [c for c in compiled if any(f in c for f in ("_state_spectra", "_bisect", "_batch_anisotropy"))], compiled
-    assert len(eigs) == s and eigs[0][1][0].shape == (g, 3, d) and ratios.shape == (2, 2)
+    assert len(eigs) == s and eigs[0][1][0].shape == (g, d) and eigs[0][1][1].shape == (g, 2) and ratios.shape == (2, 2)

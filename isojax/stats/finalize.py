@@ -90,30 +90,53 @@ def _bisect(diags: list, offs: list):
 def _bisect_states(reduced: list) -> list:
     """_state_spectra(..., how="tridiagonal") of every state -> the same with eigenvalues in place
     of the tridiagonals, in host memory: one bisection of all their matrices."""
-    parts = [p for whole, groups in reduced for p in ((whole,) if groups is None else (whole, groups))]
+    whole = [w for w, _ in reduced]
+    groups = [g for _, g in reduced if g is not None]
+    parts = [w[0] for w in whole] + [g[0] for g in groups]
     with jax.enable_x64(True):
-        eig_NxD = np.asarray(_bisect([p[0][0] for p in parts], [p[0][1] for p in parts]))
-    out, at = [], 0
+        eig_NxD = np.asarray(_bisect([p[0] for p in parts], [p[1] for p in parts]))
+    eigs, at = [], 0
     for p in parts:
-        k = int(np.prod(p[0][0].shape[:-1]))
-        out.append((eig_NxD[at:at + k].reshape(p[0][0].shape), np.asarray(p[1])))
+        k = int(np.prod(p[0].shape[:-1]))
+        eigs.append(eig_NxD[at:at + k].reshape(p[0].shape))
         at += k
-    it = iter(out)
-    return [(next(it), None if groups is None else next(it)) for _, groups in reduced]
+    it = iter(eigs[len(whole):])
+    return [((eigs[s], np.asarray(w[1])), None if g is None else (next(it), *map(np.asarray, g[1:])))
+            for s, (w, g) in enumerate(reduced)]
 
 
-def _host_eigs(covariances):
-    """Eigenvalues, descending, of _covariances' output in host memory: LAPACK (numpy) on the CPU."""
-    if covariances is None:
+def _host_eigs(readout):
+    """_state_spectra's whole or groups part (how="matrices") with eigenvalues, descending, in
+    place of its matrices, in host memory: LAPACK (numpy) on the CPU."""
+    if readout is None:
         return None
-    mats, mean_sq_norm = covariances
-    return np.linalg.eigvalsh(np.asarray(mats))[..., ::-1], mean_sq_norm
+    mats, *rest = readout
+    return (np.linalg.eigvalsh(np.asarray(mats))[..., ::-1], *map(np.asarray, rest))
+
+
+GROUP_LANCZOS_STEPS = 128  # 1e-15 of numpy's top eigenvalue on near-isotropic 2048-wide covariances
+
+
+def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, how: str):
+    """One source's covariances read out for _moments: the centered one whole (its spectrum gives
+    the effective rank) as a tridiagonal form (how="tridiagonal") or a matrix ("matrices"); of
+    the second moment and of the unit vectors' covariance only sigma_1^2 / sum sigma^2, by
+    Lanczos: one Householder reduction per source and state instead of three (bench/RESULTS.md
+    8e); and Sum |x|^2 / n."""
+    mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
+    top_2 = jax.vmap(lambda a: _top_eigenvalue(a, GROUP_LANCZOS_STEPS))(mats[1:])
+    trace_2 = jnp.trace(mats[1:], axis1=1, axis2=2)
+    ratios_2 = jnp.where(trace_2 > 0, top_2 / jnp.where(trace_2 > 0, trace_2, 1.0), jnp.nan)
+    if how == "tridiagonal":
+        _, diag_D, off_D, _ = jax.lax.linalg.tridiagonal(mats[0], lower=True)
+        return (diag_D, off_D), ratios_2, mean_sq_norm
+    return mats[0], ratios_2, mean_sq_norm
 
 
 @functools.partial(jax.jit, static_argnames=("per_group", "how"))
 def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how: str = "tridiagonal"):
     """One state's (whole population, per group or None) covariances, all groups together and
-    (per_group) each group; call under jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D]
+    (per_group) each group (_group_readout); call under jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D]
     float32 pairs. how="tridiagonal" (accelerators): each reduced to tridiagonal form, for
     _bisect_states; "matrices" (the CPU): the matrices themselves, for _host_eigs. On the CPU,
     LAPACK beats XLA's bisection and its compile; on accelerators the host's dsterf of the
@@ -125,22 +148,30 @@ def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how
     else:
         whole = (m2_HxDxD[0], unit_m2_HxDxD[0])
     readout = {"tridiagonal": _tridiagonals, "matrices": _covariances}[how]
-    groups = jax.vmap(readout)(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) if per_group else None
+    groups = jax.vmap(functools.partial(_group_readout, how=how))(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) \
+        if per_group else None
     return readout(n_G.sum(), sum_GxD.sum(0), *whole), groups
 
 
-def _moments(n, sum_D, unit_sum_D, norm_sum, eigs=None):
-    """State-level metrics of one population; eigs: ([3, D] eigenvalues, Sum |x|^2 / n) from
-    _bisect_states or _host_eigs, or None (no second moments kept for it)."""
+def _whole_readout(eigs):
+    """A whole population's ([3, D] eigenvalues, Sum |x|^2 / n) as _moments takes it."""
+    (centered_D, uncentered_D, unit_D), mean_sq_norm = eigs
+    return centered_D, _ratio_top(uncentered_D), _ratio_top(unit_D), mean_sq_norm
+
+
+def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None):
+    """State-level metrics of one population; readout: (the centered covariance's eigenvalues,
+    descending, the uncentered and the unit anisotropy, Sum |x|^2 / n) (_whole_readout, or a
+    group's part of _bisect_states or _host_eigs), or None (no second moments kept for it)."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
            "norm_of_mean": float(np.linalg.norm(sum_D) / n) if n else float("nan")}
-    if eigs is not None and n:
-        (centered_D, uncentered_D, unit_D), mean_sq_norm = eigs
+    if readout is not None and n:
+        centered_D, anisotropy_uncentered, unit_anisotropy, mean_sq_norm = readout
         out.update(anisotropy=_ratio_top(centered_D),
-                   anisotropy_uncentered=_ratio_top(uncentered_D),
-                   unit_anisotropy=_ratio_top(unit_D),
+                   anisotropy_uncentered=float(anisotropy_uncentered),
+                   unit_anisotropy=float(unit_anisotropy),
                    effective_rank=_effective_rank(centered_D),
                    mean_sq_norm=float(mean_sq_norm))
     return out
@@ -202,9 +233,9 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
     with jax.enable_x64(True):
         _state_spectra.lower(f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair,
                              per_group=per_group, how="tridiagonal").compile()
-        parts = [(3,)] + ([(num_groups, 3)] if per_group else [])  # _state_spectra's whole, groups
-        _bisect.lower([f64_on(*k, d) for _ in range(s) for k in parts],
-                      [f64_on(*k, d - 1) for _ in range(s) for k in parts]).compile()
+        # _bisect_states' order: every state's whole population, then every state's groups
+        parts = [(3,)] * s + ([(num_groups,)] * s if per_group else [])
+        _bisect.lower([f64_on(*k, d) for k in parts], [f64_on(*k, d - 1) for k in parts]).compile()
         if sample_count >= BATCH:
             x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
             _batch_anisotropy.lower(x).compile()
@@ -267,9 +298,9 @@ def finalize(acc: Accumulators, state_names: list[str],
         whole, groups = reduced[s]
         for g in range(num_groups):
             if group_eigs:
-                eigs_GxS[g][s] = (groups[0][g], groups[1][g]) if per_group_m2 else whole
+                eigs_GxS[g][s] = (groups[0][g], *groups[1][g], groups[2][g]) if per_group_m2 else _whole_readout(whole)
         out = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
-                       whole if n_G.sum() else None)
+                       _whole_readout(whole) if n_G.sum() else None)
         layer = {"name": name, **out}
         for key, eig in zip(spectra, whole[0] if n_G.sum() else (None,) * 3):
             spectra[key].append(eig)
@@ -316,13 +347,13 @@ BATCH = 4096  # tokens per batch of The Shape of Learning's anisotropy
 LANCZOS_STEPS = 64
 
 
-def _top_eigenvalue(a_MxM):
+def _top_eigenvalue(a_MxM, steps: int = LANCZOS_STEPS):
     """Largest eigenvalue of a symmetric PSD matrix: Lanczos with full reorthogonalization in
-    float64, min(M, 64) steps from a fixed start. Exact to ~1e-11 relative even for the Gram of
+    float64, min(M, steps) steps from a fixed start. Exact to ~1e-11 relative even for the Gram of
     an isotropic 4096 x 2048 batch (tests/test_sample.py against numpy's SVD), at a fraction of a
     full eigendecomposition's cost per batch."""
     d = a_MxM.shape[0]
-    m = min(d, LANCZOS_STEPS)
+    m = min(d, steps)
     q = jnp.ones(d, a_MxM.dtype) / jnp.sqrt(d) + 1e-3 * jnp.sin(jnp.arange(d, dtype=a_MxM.dtype))
     q = q / jnp.linalg.norm(q)
 
