@@ -7,6 +7,7 @@ local Hugging Face directory with the real tokenizer; ~10M tokens of Python sour
 interpreter's own standard library) as .jsonl.gz, sentence unit.
 
     python -m bench.bench_end_to_end --shape pythia-1.4b --chars 34e6 --workdir /tmp/e2e
+    python -m bench.bench_end_to_end --sources 8     # the documents dealt round-robin into 8 sources
 """
 
 from __future__ import annotations
@@ -25,20 +26,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def build_corpus(path: Path, chars: float) -> int:
+def build_corpus(path: Path, chars: float, sources: int = 1) -> int:
     """Python sources of the standard library as JSON lines, one file per document, passing over
-    the library again (the same sources) until `chars` characters."""
+    the library again (the same sources) until `chars` characters; documents labelled python-0,
+    python-1, ... in turn when sources > 1 (the paper's setup has eight)."""
     lib = Path(sysconfig.get_paths()["stdlib"])
     total = 0
     with gzip.open(path, "wt") as f:
         while total < chars:
             before = total
-            for src in sorted(lib.rglob("*.py")):
+            for i, src in enumerate(sorted(lib.rglob("*.py"))):
                 try:
                     text = src.read_text()
                 except (UnicodeDecodeError, OSError):
                     continue
-                f.write(json.dumps({"text": text, "meta": {"pile_set_name": "python"}}) + "\n")
+                label = f"python-{i % sources}" if sources > 1 else "python"
+                f.write(json.dumps({"text": text, "meta": {"pile_set_name": label}}) + "\n")
                 total += len(text)
                 if total >= chars:
                     break
@@ -67,11 +70,11 @@ def build_checkpoint(directory: Path, shape: str) -> None:
     torch.cuda.empty_cache()
 
 
-def run_isojax(args: list[str], env: dict, profile: str | None = None) -> dict:
+def run_isojax(args: list[str], env: dict, profile: str | None = None, cwd: Path = REPO) -> dict:
     """One `python -m isojax.extract` run; profile: a path for cProfile's stats of it."""
     t = time.time()
     prefix = ["-m", "cProfile", "-o", profile] if profile else []
-    p = subprocess.run([sys.executable, *prefix, "-m", "isojax.extract", *args], cwd=REPO, env=env,
+    p = subprocess.run([sys.executable, *prefix, "-m", "isojax.extract", *args], cwd=cwd, env=env,
                        capture_output=True, text=True)
     wall = time.time() - t
     if p.returncode != 0:
@@ -121,6 +124,8 @@ def main() -> int:
     ap.add_argument("--shape", default="pythia-1.4b")
     ap.add_argument("--chars", type=float, default=34e6, help="characters of Python source (~10M tokens)")
     ap.add_argument("--workdir", default="/tmp/e2e")
+    ap.add_argument("--sources", type=int, default=1, help="sources the documents are dealt into")
+    ap.add_argument("--baseline", help="another isojax tree (PYTHONPATH) to run cached beside this one")
     ap.add_argument("--checkpoint-every", type=int, default=2_000_000, help="0: no run with checkpoints")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more cached run under cProfile: $OUT/cached.pstats")
@@ -128,9 +133,9 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    corpus, model_dir = work / "python.jsonl.gz", work / "model"
+    corpus, model_dir = work / f"python-{args.sources}.jsonl.gz", work / "model"
     if not corpus.exists():
-        print(f"corpus: {build_corpus(corpus, args.chars):,} characters", flush=True)
+        print(f"corpus: {build_corpus(corpus, args.chars, args.sources):,} characters", flush=True)
     if not model_dir.exists():
         build_checkpoint(model_dir, args.shape)
     shutil.rmtree(work / "cache", ignore_errors=True)  # the first run starts with no token or compile cache
@@ -141,6 +146,11 @@ def main() -> int:
     print(json.dumps(rows["isojax first run"]), flush=True)
     rows["isojax cached"] = run_isojax(common + ["--out", str(work / "o2"), "--overwrite"], env)
     print(json.dumps(rows["isojax cached"]), flush=True)
+    if args.baseline:
+        base_env = {**env, "PYTHONPATH": str(Path(args.baseline).resolve())}
+        rows["baseline cached"] = run_isojax(common + ["--out", str(work / "o5"), "--overwrite"], base_env,
+                                             cwd=Path(args.baseline))
+        print(json.dumps(rows["baseline cached"]), flush=True)
     if args.profile:
         stats = str(Path(os.environ.get("OUT", work)) / "cached.pstats")
         rows["isojax cached, cProfile"] = run_isojax(common + ["--out", str(work / "o4"), "--overwrite"], env, stats)
@@ -156,7 +166,7 @@ def main() -> int:
 
     import jax
     lines = [f"card: {jax.devices()[0].device_kind}; jax {jax.__version__}; {args.shape}, random float16 weights; "
-             f"{rows['isojax cached']['tokens']:,} tokens of Python sources, sentences"]
+             f"{rows['isojax cached']['tokens']:,} tokens of Python sources in {args.sources} source(s), sentences"]
     lines.append(f"{'run':<30}{'wall s':>8}{'compile':>9}{'loop':>8}{'wall/(c+l)':>11}  other phases (s)")
     for name, r in rows.items():
         t = r["timings"]
