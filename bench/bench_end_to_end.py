@@ -147,7 +147,8 @@ def main() -> int:
     rows["isojax cached"] = run_isojax(common + ["--out", str(work / "o2"), "--overwrite"], env)
     print(json.dumps(rows["isojax cached"]), flush=True)
     if args.baseline:
-        base_env = {**env, "PYTHONPATH": str(Path(args.baseline).resolve())}
+        base_env = {**env, "PYTHONPATH": os.pathsep.join([str(Path(args.baseline).resolve())]
+                                                         + [p for p in [env.get("PYTHONPATH")] if p])}
         rows["baseline cached"] = run_isojax(common + ["--out", str(work / "o5"), "--overwrite"], base_env,
                                              cwd=Path(args.baseline))
         print(json.dumps(rows["baseline cached"]), flush=True)
