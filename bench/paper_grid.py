@@ -78,6 +78,8 @@ def measure(sizes: list[str], tokens: float | None, peer: bool) -> dict:
             torch.cuda.empty_cache()
         print(json.dumps({size: row}, default=str), file=sys.stderr, flush=True)
         out["sizes"][size] = row
+        if os.environ.get("OUT"):  # what is measured so far survives a run cut short
+            Path(os.environ["OUT"], "paper_grid.json").write_text(json.dumps(out, default=str, indent=1))
     return out
 
 
