@@ -24,7 +24,7 @@ import pathlib
 import re
 
 from isojax.log import log
-from isojax.model.config import step_of
+from isojax.steps import step_of
 from isojax.run import outdir
 from isojax.errors import UserError
 

@@ -28,7 +28,7 @@ from isojax.weights import matrix_files
 from isojax.run import outdir
 from isojax.plots import weights as weight_plots
 from isojax.errors import UserError, run_command
-from isojax.model.config import paper_steps, step_of
+from isojax.steps import paper_steps, step_of
 
 EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
 LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
