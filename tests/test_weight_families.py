@@ -2,6 +2,7 @@
 transformers' own classes and saved with save_pretrained: the right tensors, measured as an
 independent float64 computation from the safetensors file says, tied embeddings once."""
 
+import csv
 import json
 
 import numpy as np
@@ -158,3 +159,43 @@ def test_unknown_family_and_missing_tensors(tmp_path, capsys):
     save_file({k: v for k, v in t.items() if k != "lm_head.weight"}, str(tmp_path / "m/model.safetensors"))
     assert run_cli(["--model", tmp_path / "m", "--out", tmp_path / "o2"]) == 2  # untied, no lm_head
     assert "holds no lm_head.weight, which a llama checkpoint has" in capsys.readouterr().err
+
+
+def _hub_stand_in(monkeypatch, ckpts: dict):
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, revision=None, **kw: str(ckpts[revision]))
+
+
+def test_olmo_sweep_steps_from_revision_names(monkeypatch, tmp_path):
+    """OLMo-2's revisions sweep like Pythia's: sweep.csv's step from the name; stage 2 has none."""
+    revs = ["stage1-step0-tokens0B", "stage1-step1000-tokens5B", "stage2-ingredient1-step1000-tokens5B"]
+    ckpts = {r: tmp_path / f"c{i}" for i, r in enumerate(revs)}
+    tensors = {r: build("olmo2", p, seed=i) for i, (r, p) in enumerate(ckpts.items())}
+    _hub_stand_in(monkeypatch, ckpts)
+    out = tmp_path / "sweep"
+    assert run_cli(["--model", "allenai/OLMo-2-0425-1B", "--revisions", ",".join(revs), "--out", out,
+                    "--no-plots"]) == 0
+    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    assert [(r["revision"], r["step"]) for r in rows] == [(revs[0], "0"), (revs[1], "1000"), (revs[2], "")]
+    for r in rows:
+        assert float(r["embed_out.isotropy"]) == pytest.approx(
+            ref_matrix(tensors[r["revision"]]["lm_head.weight"])["isotropy"], rel=1e-6)
+        assert r["final_ln.avgnorm_b"] == ""  # RMSNorm: no bias
+
+
+@pytest.mark.slow
+def test_tied_sweep_plots(monkeypatch, tmp_path):
+    """A sweep of a tied RMSNorm model plots its one matrix and only the norm statistics it has."""
+    ckpts = {r: tmp_path / r for r in ("step0", "step1000")}
+    for i, p in enumerate(ckpts.values()):
+        build("qwen2-tied", p, seed=i)
+    _hub_stand_in(monkeypatch, ckpts)
+    out = tmp_path / "sweep"
+    assert run_cli(["--model", "Qwen/Qwen2-0.5B", "--revisions", "step0,step1000", "--out", out]) == 0
+    header = (out / "sweep.csv").read_text().splitlines()[0].split(",")
+    assert "embed_in.isotropy" in header and not any(h.startswith("embed_out.") for h in header)
+    assert sorted(p.name for p in out.glob("sweep_*.png")) == sorted(
+        [f"sweep_{m}.png" for m in ("isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
+                                    "isotropy_scaled_centered", "mean_norm", "mean_vector_norm")]
+        + ["sweep_final_ln_avgnorm_g_avgnorm_b.png"])
