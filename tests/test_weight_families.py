@@ -199,3 +199,34 @@ def test_tied_sweep_plots(monkeypatch, tmp_path):
         [f"sweep_{m}.png" for m in ("isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
                                     "isotropy_scaled_centered", "mean_norm", "mean_vector_norm")]
         + ["sweep_final_ln_avgnorm_g_avgnorm_b.png"])
+
+
+@pytest.mark.slow
+def test_olmo_sweep_through_the_loopback_hub(tmp_path):
+    """The real hub client: an OLMo-2 repo with stage1-stepN-tokensM branches, sharded; only the
+    shards holding the embedding, the unembedding and the final norm are downloaded."""
+    from hub_server import LoopbackHub
+    from test_hub import hub_env, run
+
+    revs = ["stage1-step0-tokens0B", "stage1-step1000-tokens5B"]
+    branches = {}
+    for i, rev in enumerate(revs):
+        torch.manual_seed(i)
+        model = T.Olmo2ForCausalLM(T.Olmo2Config(**{**SMALL, "num_hidden_layers": 4, "hidden_size": 64}))
+        model.save_pretrained(tmp_path / rev, max_shard_size="200KB")
+        branches[rev] = tmp_path / rev
+    weight_map = json.loads((tmp_path / revs[0] / "model.safetensors.index.json").read_text())["weight_map"]
+    wanted = {weight_map[n] for n in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")}
+    assert set(weight_map.values()) - wanted  # a shard of layers alone
+    hub = LoopbackHub().start()
+    try:
+        hub.add_model("tiny-org/olmo2", branches)
+        p = run("-m", "isojax.weights", "--model", "tiny-org/olmo2", "--revisions", ",".join(revs), "--no-plots",
+                "--out", tmp_path / "w", env=hub_env(hub.url, tmp_path / "home"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        shards = {name.rsplit("/", 1)[-1] for name in hub.downloads("tiny-org/olmo2") if name.endswith(".safetensors")}
+    finally:
+        hub.stop()
+    assert shards == wanted
+    rows = list(csv.DictReader(open(tmp_path / "w" / "sweep.csv")))
+    assert [(r["revision"], r["step"]) for r in rows] == [(revs[0], "0"), (revs[1], "1000")]
