@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Partition-function isotropy I(W) of the embedding and unembedding "
                     "matrices and statistics\nof the final norm of a checkpoint of a known family "
                     "(model_type in config.json:\n" + ", ".join(sorted(families.FAMILIES)) +
-                    "), or of any 2-D tensor with --tensor,\nor of matrices in files with --matrix.",
+                    "),\nor of any 2-D tensor with --tensor, or of matrices in files with --matrix.",
         epilog="outputs in OUT (one subfolder per revision for sweeps):\n"
                "  weights.json             metrics (family, tied, embed_in, embed_out, final_ln | tensors)\n"
                "  arrays.npz               normalized singular values, 2-D SVD projections\n"
