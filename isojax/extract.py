@@ -157,7 +157,7 @@ def run(args) -> Path:
                         timeout_s=args.coordinator_timeout)
     from isojax.run.config import MeasureConfig
     from isojax.run.measure import measure
-    from isojax.model.config import paper_steps
+    from isojax.steps import paper_steps
     from isojax.log import log
 
     out = Path(args.out)

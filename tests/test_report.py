@@ -180,7 +180,7 @@ def test_sections_without_data_are_noted(results, tmp_path, capsys):
     assert build.main([str(root / "w-pythia-70m" / "step143000"), "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
     assert "No extract results (metrics.json) with per-layer InterSim or IntraSim: section left out." in md
-    assert "No model has extract results at two or more `stepN` revisions" in md
+    assert "No model has extract results at two or more revisions naming a training step" in md
     assert "No correlation.json among the inputs" in md
     assert sorted(p.stem for p in (out / "figures").glob("*.svg")) == [
         "isotropy_embed_in_sizes", "isotropy_embed_out_sizes", "layernorm_sizes", "svd2d_embed_out"]

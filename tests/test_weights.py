@@ -118,6 +118,7 @@ def test_gpt_neox_every_number(neox, tmp_path):
     assert run_cli(["--model", ckpt, "--out", tmp_path / "o"]) == 0
     out = json.loads((tmp_path / "o/weights.json").read_text())
     assert out["model"] == str(ckpt) and out["revision"] is None and out["weights"] == "pretrained"
+    assert (out["family"], out["tied"], out["final_ln"]["norm"]) == ("gpt_neox", False, "layernorm")
     for key, name in (("embed_in", "gpt_neox.embed_in.weight"), ("embed_out", "embed_out.weight")):
         assert MATRIX_KEYS <= set(out[key])
         close(out[key], ref_matrix(t[name]))
@@ -283,7 +284,7 @@ def test_truncated_and_missing_and_not_neox(neox, tmp_path, capsys):
     other.mkdir()
     save_file({"embeddings.word_embeddings.weight": np.ones((5, 4), np.float32)}, str(other / "model.safetensors"))
     assert run_cli(["--model", other, "--out", tmp_path / "o"]) == 2
-    assert "not a GPT-NeoX checkpoint" in capsys.readouterr().err
+    assert "has no config.json, which names the model family" in capsys.readouterr().err
     assert run_cli(["--model", neox[0], "--revision", "step0", "--out", tmp_path / "o"]) == 2
     assert "local directory: revisions apply to hub models only" in capsys.readouterr().err
 
@@ -331,6 +332,7 @@ def test_random_preset_offline(monkeypatch, tmp_path):
     assert run_cli(["--model", "random:pythia-70m", "--out", tmp_path / "o"]) == 0
     out = json.loads((tmp_path / "o/weights.json").read_text())
     assert out["model"] == "random:pythia-70m" and out["weights"] == "random" and out["revision"] is None
+    assert (out["family"], out["tied"]) == ("gpt_neox", False)
     for key in ("embed_in", "embed_out"):  # both [V, D] as Hugging Face stores them
         m = out[key]
         assert (m["rows"], m["dim"], m["dtype"]) == (50304, 512, "float32")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 from isojax.errors import UserError
@@ -186,15 +185,3 @@ def hub_id(name: str) -> str:
         raise UserError(f"unknown preset {name!r}; presets: {', '.join(preset_names())}")
     org = json.loads((CONFIGS_DIR / f"{base}.json").read_text())["hub_id"].split("/")[0]
     return f"{org}/{name}"
-
-
-
-def step_of(revision: str | None) -> int | None:
-    """The training step a Pythia revision names ("step143000" -> 143000); None for any other name."""
-    m = re.fullmatch(r"step(\d+)", revision or "")
-    return int(m.group(1)) if m else None
-
-
-def paper_steps() -> list[str]:
-    """The 21 evenly spaced Pythia checkpoints of Machina & Mercer: step0 and floor(i*143/20)*1000."""
-    return ["step0"] + [f"step{(i * 143 // 20) * 1000}" for i in range(1, 21)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -73,22 +74,43 @@ def lines(panels: list[Panel], xlabel: str, ylabel: str, title: str, xscale: str
     return fig
 
 
+_LABEL_CHARS = 24
+
+
+def _wrap(label: str) -> str:
+    """Lines of at most _LABEL_CHARS characters, broken before ' @ ', after '-' or at spaces."""
+    lines, line = [], ""
+    for piece in re.findall(r"[^\s-]*-|\S+|\s+", label.replace(" @ ", "\n@ ")):
+        if piece == "\n" or line and len(line + piece.rstrip()) > _LABEL_CHARS:
+            lines.append(line.rstrip())
+            line = "" if piece.isspace() else piece
+        else:
+            line += piece
+    return "\n".join(lines + [line.rstrip()])
+
+
 def bars(categories: list[str], groups: list[tuple[str, Sequence[float]]], ylabel: str, title: str,
          ylim: tuple[float, float] | None = None):
-    """Grouped bars: one group of len(groups) bars per category, the value written on each bar."""
+    """Grouped bars: one group of len(groups) bars per category, the value written on each bar.
+    Categories longer than 24 characters ('model @ stage2-ingredient1-step...') are written on
+    lines of at most that many, level, and the figure widened to hold them."""
     with styled():
         legend = 1.8 if len(groups) > 1 else 0.0  # inches for the legend beside the bars
-        fig, ax = plt.subplots(figsize=(max(5.5, 1.1 * len(categories) * max(1, len(groups)) * 0.6 + 2.5) + legend,
-                                        4.4), layout="constrained")
+        wide = max(map(len, categories), default=0) > _LABEL_CHARS
+        if wide:
+            categories = [_wrap(c) for c in categories]
+        per = 0.09 * _LABEL_CHARS + 0.3 if wide else 0.0  # inches per category for its label
+        fig, ax = plt.subplots(figsize=(max(5.5, 1.1 * len(categories) * max(1, len(groups)) * 0.6 + 2.5,
+                                            per * len(categories) + 1.0) + legend, 4.4), layout="constrained")
         x = np.arange(len(categories))
         width = 0.8 / max(len(groups), 1)
         for i, (label, values) in enumerate(groups):
             v = _finite(values)
             rects = ax.bar(x + (i - (len(groups) - 1) / 2) * width, np.nan_to_num(v), width, label=label)
-            ax.bar_label(rects, labels=["" if not np.isfinite(a) else f"{a:.3g}" for a in v],
+            ax.bar_label(rects, labels=["n/a" if not np.isfinite(a) else f"{a:.3g}" for a in v],
                          fontsize=7, padding=2)
-        ax.set_xticks(x, categories, rotation=30 if len(categories) > 4 else 0,
-                      ha="right" if len(categories) > 4 else "center")
+        slant = len(categories) > 4 and not wide
+        ax.set_xticks(x, categories, rotation=30 if slant else 0, ha="right" if slant else "center")
         ax.set_ylabel(ylabel)
         if ylim is not None:
             ax.set_ylim(*ylim)

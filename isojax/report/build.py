@@ -22,7 +22,8 @@ def _inputs(res: collect.Results) -> Section:
     runs = sorted(res.runs, key=lambda r: (r.size, r.label, collect.revision_order(r), r.kind))
     folders = [str(r.folder) for r in runs] + [str(p) for p, _ in res.correlations]
     root = os.path.commonpath(folders) if folders else ""
-    rows = [[r.kind, r.label, r.revision, r.step, "random" if r.random else (r.data.get("weights") or ""),
+    rows = [[r.kind, r.label, r.data.get("family") or "", r.revision, r.step,
+             "random" if r.random else (r.data.get("weights") or ""),
              r.data.get("tokens") if r.kind == "extract" else None,
              (r.manifest or {}).get("corpus") if r.kind == "extract" else None,
              os.path.relpath(r.folder, root) if root else str(r.folder)] for r in runs]
@@ -33,8 +34,8 @@ def _inputs(res: collect.Results) -> Section:
     fps = {(r.manifest or {}).get("corpus_fingerprint") for r in res.extract} - {None}
     if fps:
         sec.text += f" All extract results share the corpus fingerprint `{fps.pop()}`."
-    sec.items.append(Item("Result folders.", Table(["kind", "model", "revision", "step", "weights", "tokens",
-                                                    "corpus", "folder"], rows)))
+    sec.items.append(Item("Result folders.", Table(["kind", "model", "family", "revision", "step", "weights",
+                                                    "tokens", "corpus", "folder"], rows)))
     return sec
 
 

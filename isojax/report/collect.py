@@ -24,7 +24,7 @@ import pathlib
 import re
 
 from isojax.log import log
-from isojax.model.config import step_of
+from isojax.steps import step_of
 from isojax.run import outdir
 from isojax.errors import UserError
 
@@ -68,6 +68,11 @@ class Run:
     @property
     def step(self) -> int | None:
         return step_of(self.revision)
+
+    @property
+    def tied(self) -> bool:
+        """A weights run of a model whose embedding is its unembedding (measured once)."""
+        return self.data.get("tied") is True
 
     @property
     def random(self) -> bool:
@@ -229,7 +234,8 @@ def load(paths) -> Results:
 # ---- choosing runs and reading values ------------------------------------------------------
 
 def revision_order(run: Run):
-    """Training order: stepN by N, then other revisions by name, `main` (the final one) last."""
+    """Training order: revisions naming a step (isojax.steps) by step, then other revisions by
+    name, `main` (the final one) last."""
     return (0, run.step, "") if run.step is not None else (1, run.revision == "main", run.revision)
 
 
@@ -248,7 +254,8 @@ def finals(runs: list[Run]) -> list[Run]:
 
 
 def trainings(runs: list[Run]) -> dict[str, list[Run]]:
-    """Models with at least two stepN revisions: their stepN runs in step order."""
+    """Models with at least two revisions naming a step: those runs in step order (revisions that
+    name none, such as main or OLMo-2's stage2-..., are not on the axis)."""
     out = {}
     for model, rs in by_model(runs).items():
         steps = [r for r in rs if r.step is not None]
@@ -290,10 +297,19 @@ def layer_value(run: Run, metric: str, spec: str, layers: list[dict] | None = No
     return math.nan
 
 
-def weights_value(run: Run, dotted: str) -> float:
-    """'embed_out.isotropy' (or 'tensors.NAME.metric' style 'NAME.metric' for --tensor runs)."""
-    group, _, metric = dotted.rpartition(".")
+def weights_group(run: Run, group: str) -> dict | None:
+    """A group of a weights.json ('embed_out', 'final_ln', or a --tensor NAME); a tied group
+    ({"tied_to": "embed_in"}) is the group it names."""
     block = run.data.get(group)
+    if isinstance(block, dict) and block.get("tied_to") in ("embed_in", "embed_out"):
+        block = run.data.get(block["tied_to"])
     if not isinstance(block, dict):
         block = (run.data.get("tensors") or {}).get(group)
-    return number(block.get(metric)) if isinstance(block, dict) else math.nan
+    return block if isinstance(block, dict) else None
+
+
+def weights_value(run: Run, dotted: str) -> float:
+    """'embed_out.isotropy' (of embed_in where tied; or 'NAME.metric' for --tensor runs)."""
+    group, _, metric = dotted.rpartition(".")
+    block = weights_group(run, group)
+    return number(block.get(metric)) if block is not None else math.nan

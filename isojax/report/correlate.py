@@ -189,7 +189,7 @@ def layer_metrics(results: Results) -> list[str]:
 def weights_metrics(results: Results) -> list[str]:
     names = {}
     for r in results.weights:
-        groups = {g: r.data[g] for g in WEIGHT_GROUPS if isinstance(r.data.get(g), dict)}
+        groups = {g: collect.weights_group(r, g) for g in WEIGHT_GROUPS if collect.weights_group(r, g)}
         groups.update({t: m for t, m in (r.data.get("tensors") or {}).items() if isinstance(m, dict)})
         for g, block in groups.items():
             names.update({f"{g}.{k}": True for k in _numeric_keys([block])})

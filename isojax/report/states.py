@@ -108,14 +108,14 @@ def contextualization(res: Results, figs: Figures) -> Section:
 def training(res: Results, figs: Figures) -> Section:
     sec = Section("training", "The last layer during training",
                   "InterSim and IntraSim of block_L and final_ln against the training step parsed from "
-                  "`stepN` revisions; paper §4.1.2.")
+                  "revision names (`stepN`; OLMo's `stepN-tokensM` and `stage1-stepN-tokensM`); paper §4.1.2.")
     series = trainings(res.extract)
     for metric, no in (("inter_sim", " (paper Fig. 3)"), ("intra_sim", " (paper Fig. 4)")):
         item = _training(figs, series, metric, no)
         if item:
             sec.items.append(item)
     if not sec.items:
-        sec.note = "No model has extract results at two or more `stepN` revisions: section left out."
+        sec.note = "No model has extract results at two or more revisions naming a training step: section left out."
     return sec
 
 

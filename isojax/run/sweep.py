@@ -28,7 +28,7 @@ from isojax.device import mesh as parallel
 from isojax.errors import UserError
 from isojax.log import log
 from isojax.run.config import MeasureConfig
-from isojax.model.config import step_of
+from isojax.steps import step_of
 
 
 def slug(name: str) -> str:

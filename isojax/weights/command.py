@@ -1,7 +1,8 @@
 """Isotropy of a checkpoint's weights: `python -m isojax.weights --model pythia-70m --out DIR`.
 
-For GPT-NeoX checkpoints: I(W) and friends of the embedding (`embed_in`) and unembedding
-(`embed_out`) matrices and the final LayerNorm's g and b (Machina & Mercer §4.2-4.4);
+For checkpoints of the families in `isojax.weights.families` (config.json's model_type): I(W)
+and friends of the embedding (`embed_in`) and unembedding (`embed_out`; tied ones measured once)
+matrices and the final norm's g and b (Machina & Mercer §4.2-4.4);
 `random:<preset>` measures the random weights `isojax.load_model` gives that name, offline.
 With `--tensor NAME`: the matrix metrics of any 2-D tensor of any checkpoint; with
 `--matrix PATH[:KEY]`: of a matrix in any file (`isojax.weights.matrix_files`).
@@ -23,12 +24,13 @@ import numpy as np
 
 from isojax.log import log
 from isojax.hf import files as hf_files
+from isojax.weights import families
 from isojax.weights import isotropy
 from isojax.weights import matrix_files
 from isojax.run import outdir
 from isojax.plots import weights as weight_plots
 from isojax.errors import UserError, run_command
-from isojax.model.config import paper_steps, step_of
+from isojax.steps import paper_steps, step_of
 
 EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
 LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
@@ -147,6 +149,30 @@ def _measure(W, where: str, key: str, title: tuple[str, str], arrays: dict, out:
     return dict(rep.metrics)
 
 
+def _same(reader, a: str, b: str) -> bool:
+    """Whether two stored tensors are equal, compared a block of rows at a time."""
+    if reader.shape(a) != reader.shape(b):
+        return False
+    A, B, step = reader.rows(a), reader.rows(b), 4096
+    return all(np.array_equal(A[i:i + step], B[i:i + step]) for i in range(0, reader.shape(a)[0], step))
+
+
+def _final_norm(reader, t: families.Tensors, source) -> dict:
+    """`final_ln`: the norm's kind and tensors, and its statistics (null where it has no such weight)."""
+    head = {"norm": t.norm, "tensor_g": t.norm_g, "tensor_b": t.norm_b}
+    if t.norm_g is None:
+        return {**head, **dict.fromkeys(isotropy.NORM_KEYS)}
+    g = reader.read(t.norm_g)
+    b = None if t.norm_b is None else reader.read(t.norm_b)
+    if g.ndim != 1 or g.size == 0 or b is not None and g.shape != b.shape:
+        shapes = f"weight {g.shape}" + ("" if b is None else f" and bias {b.shape}")
+        raise UserError(f"final norm {shapes} in {source}: not " + ("a vector" if b is None else
+                        "two vectors of one length"))
+    if not all(np.all(np.isfinite(v)) for v in (g, b) if v is not None):
+        raise UserError(f"final norm in {source} holds NaN or infinite values")
+    return {**head, **isotropy.layer_norm_metrics(g, b)}
+
+
 def _write(out: pathlib.Path, result: dict, arrays: dict) -> None:
     np.savez(out / "arrays.npz", **{_safe(k): v for k, v in arrays.items()})
     (out / "weights.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
@@ -155,42 +181,41 @@ def _write(out: pathlib.Path, result: dict, arrays: dict) -> None:
 def analyze_checkpoint(model: str, revision: str | None, tensors: list[str] | None,
                        out: pathlib.Path, plots: bool = True) -> dict:
     """Measure one checkpoint, write `out/weights.json` (+ arrays.npz, PNGs); return the JSON."""
-    needed = tensors or [EMBED_IN, EMBED_OUT, LN_G, LN_B]
     if model.startswith("random:"):
-        reader, directory = RandomWeights(model.removeprefix("random:"), only=needed), None
+        reader, directory = RandomWeights(model.removeprefix("random:"), only=tensors), None
+        config = {"model_type": "gpt_neox", "tie_word_embeddings": False}
         result: dict = {"model": model, "revision": None, "weights": "random", "checkpoint": None}
     else:
-        directory = hf_files.resolve_weights(model, revision, tensors=needed)
-        reader = hf_files.CheckpointReader(directory, only=needed)
+        directory = hf_files.resolve_weights(model, revision, tensors=tensors or families.all_names())
+        reader = hf_files.CheckpointReader(directory, only=tensors or families.all_names())
+        config = None if tensors else families.read_config(directory)
         result = {"model": model, "revision": revision, "weights": "pretrained",
                   "checkpoint": str(directory)}
     result["format"] = reader.format
     source = f"random weights of {model.removeprefix('random:')}" if directory is None else directory
     if tensors:
-        matrices = {t: t for t in tensors}
+        matrices, tied = {t: t for t in tensors}, False
         result["tensors"] = {}
     else:
-        names = set(reader.names())
-        missing = [t for t in (EMBED_IN, EMBED_OUT, LN_G, LN_B) if t not in names]
-        if missing:
-            raise UserError(f"not a GPT-NeoX checkpoint: {directory} has no {missing[0]}; "
-                            "use --tensor NAME to measure any 2-D tensor")
-        matrices = {"embed_in": EMBED_IN, "embed_out": EMBED_OUT}
+        t = families.locate(config, reader.names(), source)
+        tied = t.tied and (t.unembed is None or _same(reader, t.embed, t.unembed))
+        if t.tied and not tied:
+            log(f"warning: config.json ties the embeddings but {source} stores a different {t.unembed}: "
+                "measured as two matrices, as transformers uses them")
+        result.update(family=t.family, tied=tied)
+        matrices = {"embed_in": t.embed} if tied else {"embed_in": t.embed, "embed_out": t.unembed}
     arrays: dict = {}
     label = model_label(model, revision)
     for (key, name), safe in zip(matrices.items(), _unique_safe(list(matrices))):
-        m = _measure(_matrix(reader, name), f"tensor {name!r} in {source}", safe, (label, key),
+        sub = "embed_in = embed_out (tied)" if tied else key
+        m = _measure(_matrix(reader, name), f"tensor {name!r} in {source}", safe, (label, sub),
                      arrays, out, plots)
         m.update(tensor=name, dtype=reader.dtype(name))
         (result["tensors"] if tensors else result)[key] = m
     if not tensors:
-        g, b = reader.read(LN_G), reader.read(LN_B)
-        if g.ndim != 1 or g.shape != b.shape:
-            raise UserError(f"final LayerNorm weight {g.shape} and bias {b.shape} in {source} "
-                            "are not two vectors of one length")
-        if not (np.all(np.isfinite(g)) and np.all(np.isfinite(b))):
-            raise UserError(f"final LayerNorm in {source} holds NaN or infinite values")
-        result["final_ln"] = isotropy.layer_norm_metrics(g, b)
+        if tied:
+            result["embed_out"] = {"tied_to": "embed_in", "tensor": t.embed}
+        result["final_ln"] = _final_norm(reader, t, source)
     _write(out, result, arrays)
     return result
 
@@ -293,7 +318,8 @@ def _summary(out: pathlib.Path, revisions: list[str] | None) -> None:
               + (f", {pngs} sweep plots" if pngs else ""))
         return
     doc = json.loads((out / "weights.json").read_text())
-    groups = doc.get("tensors") or {k: doc[k] for k in ("embed_in", "embed_out")}
+    groups = doc.get("tensors") or {k + (" (tied)" if doc.get("tied") else ""): doc[k]
+                                    for k in ("embed_in", "embed_out") if "isotropy" in doc[k]}
     iso = [f"{name} {m['isotropy']:.4g}" for name, m in groups.items()]
     more = f" and {len(iso) - 3} more" if len(iso) > 3 else ""
     log(f"I(W) of {', '.join(iso[:3])}{more}; results in {out} (weights.json, arrays.npz"
@@ -316,8 +342,10 @@ def _sweep(args, revisions: list[str], tmp: pathlib.Path) -> None:
         w.writeheader()
         w.writerows([{k: "" if r.get(k) is None else r.get(k) for k in cols} for r in rows])
     if not args.no_plots:
-        groups = list(args.tensor) if args.tensor else ["embed_in", "embed_out"]
-        weight_plots.sweep_plots(rows, groups, MATRIX_METRICS, [] if args.tensor else LN_METRICS, tmp,
+        groups = list(args.tensor) if args.tensor else \
+            [g for g in ("embed_in", "embed_out") if any(f"{g}.isotropy" in r for r in rows)]  # tied: one
+        ln = [ms for ms in LN_METRICS if any(r.get(f"final_ln.{m}") is not None for r in rows for m in ms)]
+        weight_plots.sweep_plots(rows, groups, MATRIX_METRICS, [] if args.tensor else ln, tmp,  # null: no such weight
                                  model_label(args.model))
 
 
@@ -326,10 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m isojax.weights",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Partition-function isotropy I(W) of the embedding and unembedding "
-                    "matrices and statistics\nof the final LayerNorm of a GPT-NeoX checkpoint "
-                    "(or of any 2-D tensor with --tensor,\nor of matrices in files with --matrix).",
+                    "matrices and statistics\nof the final norm of a checkpoint of a known family "
+                    "(model_type in config.json:\n" + ", ".join(sorted(families.FAMILIES)) +
+                    "),\nor of any 2-D tensor with --tensor, or of matrices in files with --matrix.",
         epilog="outputs in OUT (one subfolder per revision for sweeps):\n"
-               "  weights.json             metrics (embed_in, embed_out, final_ln | tensors)\n"
+               "  weights.json             metrics (family, tied, embed_in, embed_out, final_ln | tensors)\n"
                "  arrays.npz               normalized singular values, 2-D SVD projections\n"
                "  *_singular_values.png    normalized singular values before/after centering\n"
                "  *_svd2d.png              2-D SVD projection, uncentered and centered\n"
@@ -352,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true",
                     help="replace existing results in OUT (refused without it)")
     ap.add_argument("--tensor", action="append", metavar="NAME",
-                    help="measure this 2-D tensor instead of the GPT-NeoX set; repeatable; "
+                    help="measure this 2-D tensor instead of the family's set; repeatable; "
                          "works for any safetensors checkpoint (reads only that tensor)")
     ap.add_argument("--matrix", action="append", metavar="PATH[:KEY]",
                     help="measure a 2-D matrix in a file instead of a model; repeatable: .npy, "

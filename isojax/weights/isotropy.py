@@ -290,23 +290,32 @@ def _outliers(v: np.ndarray) -> list[int]:
     return [] if sd == 0 else [int(i) for i in np.flatnonzero(np.abs(v - v.mean()) > OUTLIER_STD * sd)]
 
 
-def layer_norm_metrics(g, b) -> dict:
-    """Final LayerNorm y = g * (x - m)/s + b (Machina & Mercer §4.3, §5.3).
+NORM_KEYS = ("dim", "avgnorm_g", "avgnorm_b", "norm_g", "norm_b", "b_over_g", "outlier_dims_g", "outlier_dims_b",
+             "gao_sum", "b_parallel", "b_parallel_norm", "b_perp_norm", "b_perp_over_g")
+
+
+def layer_norm_metrics(g, b=None) -> dict:
+    """Final LayerNorm y = g * (x - m)/s + b (Machina & Mercer §4.3, §5.3); `NORM_KEYS`.
 
     avgnorm(v) = |v|/sqrt(d) (eq. 8); gao_sum = sum b_i/g_i (eq. 9; None when some g_i = 0);
     b split into its parts parallel and perpendicular to g' = (1/g_1, ..., 1/g_d), the normal
     of the hyperplane the LayerNorm maps into; outlier dimensions: entries more than
-    3 standard deviations from the mean of g (or of b).
+    3 standard deviations from the mean of g (or of b). b None (a norm without a bias, such as
+    an RMSNorm): every statistic that needs b is None.
     """
     g = np.asarray(g, dtype=np.float64).ravel()
-    b = np.asarray(b, dtype=np.float64).ravel()
-    if g.shape != b.shape or g.size == 0:
-        raise ValueError(f"g and b must be non-empty vectors of one length, got {g.shape}, {b.shape}")
+    b = None if b is None else np.asarray(b, dtype=np.float64).ravel()
+    if g.size == 0 or b is not None and b.shape != g.shape:
+        raise ValueError(f"g and b must be non-empty vectors of one length, got {g.shape}, {np.shape(b)}")
     d = g.size
-    gn, bn = float(np.linalg.norm(g)), float(np.linalg.norm(b))
-    out = {"dim": d, "avgnorm_g": gn / math.sqrt(d), "avgnorm_b": bn / math.sqrt(d),
-           "norm_g": gn, "norm_b": bn, "b_over_g": bn / gn if gn > 0 else None,
-           "outlier_dims_g": _outliers(g), "outlier_dims_b": _outliers(b)}
+    gn = float(np.linalg.norm(g))
+    out = dict.fromkeys(NORM_KEYS)
+    out.update(dim=d, avgnorm_g=gn / math.sqrt(d), norm_g=gn, outlier_dims_g=_outliers(g))
+    if b is None:
+        return out
+    bn = float(np.linalg.norm(b))
+    out.update(avgnorm_b=bn / math.sqrt(d), norm_b=bn, b_over_g=bn / gn if gn > 0 else None,
+               outlier_dims_b=_outliers(b))
     if np.all(g != 0):
         gp = 1.0 / g
         u = gp / np.linalg.norm(gp)
@@ -314,7 +323,4 @@ def layer_norm_metrics(g, b) -> dict:
         perp = float(np.linalg.norm(b - par * u))
         out.update(gao_sum=float(np.sum(b / g)), b_parallel=par, b_parallel_norm=abs(par),
                    b_perp_norm=perp, b_perp_over_g=perp / gn)
-    else:
-        out.update(gao_sum=None, b_parallel=None, b_parallel_norm=None, b_perp_norm=None,
-                   b_perp_over_g=None)
     return out

@@ -1,0 +1,134 @@
+"""Which tensors of a checkpoint are its embedding, unembedding and final norm, per model family.
+
+The family is config.json's `model_type`. Names are those transformers' modeling files give
+(`*ForCausalLM`), checked against checkpoints written by `save_pretrained`. A name under the
+base model (`transformer.wte.weight`) is also found without that prefix (`wte.weight`): the base
+model saved alone, and older hub uploads of GPT-2 and OPT, store it so.
+
+Tied embeddings (config.json's `tie_word_embeddings`, else the family's default in
+transformers) are one matrix, measured once. Where a tied checkpoint stores an unembedding
+anyway, transformers ties the two only if they are equal, and so does `locate`'s caller
+(`command.analyze_checkpoint`).
+
+Final norms: `layernorm` (weight g and bias b), `rmsnorm` (Llama, Mistral, Qwen2, OLMo-2:
+weight only; every statistic of b is null), `layernorm_no_affine` (OLMo-1, or OPT with
+`layer_norm_elementwise_affine` false: no weights at all; every statistic is null) and `none`
+(OPT-350m and other OPT with `do_layer_norm_before` false: no final norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from isojax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    prefix: str                # the base model's prefix of embed and norm names
+    embed: str                 # under prefix
+    unembed: tuple[str, ...]   # untied unembedding, top level; the first is the usual name
+    norm: str                  # layernorm | rmsnorm | layernorm_no_affine
+    norm_g: str | None = None  # under prefix
+    norm_b: str | None = None
+    tied: bool = False         # transformers' default of tie_word_embeddings
+
+
+_LLAMA = Family("model.", "embed_tokens.weight", ("lm_head.weight",), "rmsnorm", "norm.weight")
+FAMILIES = {
+    "gpt_neox": Family("gpt_neox.", "embed_in.weight", ("embed_out.weight", "lm_head.weight"), "layernorm",
+                       "final_layer_norm.weight", "final_layer_norm.bias"),
+    "gpt2": Family("transformer.", "wte.weight", ("lm_head.weight",), "layernorm", "ln_f.weight", "ln_f.bias",
+                   tied=True),
+    "opt": Family("model.", "decoder.embed_tokens.weight", ("lm_head.weight",), "layernorm",
+                  "decoder.final_layer_norm.weight", "decoder.final_layer_norm.bias", tied=True),
+    "falcon": Family("transformer.", "word_embeddings.weight", ("lm_head.weight",), "layernorm", "ln_f.weight",
+                     "ln_f.bias", tied=True),
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "olmo": Family("model.", "embed_tokens.weight", ("lm_head.weight",), "layernorm_no_affine"),
+    "olmo2": _LLAMA,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensors:
+    """The stored names of one checkpoint's tensors (None: it has no such tensor)."""
+    family: str
+    tied: bool                 # as config.json says; the caller checks a stored unembedding
+    embed: str
+    unembed: str | None        # None: tied and no unembedding stored
+    norm: str                  # layernorm | rmsnorm | layernorm_no_affine | none
+    norm_g: str | None
+    norm_b: str | None
+
+
+def all_names() -> list[str]:
+    """Every name any family's tensors may be stored under (to pick the shards to download)."""
+    names = set()
+    for f in FAMILIES.values():
+        for n in (f.embed, f.norm_g, f.norm_b):
+            if n:
+                names |= {f.prefix + n, n}
+        names |= set(f.unembed)
+    return sorted(names)
+
+
+def read_config(directory: pathlib.Path) -> dict:
+    path = pathlib.Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{directory} has no config.json, which names the model family (model_type); "
+                        "use --tensor NAME to measure any 2-D tensor")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path}: not a JSON object")
+    return cfg
+
+
+def _norm(model_type: str, fam: Family, cfg: dict) -> str:
+    if model_type == "opt":  # transformers' OPTDecoder
+        if not cfg.get("do_layer_norm_before", True) or cfg.get("_remove_final_layer_norm", False):
+            return "none"
+        if cfg.get("layer_norm_elementwise_affine", True) is False:
+            return "layernorm_no_affine"
+    return fam.norm
+
+
+def locate(cfg: dict, names, where) -> Tensors:
+    """The tensors of the checkpoint at `where` whose config.json is `cfg` and whose tensor
+    names are `names`; UserError for an unknown family or a tensor it lacks."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        what = f"model_type {model_type!r}" if model_type else "no model_type"
+        raise UserError(f"{where}: config.json has {what}; the weights command knows "
+                        f"{', '.join(sorted(FAMILIES))} (use --tensor NAME to measure any 2-D tensor)")
+    fam = FAMILIES[model_type]
+    names = set(names)
+
+    def find(name: str | None, prefixed: bool = True) -> str | None:
+        forms = [fam.prefix + name, name] if prefixed else [name]
+        return next((n for n in forms if n in names), None) if name else None
+
+    def need(name: str, prefixed: bool = True) -> str:
+        found = find(name, prefixed)
+        if found is None:
+            raise UserError(f"{where} holds no {fam.prefix if prefixed else ''}{name}, which a {model_type} "
+                            "checkpoint has (model_type in config.json); use --tensor NAME to measure any "
+                            "2-D tensor")
+        return found
+
+    tie = cfg.get("tie_word_embeddings")
+    tied = fam.tied if tie is None else bool(tie)
+    unembed = next((n for n in fam.unembed if n in names), None)
+    if unembed is None and not tied:
+        need(fam.unembed[0], prefixed=False)
+    norm = _norm(model_type, fam, cfg)
+    has = norm in ("layernorm", "rmsnorm")
+    return Tensors(model_type, tied, need(fam.embed), unembed, norm, need(fam.norm_g) if has else None,
+                   need(fam.norm_b) if norm == "layernorm" else None)
