@@ -8,7 +8,8 @@ size, source and checkpoint), so G GPUs run G of them at once: GPU hours are the
 over the per-GPU rate, and the wall time on G GPUs is GPU hours / G. Sizes whose per-token
 statistics do not fit one card (6.9b and 12b at about 80 GB) run on several GPUs at the per-GPU rate
 measured for them where this machine has the GPUs, else are estimated from the model FLOPs per
-token at the MFU of the largest size measured here; the table marks each estimate.
+token at the MFU of the measured sizes around them (interpolated in log parameters; beyond the
+largest measured, its MFU); the table marks each estimate.
 
     python -m bench.paper_grid                                  # measure 70m .. 2.8b here, then the table
     python -m bench.paper_grid --sizes pythia-70m --tokens 1e6  # a quick look
@@ -84,15 +85,21 @@ def measure(sizes: list[str], tokens: float | None, peer: bool) -> dict:
 
 
 def per_gpu_rates(measured: dict, who: str) -> dict[str, tuple[float, bool]]:
-    """size -> (tokens/s per GPU, estimated?): measured where this run has it, else the FLOPs per
-    token at the MFU of the largest measured size."""
+    """size -> (tokens/s per GPU, estimated?): measured where this run has it, else from the
+    model's FLOPs per token at an MFU interpolated (in log parameters) between the measured sizes
+    around it, or the nearest measured size's beyond them."""
+    import numpy as np
+
     from isojax.model.config import preset
     got = {s: r[who]["tokens_per_s"] for s, r in measured["sizes"].items() if r.get(who)}
     if not got:
         return {}
-    largest = max(got, key=lambda s: preset(s).param_count())
-    mfu = got[largest] * preset(largest).flops_per_token(gram=True) / measured["bf16_flops"]
-    return {s: (got[s], False) if s in got else (mfu * measured["bf16_flops"] / preset(s).flops_per_token(gram=True), True)
+    flops = {s: preset(s).flops_per_token(gram=True) for s in SIZES}
+    known = sorted(got, key=lambda s: preset(s).param_count())
+    x = [np.log(preset(s).param_count()) for s in known]
+    mfu = [got[s] * flops[s] / measured["bf16_flops"] for s in known]
+    return {s: (got[s], False) if s in got else
+            (float(np.interp(np.log(preset(s).param_count()), x, mfu)) * measured["bf16_flops"] / flops[s], True)
             for s in SIZES}
 
 
@@ -101,7 +108,7 @@ def table(measured: dict) -> str:
     lines = [f"card: {measured['card']}; jax {measured['jax']}; the paper's grid: {len(SIZES)} sizes x "
              f"{len(SOURCE_TOKENS)} sources ({sum(SOURCE_TOKENS.values()) / 1e9:.2f}B tokens) + training curves "
              f"of 70m and 410m (21 checkpoints x 107M tokens each); * = estimated from FLOPs at the MFU of the "
-             f"largest size measured"]
+             f"measured sizes around it (beyond them: the nearest)"]
     lines.append(f"{'size':<13}{'tokens':>9}{'isojax tok/s/GPU':>18}{'peer tok/s/GPU':>16}{'isojax GPU h':>14}"
                  f"{'peer GPU h':>12}")
     rates = {who: per_gpu_rates(measured, who) for who in ("isojax", "peer")}
