@@ -17,7 +17,7 @@ import pytest
 
 from conftest import max_rel_error
 from isojax.kernels import packed_attention
-from isojax.model.config import GPTNeoXConfig
+from isojax.model.config import ModelConfig
 from isojax.model.ops import apply_rotary, attention_xla, rotary_tables, segment_mask
 
 gpu = pytest.mark.gpu  # skipped without a GPU (conftest)
@@ -34,7 +34,7 @@ def packed_rows(lengths_per_row, t):
 
 
 def inputs(b, t, h, k, pct, lengths_per_row, seed=0):
-    cfg = GPTNeoXConfig(vocab_size=8, hidden_size=h * k, num_layers=1, num_heads=h, intermediate_size=8,
+    cfg = ModelConfig(vocab_size=8, hidden_size=h * k, num_layers=1, num_heads=h, intermediate_size=8,
                         rotary_pct=pct, max_position_embeddings=4096)
     rng = np.random.default_rng(seed)
     qkv = jnp.asarray(rng.normal(size=(b, t, h, 3, k)) * 2, jnp.bfloat16)
@@ -123,7 +123,7 @@ def test_model_states_equal_plain_attention():
     from isojax.model.gpt_neox import GPTNeoX, collect_states
     from isojax.model.options import ForwardOptions
 
-    cfg = GPTNeoXConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
+    cfg = ModelConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
                         rotary_pct=0.25, max_position_embeddings=256)
     params = random_params(cfg, "bfloat16", seed=3)
     tokens = np.random.default_rng(3).integers(0, 300, (2, 128)).astype(np.int32)
@@ -144,7 +144,7 @@ import jax, jax.numpy as jnp, numpy as np
 from isojax.kernels import packed_attention
 from isojax.device import mesh as parallel
 from isojax.hf.loading import random_params
-from isojax.model.config import GPTNeoXConfig
+from isojax.model.config import ModelConfig
 from isojax.model.gpt_neox import GPTNeoX, collect_states
 from isojax.model.options import ForwardOptions
 calls = []
@@ -153,7 +153,7 @@ def counted(qkv, *a, **k):
     calls.append(qkv.shape)
     return kernel(qkv, *a, **k)
 packed_attention.attention = counted
-cfg = GPTNeoXConfig(vocab_size=300, hidden_size=128, num_layers=1, num_heads=2, intermediate_size=256,
+cfg = ModelConfig(vocab_size=300, hidden_size=128, num_layers=1, num_heads=2, intermediate_size=256,
                     rotary_pct=0.25, max_position_embeddings=256)
 params = random_params(cfg, "bfloat16", seed=3)
 tokens = np.random.default_rng(3).integers(0, 300, (4, 64)).astype(np.int32)

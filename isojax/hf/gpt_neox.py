@@ -14,14 +14,14 @@ from typing import Callable
 
 import numpy as np
 
-from isojax.model.config import GPTNeoXConfig, read_hf_config
+from isojax.model.config import ModelConfig, read_hf_config
 from isojax.errors import UserError
 
 LAYER_LINEARS = ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def expected_shapes(cfg: GPTNeoXConfig) -> dict[str, tuple]:
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """Hugging Face tensor name -> shape for a GPTNeoXForCausalLM checkpoint."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     linear_out_in = {"attention.query_key_value": (3 * d, d), "attention.dense": (d, d),
@@ -39,7 +39,7 @@ def expected_shapes(cfg: GPTNeoXConfig) -> dict[str, tuple]:
     return shapes
 
 
-def hf_tensors(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNeoXConfig) -> dict[str, np.ndarray]:
+def hf_tensors(read: Callable[[str], np.ndarray], names: list[str], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Every tensor a GPT-NeoX of this config needs, as stored (checked for presence and shape)."""
     shapes = expected_shapes(cfg)
     have = set(names)
@@ -64,7 +64,7 @@ def hf_tensors(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNeoX
     return tensors
 
 
-def tensors_to_params(tensors: dict, cfg: GPTNeoXConfig, xp=np) -> dict:
+def tensors_to_params(tensors: dict, cfg: ModelConfig, xp=np) -> dict:
     """Hugging Face tensors -> the parameter tree (layers stacked, kernels [in, out]), with
     `xp` = numpy on the host or jax.numpy (inside jit: the stacking and transposes run on the
     device, where they cost nothing next to the host's strided copies)."""

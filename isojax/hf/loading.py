@@ -26,7 +26,7 @@ import numpy as np
 
 from isojax.hf.gpt_neox import read_hf_tensors, tensors_to_params
 from isojax.hf.orbax_io import is_converted, load_converted
-from isojax.model.config import GPTNeoXConfig, base_preset, hub_id, preset
+from isojax.model.config import ModelConfig, base_preset, hub_id, preset
 from isojax.errors import UserError
 from isojax.model.ops import DTYPES
 from isojax.model.gpt_neox import GPTNeoX, collect_states, single_row
@@ -41,7 +41,7 @@ def cache_root() -> Path:
 
 @dataclasses.dataclass
 class LoadedModel:
-    config: GPTNeoXConfig
+    config: ModelConfig
     params: dict
     weights: str                      # "pretrained" | "random"
     source: dict                      # name, revision, path, checksum (+ tokenizer once loaded)
@@ -98,7 +98,7 @@ def _forward_states(module, params, tokens, seg, pos, buf):
     return module.apply({"params": params}, tokens, seg, pos, buf, collect_states)
 
 
-def random_params(cfg: GPTNeoXConfig, dtype: str = "float32", seed: int = 0, mesh=None) -> dict:
+def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, mesh=None) -> dict:
     """Random weights of the config's shapes (normal(0.02), LayerNorms at 1/0), initialized on
     device in float32 and then cast, so every dtype of `random:<preset>` holds the same weights.
     With a mesh they are created where parallel.param_shardings puts them."""

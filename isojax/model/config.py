@@ -43,7 +43,7 @@ IRRELEVANT_KEYS = frozenset({
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTNeoXConfig:
+class ModelConfig:
     """Shape of a GPT-NeoX model. `num_states` = L + 2: embed, block_1..block_L, final_ln."""
 
     vocab_size: int
@@ -99,7 +99,7 @@ class GPTNeoXConfig:
         return dataclasses.asdict(self)
 
 
-def from_hf_dict(raw: dict, name: str = "") -> GPTNeoXConfig:
+def from_hf_dict(raw: dict, name: str = "") -> ModelConfig:
     """Build a config from a Hugging Face GPT-NeoX `config.json` dict, refusing what we don't implement."""
     cfg = dict(raw)
     model_type = cfg.get("model_type", "gpt_neox")
@@ -139,7 +139,7 @@ def from_hf_dict(raw: dict, name: str = "") -> GPTNeoXConfig:
                            "intermediate_size") if k not in cfg]
     if missing:
         raise UserError(f"config.json lacks {', '.join(missing)}")
-    return GPTNeoXConfig(
+    return ModelConfig(
         vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
         intermediate_size=int(cfg["intermediate_size"]), hidden_act=cfg.get("hidden_act", "gelu"),
@@ -149,7 +149,7 @@ def from_hf_dict(raw: dict, name: str = "") -> GPTNeoXConfig:
         use_parallel_residual=bool(cfg.get("use_parallel_residual", True)), name=name)
 
 
-def read_hf_config(path: str | Path, name: str = "") -> GPTNeoXConfig:
+def read_hf_config(path: str | Path, name: str = "") -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -172,7 +172,7 @@ def base_preset(name: str) -> str | None:
     return stem if (CONFIGS_DIR / f"{stem}.json").is_file() else None
 
 
-def preset(name: str) -> GPTNeoXConfig:
+def preset(name: str) -> ModelConfig:
     base = base_preset(name)
     if base is None:
         raise UserError(f"unknown preset {name!r}; presets: {', '.join(preset_names())} (and -deduped variants)")

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax.model.config import ACTIVATIONS, GPTNeoXConfig
+from isojax.model.config import ACTIVATIONS, ModelConfig
 from isojax.model.ops import apply_rotary, attention_pallas_tpu, attention_xla, gelu, rotary_tables, segment_mask
 from isojax.model.options import ForwardOptions
 
@@ -136,7 +136,7 @@ class DenseGelu(nn.Module):
 
 
 class Attention(nn.Module):
-    cfg: GPTNeoXConfig
+    cfg: ModelConfig
     dtype: Any
     param_dtype: Any
     precision: Any
@@ -174,7 +174,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    cfg: GPTNeoXConfig
+    cfg: ModelConfig
     dtype: Any
     param_dtype: Any
     precision: Any
@@ -212,7 +212,7 @@ class ObservedBlock(nn.Module):
     observer's work does not feed the block, so XLA may overlap the two (the statistics'
     collectives with the block's products)."""
 
-    cfg: GPTNeoXConfig
+    cfg: ModelConfig
     dtype: Any
     param_dtype: Any
     precision: Any
@@ -239,7 +239,7 @@ class GPTNeoX(nn.Module):
     otherwise. `options`: attention kernel, GELU, activation sharding (options.ForwardOptions).
     """
 
-    cfg: GPTNeoXConfig
+    cfg: ModelConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     options: ForwardOptions = ForwardOptions()
@@ -288,7 +288,7 @@ def single_row(token_ids_T):
     return (np.asarray(token_ids_T, np.int32)[None], np.ones((1, t), np.int32), np.arange(t, dtype=np.int32)[None])
 
 
-def param_shapes(cfg: GPTNeoXConfig, dtype=jnp.float32):
+def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
     """Parameter shapes without allocating (jax.eval_shape)."""
     model = GPTNeoX(cfg, dtype=dtype, param_dtype=dtype)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))
