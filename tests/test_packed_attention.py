@@ -93,6 +93,35 @@ def test_kernel_within_bf16_rounding_of_float64(b, t, h, k, pct, blocks, lengths
     assert err < 2 ** -7, (err, plain_err)
 
 
+
+def grouped_as_per_head(qkv_BxTxNxK, h):
+    """[B, T, H + 2G, K] ([q heads | k heads | v heads]) -> GPT-NeoX's [B, T, H, 3, K], each key and
+    value head copied to the H / G query heads it serves (Hugging Face's repeat_kv)."""
+    g = (qkv_BxTxNxK.shape[2] - h) // 2
+    q, k, v = qkv_BxTxNxK[:, :, :h], qkv_BxTxNxK[:, :, h:h + g], qkv_BxTxNxK[:, :, h + g:]
+    return jnp.stack([q, jnp.repeat(k, h // g, axis=2), jnp.repeat(v, h // g, axis=2)], axis=3)
+
+
+# (H, G, K, rotary pct, sequences per row): multi-query, grouped, and multi-head in the grouped layout
+GROUPED = [(4, 1, 32, 1.0, [[20, 30, 14]]), (4, 2, 32, 0.5, [[64]]), (2, 2, 16, 1.0, [[7, 50]])]
+
+
+@pytest.mark.parametrize("h,g,k,pct,lengths", GROUPED)
+def test_grouped_kernel_within_bf16_rounding_of_float64(h, g, k, pct, lengths):
+    """attention_grouped (G key/value heads for H query heads, read in place) against float64
+    attention of the same heads with k and v copied per group (the reference of the per-head kernel)."""
+    _, cos, sin, seg = inputs(1, 64, h, k, pct, lengths)
+    rng = np.random.default_rng(h * 10 + g)
+    qkv = jnp.asarray(rng.normal(size=(1, 64, h + 2 * g, k)) * 2, jnp.bfloat16)
+    bias = jnp.asarray(rng.normal(size=(h + 2 * g, k)), jnp.bfloat16)
+    got = np.asarray(packed_attention.attention_grouped(qkv, cos, sin, seg, bias, num_heads=h, block_q=32, block_k=32)
+                     .astype(jnp.float32), np.float64)
+    bias_Hx3xK = grouped_as_per_head(bias[None, None], h)[0, 0]
+    want = packed_attention.reference(grouped_as_per_head(qkv, h), cos, sin, seg, bias_Hx3xK)
+    real = np.asarray(seg) > 0
+    assert np.abs(got - want)[real].max() / np.abs(want[real]).max() < 2 ** -7
+
+
 def test_skipped_blocks_hold_nothing_the_kernel_needed():
     """Keys of other sequences set to huge values: any key block the kernel skips or visits from
     another sequence would change the output; it does not."""
