@@ -91,14 +91,16 @@ def tensors_to_params(tensors: dict, cfg: ModelConfig, xp=np) -> dict:
 
 
 def read_hf_tensors(path: Path, put: Callable | None = None):
-    """Hugging Face checkpoint dir -> (config, its tensors as stored (bfloat16 read as float32),
+    """Hugging Face checkpoint dir of any supported family (the others' tensors: isojax.hf.families) -> (config, its tensors as stored (bfloat16 read as float32),
     checksum of the weight files). put: applied to each tensor as stored (bfloat16 too), a view of
     the memory-mapped file (CheckpointReader.mapped), e.g. jax.device_put: no copy in host memory."""
     from isojax.hf.files import CheckpointReader
+    from isojax.hf import families
     cfg = read_hf_config(path, name=path.name)
     reader = CheckpointReader(path)
     read = reader.read if put is None else (lambda name: put(reader.mapped(name)))
-    return cfg, hf_tensors(read, reader.names(), cfg), files_checksum(reader.files())
+    tensors = (hf_tensors if cfg.family == "gpt_neox" else families.hf_tensors)(read, reader.names(), cfg)
+    return cfg, tensors, files_checksum(reader.files())
 
 
 def files_checksum(files, samples: int = 16, sample_bytes: int = 1 << 16) -> str:

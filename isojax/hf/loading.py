@@ -1,4 +1,4 @@
-"""`load_model`: any GPT-NeoX checkpoint -> config, parameters on device, tokenizer.
+"""`load_model`: a checkpoint of any supported family (GPT-NeoX, GPT-2, OPT, Falcon, the Llama family) -> config, parameters on device, tokenizer.
 
 Accepted names:
   random:<preset>          random weights of a preset's shapes (marked `weights="random"`)
@@ -24,12 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax.hf.gpt_neox import read_hf_tensors, tensors_to_params
+from isojax.hf.families import tensors_to_params
+from isojax.hf.gpt_neox import read_hf_tensors
 from isojax.hf.orbax_io import is_converted, load_converted
 from isojax.model.config import ModelConfig, base_preset, hub_id, preset
 from isojax.errors import UserError
 from isojax.model.ops import DTYPES
-from isojax.model.gpt_neox import GPTNeoX, collect_states, single_row
+from isojax.model.gpt_neox import collect_states, model_class, single_row
 from isojax.model.options import ForwardOptions
 from isojax.hf.tokenizer import load_tokenizer
 
@@ -61,9 +62,9 @@ class LoadedModel:
         return tok
 
     @property
-    def module(self) -> GPTNeoX:
+    def module(self):
         dt = DTYPES[self.dtype]
-        return GPTNeoX(self.config, dtype=dt, param_dtype=dt, options=ForwardOptions(attention=self.attention_impl,
+        return model_class(self.config)(self.config, dtype=dt, param_dtype=dt, options=ForwardOptions(attention=self.attention_impl,
                                                                                  mlp_kernel=self.mlp_impl,
                                                                                  norm_kernel=self.norm_impl))
 
@@ -102,7 +103,7 @@ def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, mesh=
     """Random weights of the config's shapes (normal(0.02), LayerNorms at 1/0), initialized on
     device in float32 and then cast, so every dtype of `random:<preset>` holds the same weights.
     With a mesh they are created where parallel.param_shardings puts them."""
-    module = GPTNeoX(cfg)
+    module = model_class(cfg)(cfg)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))
     make = lambda key: jax.tree.map(lambda p: p.astype(DTYPES[dtype]),
                                     module.init(key, tokens, seg, pos, None, lambda obs, s, x: obs)["params"])

@@ -1,5 +1,6 @@
-"""GPT-NeoX model shape: one frozen dataclass, presets in `configs/`, and a strict reader of
-Hugging Face `config.json` files.
+"""Model shape: one frozen dataclass for every supported family (its family fields default to
+GPT-NeoX), presets in `configs/`, and strict readers of Hugging Face `config.json` files (GPT-NeoX
+here, the other families in isojax.model.family_configs).
 
 The reader is an allowlist: every attribute of a config.json is either implemented, checked
 to have the one value we implement, or known to be irrelevant to a forward pass without
@@ -26,8 +27,11 @@ def _configs_dir() -> Path:
 
 CONFIGS_DIR = _configs_dir()
 
-# Activations by Hugging Face name -> whether the tanh approximation is used.
+# GELU activations by Hugging Face name -> whether the tanh approximation is used.
 ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_fast": True, "gelu_pytorch_tanh": True}
+# Every activation a model may use (GPT-NeoX: the GELUs only).
+ALL_ACTIVATIONS = (*ACTIVATIONS, "relu", "silu")
+NORMS = ("layer", "rms", "layer_no_affine")
 
 # Attributes that do not change the hidden states of an inference forward pass.
 IRRELEVANT_KEYS = frozenset({
@@ -58,18 +62,44 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
     use_parallel_residual: bool = True
     name: str = ""
+    # The family fields (README "Model families"); their defaults are GPT-NeoX's.
+    family: str = "gpt_neox"            # Hugging Face model_type: which module and tensor reader
+    num_kv_heads: int | None = None     # key/value heads, each shared by num_heads / num_kv_heads query heads
+    attention_head_dim: int | None = None  # None: hidden_size / num_heads
+    norm: str = "layer"                 # "layer", "rms" (RMSNorm) or "layer_no_affine" (OLMo)
+    norm_bias: bool = True              # LayerNorms with a bias
+    qkv_bias: bool = True
+    out_bias: bool = True               # the attention's output projection
+    mlp_bias: bool = True
+    gated_mlp: bool = False             # SwiGLU: down(act(gate x) * up x) instead of down(act(up x))
+    learned_positions: bool = False     # a learned absolute position table instead of rotary
+    position_offset: int = 0            # row of position 0 in that table (OPT: 2)
+    shared_input_norm: bool = False     # parallel residual with one norm read by both sublayers (Falcon-7B)
+    post_sublayer_norms: bool = False   # OLMo-2: x + norm(attn(x)), then + norm(mlp(.)); no pre-norms
+    qk_norm: bool = False               # OLMo-2: RMSNorm over all heads of q and of k before rotary
+    clip_qkv: float | None = None       # OLMo: q, k, v clamped to [-clip, clip]
+    tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        if self.hidden_size % self.num_heads:
+        if self.attention_head_dim is None and self.hidden_size % self.num_heads:
             raise UserError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if self.hidden_act not in ACTIVATIONS:
-            raise UserError(f"hidden_act {self.hidden_act!r} is not implemented (have: {', '.join(ACTIVATIONS)})")
+        if self.num_heads % self.kv_heads:
+            raise UserError(f"num_heads {self.num_heads} is not a multiple of the key/value heads {self.kv_heads}")
+        acts = ACTIVATIONS if self.family == "gpt_neox" else ALL_ACTIVATIONS
+        if self.hidden_act not in acts:
+            raise UserError(f"hidden_act {self.hidden_act!r} is not implemented (have: {', '.join(acts)})")
+        if self.norm not in NORMS:
+            raise UserError(f"norm {self.norm!r} is not implemented (have: {', '.join(NORMS)})")
         if self.rotary_dims % 2:
             raise UserError(f"rotary dims {self.rotary_dims} must be even")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attention_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     @property
     def rotary_dims(self) -> int:
@@ -84,12 +114,23 @@ class ModelConfig:
         return ["embed"] + [f"block_{i}" for i in range(1, self.num_layers + 1)] + ["final_ln"]
 
     def non_embedding_params(self) -> int:
-        d, f = self.hidden_size, self.intermediate_size
-        per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-        return self.num_layers * per_layer + 2 * d
+        d, f, k = self.hidden_size, self.intermediate_size, self.head_dim
+        qkv = (self.num_heads + 2 * self.kv_heads) * k
+        norm = {"layer": d * (1 + self.norm_bias), "rms": d, "layer_no_affine": 0}[self.norm]
+        norms = 1 if self.shared_input_norm else 2
+        attention = d * qkv + self.qkv_bias * qkv + self.num_heads * k * d + self.out_bias * d
+        mlp_in = 2 if self.gated_mlp else 1
+        mlp = mlp_in * (d * f + self.mlp_bias * f) + f * d + self.mlp_bias * d
+        qk_norms = qkv - self.kv_heads * k if self.qk_norm else 0
+        return self.num_layers * (norms * norm + attention + mlp + qk_norms) + norm
+
+    def position_table_rows(self) -> int:
+        """Rows of the learned position table (0 with rotary positions)."""
+        return self.max_position_embeddings + self.position_offset if self.learned_positions else 0
 
     def param_count(self) -> int:
-        return self.non_embedding_params() + 2 * self.vocab_size * self.hidden_size
+        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size + self.position_table_rows()
+        return self.non_embedding_params() + embeddings * self.hidden_size
 
     def flops_per_token(self, gram: bool = True) -> float:
         """Forward matmul FLOPs per token (2 x non-embedding params) plus 2d^2 per state for a Gram."""
@@ -100,11 +141,20 @@ class ModelConfig:
 
 
 def from_hf_dict(raw: dict, name: str = "") -> ModelConfig:
-    """Build a config from a Hugging Face GPT-NeoX `config.json` dict, refusing what we don't implement."""
+    """Build a config from a Hugging Face `config.json` dict of a supported family, refusing what
+    we don't implement."""
+    from isojax.model import family_configs
+    model_type = raw.get("model_type", "gpt_neox")
+    if model_type == "gpt_neox":
+        return _gpt_neox_from_hf(raw, name)
+    if model_type not in family_configs.READERS:
+        raise UserError(f"model_type {model_type!r} is not supported; isojax runs "
+                        f"{', '.join(['gpt_neox', *family_configs.READERS])}")
+    return family_configs.READERS[model_type](dict(raw), name)
+
+
+def _gpt_neox_from_hf(raw: dict, name: str) -> ModelConfig:
     cfg = dict(raw)
-    model_type = cfg.get("model_type", "gpt_neox")
-    if model_type != "gpt_neox":
-        raise UserError(f"model_type {model_type!r} is not GPT-NeoX; isojax runs GPT-NeoX / Pythia checkpoints")
 
     def check(key, ok, expected):
         if key in cfg and cfg[key] is not None and not ok(cfg[key]):

@@ -1,0 +1,209 @@
+"""GPT-2, OPT, Falcon and the Llama family (Llama, Mistral, Qwen2, OLMo, OLMo-2) against Hugging Face
+PyTorch float32: random checkpoints of several shapes built with transformers' own classes
+(norms and biases randomized), all L+2 states, packed rows, and an extract run's metrics against
+float64 metrics of Hugging Face's states."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import TOKENIZER_JSON, max_rel_error
+from isojax import load_model
+from isojax.errors import UserError
+from isojax.model.config import from_hf_dict
+
+VOCAB = 320
+
+# family -> shapes: (config kwargs of the transformers class) with tiny widths; kv heads 1, 2 and 4.
+LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+SHAPES = {
+    "llama": [dict(LLAMA, num_key_value_heads=2), dict(LLAMA, num_key_value_heads=1, num_hidden_layers=3,
+                                                       attention_bias=True, mlp_bias=True, head_dim=32,
+                                                       rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                                                       tie_word_embeddings=True)],
+    "mistral": [dict(LLAMA, num_key_value_heads=2, sliding_window=4096),
+                dict(LLAMA, num_key_value_heads=3, sliding_window=None, hidden_size=96, num_attention_heads=6)],
+    "qwen2": [dict(LLAMA, num_key_value_heads=2), dict(LLAMA, num_key_value_heads=1, num_hidden_layers=3,
+                                                       tie_word_embeddings=True)],
+    "olmo": [dict(LLAMA, num_key_value_heads=4), dict(LLAMA, num_key_value_heads=2, clip_qkv=0.5)],
+    "olmo2": [dict(LLAMA, num_key_value_heads=4), dict(LLAMA, num_key_value_heads=2, num_hidden_layers=3)],
+    "gpt2": [dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128),
+             dict(vocab_size=VOCAB, n_embd=96, n_layer=3, n_head=2, n_inner=80, n_positions=64,
+                  activation_function="gelu")],
+    "opt": [dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=128, word_embed_proj_dim=64),
+            dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=80, num_hidden_layers=3, num_attention_heads=2,
+                 max_position_embeddings=64, word_embed_proj_dim=64, enable_bias=False,
+                 layer_norm_elementwise_affine=False, tie_word_embeddings=False)],
+    # multi-query with one shared norm (Falcon-7B), multi-head sequential with biases, and the new
+    # architecture with grouped queries and two norms (Falcon-40B) or one
+    "falcon": [dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+               dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+                    num_kv_heads=4, parallel_attn=False, bias=True, tie_word_embeddings=False),
+               dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                    new_decoder_architecture=True, num_kv_heads=2, bias=True, ffn_hidden_size=96),
+               dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    new_decoder_architecture=True, num_kv_heads=1, num_ln_in_parallel_attn=1)],
+}
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "olmo": ("OlmoConfig", "OlmoForCausalLM"),
+           "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+           "opt": ("OPTConfig", "OPTForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
+CASES = [(family, i) for family, shapes in SHAPES.items() for i in range(len(shapes))]
+
+
+def build(directory, family: str, seed: int = 0, tokenizer: bool = False, **kwargs):
+    """A transformers model of the family with random weights, norms and biases randomized too,
+    saved with save_pretrained (safetensors)."""
+    import torch
+    import transformers
+
+    config_class, model_class = (getattr(transformers, name) for name in CLASSES[family])
+    torch.manual_seed(seed)
+    model = model_class(config_class(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            elif p.ndim == 1:  # norm scales
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    if tokenizer:
+        from transformers import PreTrainedTokenizerFast
+        PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER_JSON)).save_pretrained(directory)
+    return model
+
+
+def hf_states(model, ids) -> np.ndarray:
+    """Hugging Face's L+1 hidden states plus the raw last block (a forward hook on the last layer:
+    HF's last entry is after the final norm), [L+2, T, D] float64."""
+    import torch
+
+    trunk = model.base_model
+    layers = getattr(trunk, "layers", None) or getattr(trunk, "h", None) or trunk.decoder.layers
+    captured = {}
+    hook = layers[-1].register_forward_hook(
+        lambda mod, inp, out: captured.__setitem__("x", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            out = trunk(torch.as_tensor(np.asarray(ids, np.int64))[None], output_hidden_states=True)
+    finally:
+        hook.remove()
+    hs = [h[0].double().numpy() for h in out.hidden_states]
+    return np.stack(hs[:-1] + [captured["x"][0].double().numpy(), hs[-1]])
+
+
+@pytest.mark.parametrize("family,shape", CASES, ids=[f"{f}-{i}" for f, i in CASES])
+def test_states_match_hugging_face(tmp_path, family, shape):
+    kwargs = SHAPES[family][shape]
+    model = build(tmp_path, family, seed=shape, **kwargs)
+    ours = load_model(tmp_path)
+    assert ours.config.family == family
+    layers = ours.config.num_layers
+    rng = np.random.default_rng(shape)
+    # ids from 3: OLMo's and OPT's pad token (1) embeds to zero, a vector no relative error is defined for
+    a, b = rng.integers(3, VOCAB, size=29), rng.integers(3, VOCAB, size=18)
+    ref_a, ref_b = hf_states(model, a), hf_states(model, b)
+    got = ours.hidden_states(a)
+    assert got.shape == (layers + 2, 29, ours.config.hidden_size)
+    for s, name in enumerate(ours.config.state_names):
+        assert max_rel_error(got[s], ref_a[s]) < 1e-5, name
+    assert max_rel_error(got[-2], ref_a[-1]) > 1e-2  # the raw last block is not the final norm's output
+    # both sequences packed in one row (positions restart), padding after them
+    t = 64
+    tokens, seg, pos = np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.zeros((1, t), np.int32)
+    tokens[0, :29], tokens[0, 29:47] = a, b
+    seg[0, :29], seg[0, 29:47] = 1, 2
+    pos[0, :29], pos[0, 29:47] = np.arange(29), np.arange(18)
+    packed = ours.hidden_states_packed(tokens, seg, pos)
+    assert max_rel_error(packed[:, 0, :29], ref_a) < 1e-5
+    assert max_rel_error(packed[:, 0, 29:47], ref_b) < 1e-5
+
+
+def test_parameter_counts_match_hugging_face(tmp_path):
+    """ModelConfig.param_count (FLOPs and the manifest use it) counts what transformers builds."""
+    for family, shape in CASES:
+        kwargs = SHAPES[family][shape]
+        model = build(tmp_path / f"{family}{shape}", family, **kwargs)
+        cfg = from_hf_dict(json.loads((tmp_path / f"{family}{shape}" / "config.json").read_text()))
+        want = sum(p.numel() for p in model.parameters())  # tied: one copy, as named_parameters dedups
+        assert cfg.param_count() == want, (family, shape)
+
+
+GOOD = {"model_type": "llama", "vocab_size": 10, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 16}
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"model_type": "bloom"}, "gpt_neox, llama, mistral, qwen2, olmo, olmo2, gpt2, opt, falcon"),
+    ({"some_new_feature": 1}, "some_new_feature"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"pretraining_tp": 2}, "pretraining_tp"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"model_type": "gpt2", "reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
+    ({"model_type": "opt", "do_layer_norm_before": False, "ffn_dim": 16}, "do_layer_norm_before"),
+    ({"model_type": "opt", "word_embed_proj_dim": 16, "ffn_dim": 16}, "word_embed_proj_dim"),
+    ({"model_type": "falcon", "alibi": True}, "alibi"),
+    ({"model_type": "falcon", "new_decoder_architecture": True, "parallel_attn": False}, "parallel_attn"),
+])
+def test_config_refusals_name_the_attribute(bad, message):
+    raw = {**GOOD, **bad}
+    if raw["model_type"] in ("gpt2", "opt", "falcon"):
+        raw.pop("num_key_value_heads")
+        raw.pop("intermediate_size")
+    with pytest.raises(UserError, match=message):
+        from_hf_dict(raw)
+
+
+def test_mistral_context_is_capped_at_its_sliding_window():
+    """Sequences no longer than the window see exactly the causal attention."""
+    cfg = from_hf_dict({**GOOD, "model_type": "mistral", "max_position_embeddings": 4096, "sliding_window": 1024})
+    assert cfg.max_position_embeddings == 1024
+
+
+def test_mismatched_weights_are_refused_by_name(tmp_path):
+    import safetensors.numpy
+
+    build(tmp_path, "llama", **SHAPES["llama"][0])
+    tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(tmp_path)
+
+
+EXTRACT_CASES = [("llama", 0), ("olmo2", 0), ("gpt2", 0), ("opt", 0), ("falcon", 2)]
+
+
+@pytest.mark.parametrize("family,shape", [pytest.param(f, s, marks=[] if f == "llama" else pytest.mark.slow)
+                                          for f, s in EXTRACT_CASES])
+def test_extract_metrics_match_float64_reference(tmp_path, monkeypatch, family, shape):
+    """`python -m isojax.extract --model <folder>` on each family: its metrics equal float64 ones
+    from Hugging Face's states (the GPT-NeoX test's reference), the tokenizer the folder's own."""
+    from test_extract import reference_metrics, write_pile_jsonl
+    from tokenizers import Tokenizer
+
+    from isojax.extract import main
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
+    kwargs = dict(SHAPES[family][shape], vocab_size=50304)
+    model = build(tmp_path / "ckpt", family, tokenizer=True, **kwargs)
+    docs = write_pile_jsonl(tmp_path / "pile.jsonl", 16, seed=4)
+    out = tmp_path / "out"
+    assert main(["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "pile.jsonl"), "--unit", "document",
+                 "--seq-len", "64", "--batch-tokens", "256", "--out", str(out), "--no-plots"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    tok = Tokenizer.from_file(str(tmp_path / "ckpt" / "tokenizer.json"))
+    ids = [np.array(tok.encode(text, add_special_tokens=False).ids) for _, text in docs]
+    ref = reference_metrics([hf_states(model, i) for i in ids], ids)
+    assert metrics["tokens"] == sum(map(len, ids))
+    for got, want in zip(metrics["layers"], ref, strict=True):
+        assert got["count"] == want["count"]
+        for key in ("inter_sim", "intra_sim", "anisotropy"):
+            assert abs(got[key] - want[key]) < 2e-5, (got["name"], key, got[key], want[key])
+        assert abs(got["mean_norm"] - want["mean_norm"]) < 2e-5 * want["mean_norm"]
