@@ -207,3 +207,67 @@ def test_extract_metrics_match_float64_reference(tmp_path, monkeypatch, family, 
         for key in ("inter_sim", "intra_sim", "anisotropy"):
             assert abs(got[key] - want[key]) < 2e-5, (got["name"], key, got[key], want[key])
         assert abs(got["mean_norm"] - want["mean_norm"]) < 2e-5 * want["mean_norm"]
+
+
+def family_config(family: str, shape: int):
+    """The ModelConfig isojax reads from the transformers config of SHAPES[family][shape]."""
+    import transformers
+    raw = getattr(transformers, CLASSES[family][0])(**SHAPES[family][shape]).to_dict()
+    return from_hf_dict(raw)
+
+
+def test_kernel_choice_per_family(capsys, monkeypatch):
+    """The packed attention kernel takes rotary families with any number of key/value heads and
+    not learned positions, q/k norms or clipping; the fused MLP only an exact GELU with a bias;
+    the LayerNorm-pair kernel only two LayerNorms of one state. Fallbacks are logged; an explicit
+    choice that cannot run is refused. (Whether the kernels run here is their own tests' matter:
+    the probe is taken as passed.)"""
+    from isojax.kernels import packed_attention
+    monkeypatch.setattr(packed_attention, "works", lambda head_dim, rotary_dims: None)
+    from isojax.kernels.select import choose_attention, choose_mlp_kernel, choose_norm_kernel, layer_norm_pair
+
+    llama, gpt2, olmo2 = family_config("llama", 1), family_config("gpt2", 0), family_config("olmo2", 0)
+    assert llama.head_dim == 32 and llama.kv_heads == 1
+    assert choose_attention("packed", False, llama, "bfloat16", 128) == "packed"
+    for cfg in (gpt2, olmo2):
+        with pytest.raises(UserError, match="attention packed is for rotary attention"):
+            choose_attention("packed", False, cfg, "bfloat16", 128)
+        assert choose_attention("packed", True, cfg, "bfloat16", 128) == "cudnn"
+    assert "packed attention does not run here" in capsys.readouterr().err
+    with pytest.raises(UserError, match="gated"):
+        choose_mlp_kernel("mosaic", llama, "bfloat16", 65536)
+    assert choose_mlp_kernel("auto", llama, "bfloat16", 65536) == "xla"
+    assert "fused MLP kernel does not apply to this llama MLP" in capsys.readouterr().err
+    falcon_7b, falcon_40b = family_config("falcon", 0), family_config("falcon", 2)
+    assert not layer_norm_pair(falcon_7b) and layer_norm_pair(falcon_40b) and not layer_norm_pair(llama)
+    with pytest.raises(UserError, match="other norms"):
+        choose_norm_kernel("pallas", falcon_7b, "bfloat16", 65536)
+    assert choose_norm_kernel("auto", falcon_7b, "bfloat16", 65536) == "xla"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,shape", [("llama", 1), ("falcon", 2)])
+def test_packed_attention_states_equal_plain_attention(family, shape):
+    """The bf16 model with the grouped packed kernel (interpret mode) on packed rows: the states of
+    plain attention within bf16 rounding (as GPT-NeoX's, tests/test_packed_attention.py)."""
+    import jax.numpy as jnp
+
+    from isojax.hf.loading import random_params
+    from isojax.model.decoder import Decoder
+    from isojax.model.gpt_neox import collect_states
+    from isojax.model.options import ForwardOptions
+    from test_packed_attention import packed_rows
+
+    cfg = family_config(family, shape)
+    params = random_params(cfg, "bfloat16", seed=3)
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (1, 64)).astype(np.int32)
+    seg, pos = packed_rows([[5, 40, 13]], 64)
+    buf = jnp.zeros((cfg.num_states, 1, 64, cfg.hidden_size), jnp.float32)
+    states = {}
+    for attention in ("xla", "packed"):
+        module = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention))
+        states[attention] = np.asarray(module.apply({"params": params}, tokens, seg, pos, buf, collect_states))
+    real = seg > 0
+    errors = [max_rel_error(states["packed"][s][real], states["xla"][s][real]) for s in range(cfg.num_states)]
+    assert max(errors) < 2e-2, errors
+    assert errors[0] == 0 and max(errors) > 0
