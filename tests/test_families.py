@@ -271,3 +271,30 @@ def test_packed_attention_states_equal_plain_attention(family, shape):
     errors = [max_rel_error(states["packed"][s][real], states["xla"][s][real]) for s in range(cfg.num_states)]
     assert max(errors) < 2e-2, errors
     assert errors[0] == 0 and max(errors) > 0
+
+
+def test_converted_checkpoint_gives_the_same_states(tmp_path):
+    """`python -m converters` (Orbax) keeps the family: the converted checkpoint's states are the
+    Hugging Face folder's."""
+    from isojax.hf.orbax_io import convert_dir
+
+    build(tmp_path / "hf", "falcon", **SHAPES["falcon"][2])
+    convert_dir(tmp_path / "hf", tmp_path / "converted")
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=17)
+    converted = load_model(tmp_path / "converted")
+    assert converted.config == load_model(tmp_path / "hf").config
+    np.testing.assert_array_equal(converted.hidden_states(ids), load_model(tmp_path / "hf").hidden_states(ids))
+
+
+def test_names_of_a_bare_model_checkpoint(tmp_path):
+    """GPT-2's hub checkpoints were saved from GPT2Model: names without "transformer." and the
+    causal-mask buffers h.N.attn.bias; they read as the LM-head class's."""
+    import safetensors.numpy
+
+    model = build(tmp_path, "gpt2", **SHAPES["gpt2"][0])
+    tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    bare = {name.removeprefix("transformer."): t for name, t in tensors.items()}
+    bare["h.0.attn.bias"] = np.tril(np.ones((1, 1, 128, 128), np.uint8))
+    safetensors.numpy.save_file(bare, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = np.arange(3, 40)
+    assert max_rel_error(load_model(tmp_path).hidden_states(ids), hf_states(model, ids)) < 1e-5

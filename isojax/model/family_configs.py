@@ -17,7 +17,7 @@ from isojax.model.config import IRRELEVANT_KEYS, ModelConfig
 _FAMILY_IRRELEVANT = {
     "gpt2": {"resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj", "summary_activation",
              "summary_proj_to_labels", "summary_first_dropout", "n_ctx"},
-    "opt": {"dropout", "layerdrop", "init_std"},
+    "opt": {"dropout", "activation_dropout", "layerdrop", "init_std"},
     "falcon": set(),
     "llama": set(), "mistral": set(), "qwen2": set(), "olmo": set(), "olmo2": set(),
 }
@@ -95,6 +95,7 @@ def _llama_like(raw: dict, name: str) -> ModelConfig:
         context = min(context, int(window)) if window is not None else context
     if family == "qwen2":
         c.only("use_sliding_window", (False,), False)
+        c.only("use_mrope", (False,), False)
         c.get("sliding_window"), c.get("max_window_layers")  # read: used only with use_sliding_window
         layer_types = c.get("layer_types", [])
         if any(t != "full_attention" for t in layer_types):
