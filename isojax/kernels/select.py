@@ -54,7 +54,7 @@ def exact_gelu_with_bias(cfg) -> bool:
 def layer_norm_pair(cfg) -> bool:
     """Whether each block reads two LayerNorms (scale and bias) of one state, the norm kernel's case."""
     return (cfg.use_parallel_residual and not cfg.shared_input_norm and not cfg.post_sublayer_norms
-            and cfg.norm == "layer" and cfg.norm_bias)
+            and cfg.norm == "layer")
 
 
 def check_norm_kernel(norm_kernel: str, dtype: str) -> None:

@@ -66,8 +66,7 @@ class ModelConfig:
     family: str = "gpt_neox"            # Hugging Face model_type: which module and tensor reader
     num_kv_heads: int | None = None     # key/value heads, each shared by num_heads / num_kv_heads query heads
     attention_head_dim: int | None = None  # None: hidden_size / num_heads
-    norm: str = "layer"                 # "layer", "rms" (RMSNorm) or "layer_no_affine" (OLMo)
-    norm_bias: bool = True              # LayerNorms with a bias
+    norm: str = "layer"                 # "layer" (scale and bias), "rms" (RMSNorm) or "layer_no_affine"
     qkv_bias: bool = True
     out_bias: bool = True               # the attention's output projection
     mlp_bias: bool = True
@@ -116,7 +115,7 @@ class ModelConfig:
     def non_embedding_params(self) -> int:
         d, f, k = self.hidden_size, self.intermediate_size, self.head_dim
         qkv = (self.num_heads + 2 * self.kv_heads) * k
-        norm = {"layer": d * (1 + self.norm_bias), "rms": d, "layer_no_affine": 0}[self.norm]
+        norm = {"layer": 2 * d, "rms": d, "layer_no_affine": 0}[self.norm]
         norms = 1 if self.shared_input_norm else 2
         attention = d * qkv + self.qkv_bias * qkv + self.num_heads * k * d + self.out_bias * d
         mlp_in = 2 if self.gated_mlp else 1

@@ -26,8 +26,8 @@ from isojax.model.options import ForwardOptions
 
 
 class Norm(nn.Module):
-    """The norms LayerNorm does not cover, statistics in float32: RMSNorm ("rms"), LayerNorm
-    without bias or without any parameter ("layer", "layer_no_affine")."""
+    """The norms GPT-NeoX's LayerNorm does not cover, statistics in float32: RMSNorm ("rms") and
+    LayerNorm without parameters ("layer_no_affine")."""
 
     kind: str
     eps: float
@@ -48,15 +48,12 @@ class Norm(nn.Module):
                 return (scale.astype(jnp.float32) * y).astype(self.dtype)
             return scale.astype(self.dtype) * y.astype(self.dtype)
         xc = x - x.mean(-1, keepdims=True)
-        y = xc * jax.lax.rsqrt((xc * xc).mean(-1, keepdims=True) + self.eps)
-        if self.kind == "layer":
-            y = y * self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
-        return y.astype(self.dtype)
+        return (xc * jax.lax.rsqrt((xc * xc).mean(-1, keepdims=True) + self.eps)).astype(self.dtype)
 
 
 def make_norm(cfg: ModelConfig, dtype, param_dtype, name: str) -> nn.Module:
-    """The family's norm: GPT-NeoX's LayerNorm where it has a scale and a bias, else a Norm."""
-    if cfg.norm == "layer" and cfg.norm_bias:
+    """The family's norm: GPT-NeoX's LayerNorm (scale and bias), else a Norm."""
+    if cfg.norm == "layer":
         return LayerNorm(cfg.layer_norm_eps, dtype, param_dtype, name=name)
     return Norm(cfg.norm, cfg.layer_norm_eps, dtype, param_dtype, scale_in_float32=cfg.family == "olmo2", name=name)
 

@@ -68,7 +68,8 @@ class _Fields:
 
     def finish(self, **fields) -> ModelConfig:
         unknown = sorted(set(self.raw) - self.read - IRRELEVANT_KEYS - _FAMILY_IRRELEVANT[self.family]
-                         - {"tie_word_embeddings"} - {"architectures", "auto_map"})
+                         # auto_map names remote code, which isojax never runs
+                         - {"tie_word_embeddings", "auto_map"})
         if unknown:
             raise UserError(f"config attribute(s) {', '.join(unknown)} not implemented by isojax's {self.family}; "
                             "refusing rather than computing something different")
@@ -104,12 +105,10 @@ def _llama_like(raw: dict, name: str) -> ModelConfig:
     if family == "olmo":
         clip = c.get("clip_qkv")
         # HF's OlmoLayerNorm: F.layer_norm without weight or bias, eps fixed at 1e-5
-        fields.update(norm="layer_no_affine", norm_bias=False, layer_norm_eps=1e-5,
+        fields.update(norm="layer_no_affine", layer_norm_eps=1e-5,
                       clip_qkv=None if clip is None else float(clip))
     if family == "olmo2":
         fields.update(post_sublayer_norms=True, qk_norm=True)
-    if fields["norm"] == "rms":
-        fields["norm_bias"] = False
     return c.finish(
         vocab_size=int(c.need("vocab_size")), hidden_size=hidden, num_layers=int(c.need("num_hidden_layers")),
         num_heads=heads, intermediate_size=int(c.need("intermediate_size")),
@@ -151,7 +150,7 @@ def _opt(raw: dict, name: str) -> ModelConfig:
         num_heads=int(c.need("num_attention_heads")), intermediate_size=int(c.need("ffn_dim")),
         hidden_act=c.only("activation_function", ("relu", "gelu", "gelu_new", "silu"), "relu"), rotary_pct=0.0,
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)), layer_norm_eps=1e-5,
-        use_parallel_residual=False, name=name, norm="layer" if affine else "layer_no_affine", norm_bias=affine,
+        use_parallel_residual=False, name=name, norm="layer" if affine else "layer_no_affine",
         qkv_bias=bias, out_bias=bias, mlp_bias=bias, learned_positions=True, position_offset=2,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", True)))
 
