@@ -91,8 +91,9 @@ def tensors_to_params(tensors: dict, cfg: ModelConfig, xp=np) -> dict:
 
 
 def read_hf_tensors(path: Path, put: Callable | None = None):
-    """Hugging Face checkpoint dir of any supported family (the others' tensors: isojax.hf.families) -> (config, its tensors as stored (bfloat16 read as float32),
-    checksum of the weight files). put: applied to each tensor as stored (bfloat16 too), a view of
+    """Hugging Face checkpoint dir of any supported family -> (config, its tensors as stored
+    (bfloat16 read as float32; the other families' named by isojax.hf.families), checksum of the
+    weight files). put: applied to each tensor as stored (bfloat16 too), a view of
     the memory-mapped file (CheckpointReader.mapped), e.g. jax.device_put: no copy in host memory."""
     from isojax.hf.files import CheckpointReader
     from isojax.hf import families

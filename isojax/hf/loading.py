@@ -1,4 +1,5 @@
-"""`load_model`: a checkpoint of any supported family (GPT-NeoX, GPT-2, OPT, Falcon, the Llama family) -> config, parameters on device, tokenizer.
+"""`load_model`: a checkpoint of any supported family (GPT-NeoX, GPT-2, OPT, Falcon, the Llama
+family; README "Model families") -> config, parameters on device, tokenizer.
 
 Accepted names:
   random:<preset>          random weights of a preset's shapes (marked `weights="random"`)
@@ -64,9 +65,8 @@ class LoadedModel:
     @property
     def module(self):
         dt = DTYPES[self.dtype]
-        return model_class(self.config)(self.config, dtype=dt, param_dtype=dt, options=ForwardOptions(attention=self.attention_impl,
-                                                                                 mlp_kernel=self.mlp_impl,
-                                                                                 norm_kernel=self.norm_impl))
+        options = ForwardOptions(attention=self.attention_impl, mlp_kernel=self.mlp_impl, norm_kernel=self.norm_impl)
+        return model_class(self.config)(self.config, dtype=dt, param_dtype=dt, options=options)
 
     def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
         """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]. Segment ids: 0 for
@@ -130,7 +130,7 @@ def place(params, dtype: str, mesh=None, build=None) -> dict:
 
 def load_model(name_or_path: str, revision: str | None = None, dtype: str = "float32",
                attention_impl: str = "xla", mesh=None) -> LoadedModel:
-    """Load any GPT-NeoX checkpoint; see module docstring for the accepted names. With a mesh
+    """Load a checkpoint of any supported family; see module docstring for the accepted names. With a mesh
     the parameters are placed on it (replicated, or split over its "model" axis)."""
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")

@@ -8,7 +8,10 @@ block on and below the diagonal, although in a packed row a query sees only its 
 This kernel reads q, k and v straight from the fused projection (before its bias, which XLA
 would otherwise add in a pass of its own), adds the bias and applies Hugging Face's rotate-half
 rotary to the first R dims of q and k as it loads them, and starts each query block's loop at
-the key block that holds the start of its first query's sequence.
+the key block that holds the start of its first query's sequence. Grouped- and multi-query
+attention (`attention_grouped`: H query heads, G key/value heads) reads the same way from a
+[B, T, H + 2G, K] projection, each query head's program loading its group's k and v: no head is
+copied.
 
 Numbers: the rotation rounds as PyTorch's bf16 rotary does (q*cos, rotate_half(q)*sin and
 their sum, each to bf16; rotate_half is a product with a signed permutation, exact); scores and
@@ -133,8 +136,8 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=N
              pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 0, 0)),
              pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 1, 0)),
              pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 2, 0))]
-    return _call(qkv_BxTxHx3xK, bias_Hx3xK, (h, 3, k), specs, h, cos_BxTxR, sin_BxTxR, segment_ids_BxT, block_q, block_k,
-                 num_warps, num_stages, interpret)
+    return _call(qkv_BxTxHx3xK, bias_Hx3xK, (h, 3, k), specs, h, cos_BxTxR, sin_BxTxR, segment_ids_BxT, block_q,
+                 block_k, num_warps, num_stages, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "block_q", "block_k", "num_warps", "num_stages",

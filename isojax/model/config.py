@@ -48,7 +48,8 @@ IRRELEVANT_KEYS = frozenset({
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a GPT-NeoX model. `num_states` = L + 2: embed, block_1..block_L, final_ln."""
+    """Shape of a model of any supported family (GPT-NeoX unless the family fields say otherwise).
+    `num_states` = L + 2: embed, block_1..block_L, final_ln (the final norm, whatever its kind)."""
 
     vocab_size: int
     hidden_size: int
