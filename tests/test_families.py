@@ -311,3 +311,41 @@ def test_bfloat16_states_within_documented_tolerance(tmp_path, family, shape):
     ref = hf_states(model, ids)
     errors = [max_rel_error(got[s], ref[s]) for s in range(len(ref))]
     assert 1e-5 < max(errors) < 3e-2, errors
+
+
+def test_extract_refuses_an_unsupported_family_or_attribute_in_one_line(tmp_path, capsys):
+    from isojax.extract import main
+
+    build(tmp_path / "llama", "llama", **SHAPES["llama"][0])
+    raw = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**raw, "some_new_feature": 1}))
+    (tmp_path / "bloom").mkdir()
+    (tmp_path / "bloom" / "config.json").write_text(json.dumps({"model_type": "bloom", "hidden_size": 64}))
+    for model, needle in ((tmp_path / "bloom", "isojax runs gpt_neox, llama, mistral, qwen2, olmo, olmo2, gpt2, "
+                                                "opt, falcon"), (tmp_path / "llama", "some_new_feature")):
+        assert main(["--model", str(model), "--out", str(tmp_path / "out"), "--max-tokens", "64"]) == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and needle in err and "Traceback" not in err, err
+
+
+def test_jax_attention_takes_the_key_value_heads_itself():
+    """attention "auto" hands jax.nn.dot_product_attention the G key/value heads (cuDNN's path on a
+    GPU, XLA's here): the states of the plain attention, which repeats them per group."""
+    import jax.numpy as jnp
+
+    from isojax.hf.loading import random_params
+    from isojax.model.decoder import Decoder
+    from isojax.model.gpt_neox import collect_states
+    from isojax.model.options import ForwardOptions
+    from test_packed_attention import packed_rows
+
+    cfg = family_config("llama", 0)
+    assert 1 < cfg.kv_heads < cfg.num_heads
+    params = random_params(cfg, seed=4)
+    tokens = np.random.default_rng(4).integers(0, VOCAB, (1, 48)).astype(np.int32)
+    seg, pos = packed_rows([[30, 12]], 48)
+    buf = jnp.zeros((cfg.num_states, 1, 48, cfg.hidden_size), jnp.float32)
+    states = [np.asarray(Decoder(cfg, options=ForwardOptions(attention=a)).apply(
+        {"params": params}, tokens, seg, pos, buf, collect_states)) for a in ("xla", "auto")]
+    real = seg > 0
+    assert max_rel_error(states[1][:, real], states[0][:, real]) < 1e-6
