@@ -30,7 +30,7 @@ Combine = Callable  # (list of tensors, xp) -> the parameter
 class Layout:
     prefix: str                              # the LM-head class's prefix of the trunk's names
     layers: str                              # the layer list under the prefix ("model.layers.")
-    shapes: dict[str, tuple]                 # every tensor: name (layer ones as "{i}.suffix") -> shape
+    shapes: dict[str, tuple]                 # every tensor, by its full name -> shape
     params: list[tuple[tuple, list[str], Combine]]  # tree path, source tensors, how to combine them
     ignored: str = r"$^"                     # buffers some exporters keep (a regex of whole names)
 
@@ -214,7 +214,7 @@ def hf_tensors(read: Callable[[str], np.ndarray], names: list[str], cfg: ModelCo
     if cfg.tie_word_embeddings:  # some exporters write the tied copy too; it carries nothing new
         stored.pop("lm_head.weight", None)
     extra = sorted(n for n in set(stored) - set(layout.shapes)
-                   if not n.endswith((".inv_freq", ".rotary_emb.inv_freq")) and not re.fullmatch(layout.ignored, n))
+                   if not n.endswith(".inv_freq") and not re.fullmatch(layout.ignored, n))
     missing = [n for n in layout.shapes if n not in stored]
     if missing:
         raise UserError(f"checkpoint lacks {len(missing)} tensor(s) of a {cfg.family} with {cfg.num_layers} "
