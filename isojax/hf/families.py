@@ -1,5 +1,7 @@
-"""Hugging Face tensors of GPT-2, OPT, Falcon and the Llama family -> isojax.model.decoder's
-parameter tree (layer weights stacked on axis 0); GPT-NeoX's are isojax.hf.gpt_neox's.
+"""Hugging Face checkpoints of every supported family: `read_hf_tensors` (config, tensors,
+checksum) and `tensors_to_params`. GPT-2's, OPT's, Falcon's and the Llama family's tensors become
+isojax.model.decoder's parameter tree (layer weights stacked on axis 0) here; GPT-NeoX's are
+isojax.hf.gpt_neox's.
 
 Each family's layout lists, per parameter of the tree, the Hugging Face tensors it is made of
 and how: torch `nn.Linear` weights [out, in] are transposed to Flax kernels [in, out]; GPT-2's
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from isojax.errors import UserError
-from isojax.model.config import ModelConfig
+from isojax.hf import gpt_neox
+from isojax.model.config import ModelConfig, read_hf_config
 
 Combine = Callable  # (list of tensors, xp) -> the parameter
 
@@ -234,7 +238,6 @@ def tensors_to_params(tensors: dict, cfg: ModelConfig, xp=np) -> dict:
     """Hugging Face tensors -> the parameter tree (layers stacked), with `xp` numpy or jax.numpy
     (as isojax.hf.gpt_neox.tensors_to_params)."""
     if cfg.family == "gpt_neox":
-        from isojax.hf import gpt_neox
         return gpt_neox.tensors_to_params(tensors, cfg, xp)
     layout = LAYOUTS[cfg.family](cfg)
     tree: dict = {}
@@ -250,3 +253,16 @@ def tensors_to_params(tensors: dict, cfg: ModelConfig, xp=np) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = xp.ascontiguousarray(value) if xp is np else value
     return tree
+
+
+def read_hf_tensors(path: Path, put: Callable | None = None):
+    """Hugging Face checkpoint dir of any supported family -> (config, its tensors as stored
+    (bfloat16 read as float32), checksum of the weight files). put: applied to each tensor as
+    stored (bfloat16 too), a view of the memory-mapped file (CheckpointReader.mapped), e.g.
+    jax.device_put: no copy in host memory."""
+    from isojax.hf.files import CheckpointReader
+    cfg = read_hf_config(path, name=path.name)
+    reader = CheckpointReader(path)
+    read = reader.read if put is None else (lambda name: put(reader.mapped(name)))
+    tensors = (gpt_neox.hf_tensors if cfg.family == "gpt_neox" else hf_tensors)(read, reader.names(), cfg)
+    return cfg, tensors, gpt_neox.files_checksum(reader.files())

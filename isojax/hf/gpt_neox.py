@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from isojax.model.config import ModelConfig, read_hf_config
+from isojax.model.config import ModelConfig
 from isojax.errors import UserError
 
 LAYER_LINEARS = ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
@@ -88,20 +88,6 @@ def tensors_to_params(tensors: dict, cfg: ModelConfig, xp=np) -> dict:
                              "bias": tensors["gpt_neox.final_layer_norm.bias"]},
         "layers": {"block": block},
     }
-
-
-def read_hf_tensors(path: Path, put: Callable | None = None):
-    """Hugging Face checkpoint dir of any supported family -> (config, its tensors as stored
-    (bfloat16 read as float32; the other families' named by isojax.hf.families), checksum of the
-    weight files). put: applied to each tensor as stored (bfloat16 too), a view of
-    the memory-mapped file (CheckpointReader.mapped), e.g. jax.device_put: no copy in host memory."""
-    from isojax.hf.files import CheckpointReader
-    from isojax.hf import families
-    cfg = read_hf_config(path, name=path.name)
-    reader = CheckpointReader(path)
-    read = reader.read if put is None else (lambda name: put(reader.mapped(name)))
-    tensors = (hf_tensors if cfg.family == "gpt_neox" else families.hf_tensors)(read, reader.names(), cfg)
-    return cfg, tensors, files_checksum(reader.files())
 
 
 def files_checksum(files, samples: int = 16, sample_bytes: int = 1 << 16) -> str:

@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax.hf.families import tensors_to_params
-from isojax.hf.gpt_neox import read_hf_tensors
+from isojax.hf.families import read_hf_tensors, tensors_to_params
 from isojax.hf.orbax_io import is_converted, load_converted
 from isojax.model.config import ModelConfig, base_preset, hub_id, preset
 from isojax.errors import UserError
 from isojax.model.ops import DTYPES
-from isojax.model.gpt_neox import collect_states, model_class, single_row
+from isojax.model.decoder import model_class
+from isojax.model.gpt_neox import collect_states, single_row
 from isojax.model.options import ForwardOptions
 from isojax.hf.tokenizer import load_tokenizer
 

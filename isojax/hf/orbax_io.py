@@ -56,8 +56,7 @@ def convert_dir(src: Path, dst: Path, source: dict | None = None, overwrite: boo
 
     import numpy as np
 
-    from isojax.hf.families import tensors_to_params
-    from isojax.hf.gpt_neox import read_hf_tensors
+    from isojax.hf.families import read_hf_tensors, tensors_to_params
     from isojax.atomic import staged_dir
     dst = Path(dst)
     if dst.exists() and not overwrite:

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from isojax.errors import UserError
+from isojax.model.family_configs import IRRELEVANT_KEYS, READERS
 
 def _configs_dir() -> Path:
     """configs/ of a source checkout, else the copy installed as package data of isojax.configs."""
@@ -32,19 +33,6 @@ ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_fast": True, "gelu_pytorch
 # Every activation a model may use (GPT-NeoX: the GELUs only).
 ALL_ACTIVATIONS = (*ACTIVATIONS, "relu", "silu")
 NORMS = ("layer", "rms", "layer_no_affine")
-
-# Attributes that do not change the hidden states of an inference forward pass.
-IRRELEVANT_KEYS = frozenset({
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
-    "name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    "decoder_start_token_id", "initializer_range", "use_cache", "attention_dropout", "hidden_dropout",
-    "classifier_dropout", "is_decoder", "return_dict", "output_hidden_states", "output_attentions",
-    "torchscript", "use_bfloat16", "tokenizer_class", "task_specific_params", "problem_type",
-    "id2label", "label2id", "num_labels", "finetuning_task", "prefix", "add_cross_attention",
-    "tie_encoder_decoder", "chunk_size_feed_forward", "is_encoder_decoder", "pruned_heads",
-    "hub_id", "tie_word_embeddings", "use_flash_attention", "gradient_checkpointing",
-})
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -143,14 +131,12 @@ class ModelConfig:
 def from_hf_dict(raw: dict, name: str = "") -> ModelConfig:
     """Build a config from a Hugging Face `config.json` dict of a supported family, refusing what
     we don't implement."""
-    from isojax.model import family_configs
     model_type = raw.get("model_type", "gpt_neox")
     if model_type == "gpt_neox":
         return _gpt_neox_from_hf(raw, name)
-    if model_type not in family_configs.READERS:
-        raise UserError(f"model_type {model_type!r} is not supported; isojax runs "
-                        f"{', '.join(['gpt_neox', *family_configs.READERS])}")
-    return family_configs.READERS[model_type](dict(raw), name)
+    if model_type not in READERS:
+        raise UserError(f"model_type {model_type!r} is not supported; isojax runs {', '.join(['gpt_neox', *READERS])}")
+    return ModelConfig(name=name, **READERS[model_type](dict(raw)))
 
 
 def _gpt_neox_from_hf(raw: dict, name: str) -> ModelConfig:

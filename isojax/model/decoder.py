@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from isojax.model.config import ACTIVATIONS, ModelConfig
-from isojax.model.gpt_neox import (DenseGelu, LayerNorm, ObservedBlock, Observer, _matmul, layer_norm_pair,
-                                   observe_last_two)
+from isojax.model.gpt_neox import (DenseGelu, GPTNeoX, LayerNorm, ObservedBlock, Observer, _matmul,
+                                   layer_norm_pair, observe_last_two)
 from isojax.model.ops import apply_rotary, attention_pallas_tpu, attention_xla, gelu, rotary_tables, segment_mask
 from isojax.model.options import ForwardOptions
 
@@ -231,3 +231,8 @@ class Decoder(nn.Module):
             (x_BxTxD, obs), jnp.arange(1, cfg.num_layers + 1), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
         h_BxTxD = make_norm(cfg, self.dtype, self.param_dtype, "final_layer_norm")(x_BxTxD)
         return observe_last_two(observe, obs, x_BxTxD, h_BxTxD, cfg.num_layers)
+
+
+def model_class(cfg: ModelConfig):
+    """The Flax module of the config's family: GPTNeoX (isojax.model.gpt_neox), or Decoder."""
+    return GPTNeoX if cfg.family == "gpt_neox" else Decoder

@@ -1,8 +1,9 @@
 """Hugging Face `config.json` readers of the families other than GPT-NeoX (isojax.model.config
-reads GPT-NeoX's): each turns one family's attributes into a ModelConfig with the same allowlist
-strictness. An attribute is read (implemented), checked to have the one value implemented, or
-known not to change an inference forward pass (config.IRRELEVANT_KEYS and each family's own
-dropout and head settings); any other is refused by name.
+reads GPT-NeoX's and builds the ModelConfig): each turns one family's attributes into ModelConfig
+fields with the same allowlist strictness. An attribute is read (implemented), checked to have
+the one value implemented, or known not to change an inference forward pass (IRRELEVANT_KEYS,
+shared with the GPT-NeoX reader, and each family's own dropout and head settings); any other is
+refused by name.
 
 The semantics are transformers' modeling_<family>.py (5.x): README "Model families" lists what
 each field does and what is refused.
@@ -11,7 +12,18 @@ each field does and what is refused.
 from __future__ import annotations
 
 from isojax.errors import UserError
-from isojax.model.config import IRRELEVANT_KEYS, ModelConfig
+
+# Attributes that do not change the hidden states of an inference forward pass.
+IRRELEVANT_KEYS = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "initializer_range", "use_cache", "attention_dropout", "hidden_dropout",
+    "classifier_dropout", "is_decoder", "return_dict", "output_hidden_states", "output_attentions",
+    "torchscript", "use_bfloat16", "tokenizer_class", "task_specific_params", "problem_type",
+    "id2label", "label2id", "num_labels", "finetuning_task", "prefix", "add_cross_attention",
+    "tie_encoder_decoder", "chunk_size_feed_forward", "is_encoder_decoder", "pruned_heads",
+    "hub_id", "tie_word_embeddings", "use_flash_attention", "gradient_checkpointing",
+})
 
 # Per family: attributes that only matter to training, generation or other heads.
 _FAMILY_IRRELEVANT = {
@@ -66,17 +78,17 @@ class _Fields:
             fraction = rope.get("partial_rotary_factor", fraction)
         return float(fraction), float(theta)
 
-    def finish(self, **fields) -> ModelConfig:
+    def finish(self, **fields) -> dict:
+        """The ModelConfig fields, once every attribute is accounted for."""
         unknown = sorted(set(self.raw) - self.read - IRRELEVANT_KEYS - _FAMILY_IRRELEVANT[self.family]
-                         # auto_map names remote code, which isojax never runs
-                         - {"tie_word_embeddings", "auto_map"})
+                                          - {"auto_map"})  # auto_map names remote code, which isojax never runs
         if unknown:
             raise UserError(f"config attribute(s) {', '.join(unknown)} not implemented by isojax's {self.family}; "
                             "refusing rather than computing something different")
-        return ModelConfig(family=self.family, **fields)
+        return dict(family=self.family, **fields)
 
 
-def _llama_like(raw: dict, name: str) -> ModelConfig:
+def _llama_like(raw: dict) -> dict:
     """Llama, Mistral, Qwen2, OLMo, OLMo-2: RMSNorm (OLMo: LayerNorm without parameters), SwiGLU,
     rotary over whole heads, grouped-query attention."""
     family = raw["model_type"]
@@ -113,13 +125,13 @@ def _llama_like(raw: dict, name: str) -> ModelConfig:
         vocab_size=int(c.need("vocab_size")), hidden_size=hidden, num_layers=int(c.need("num_hidden_layers")),
         num_heads=heads, intermediate_size=int(c.need("intermediate_size")),
         hidden_act=c.only("hidden_act", ("silu",), "silu"), rotary_pct=fraction, rotary_emb_base=theta,
-        max_position_embeddings=context, use_parallel_residual=False, name=name,
+        max_position_embeddings=context, use_parallel_residual=False,
         num_kv_heads=int(c.get("num_key_value_heads", heads)),
         attention_head_dim=int(c.get("head_dim", hidden // heads)), gated_mlp=True,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), **fields)
 
 
-def _gpt2(raw: dict, name: str) -> ModelConfig:
+def _gpt2(raw: dict) -> dict:
     c = _Fields(raw, "gpt2")
     hidden = int(c.get("n_embd", 768))
     c.only("scale_attn_weights", (True,), True)
@@ -132,11 +144,11 @@ def _gpt2(raw: dict, name: str) -> ModelConfig:
         vocab_size=int(c.get("vocab_size", 50257)), hidden_size=hidden, num_layers=int(c.get("n_layer", 12)),
         num_heads=int(c.get("n_head", 12)), intermediate_size=int(c.get("n_inner", 4 * hidden)), hidden_act=act,
         rotary_pct=0.0, max_position_embeddings=int(c.get("n_positions", 1024)),
-        layer_norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), use_parallel_residual=False, name=name,
+        layer_norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), use_parallel_residual=False,
         learned_positions=True, tie_word_embeddings=bool(c.get("tie_word_embeddings", True)))
 
 
-def _opt(raw: dict, name: str) -> ModelConfig:
+def _opt(raw: dict) -> dict:
     c = _Fields(raw, "opt")
     hidden = int(c.need("hidden_size"))
     # OPT-350m normalizes after each sublayer and projects embeddings from 512 wide: not implemented
@@ -150,12 +162,12 @@ def _opt(raw: dict, name: str) -> ModelConfig:
         num_heads=int(c.need("num_attention_heads")), intermediate_size=int(c.need("ffn_dim")),
         hidden_act=c.only("activation_function", ("relu", "gelu", "gelu_new", "silu"), "relu"), rotary_pct=0.0,
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)), layer_norm_eps=1e-5,
-        use_parallel_residual=False, name=name, norm="layer" if affine else "layer_no_affine",
+        use_parallel_residual=False, norm="layer" if affine else "layer_no_affine",
         qkv_bias=bias, out_bias=bias, mlp_bias=bias, learned_positions=True, position_offset=2,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", True)))
 
 
-def _falcon(raw: dict, name: str) -> ModelConfig:
+def _falcon(raw: dict) -> dict:
     c = _Fields(raw, "falcon")
     hidden, heads = int(c.need("hidden_size")), int(c.need("num_attention_heads"))
     c.only("alibi", (False,), False)
@@ -185,7 +197,7 @@ def _falcon(raw: dict, name: str) -> ModelConfig:
         rotary_pct=fraction, rotary_emb_base=theta,
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
         layer_norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), use_parallel_residual=new_arch or parallel,
-        name=name, num_kv_heads=kv_heads, shared_input_norm=shared, qkv_bias=bias, out_bias=bias, mlp_bias=bias,
+        num_kv_heads=kv_heads, shared_input_norm=shared, qkv_bias=bias, out_bias=bias, mlp_bias=bias,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", True)))
 
 

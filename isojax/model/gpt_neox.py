@@ -294,17 +294,9 @@ def single_row(token_ids_T):
     return (np.asarray(token_ids_T, np.int32)[None], np.ones((1, t), np.int32), np.arange(t, dtype=np.int32)[None])
 
 
-def model_class(cfg: ModelConfig):
-    """The Flax module of the config's family: GPTNeoX, or isojax.model.decoder.Decoder."""
-    if cfg.family == "gpt_neox":
-        return GPTNeoX
-    from isojax.model.decoder import Decoder
-    return Decoder
-
-
 def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
     """Parameter shapes without allocating (jax.eval_shape)."""
-    model = model_class(cfg)(cfg, dtype=dtype, param_dtype=dtype)
+    model = GPTNeoX(cfg, dtype=dtype, param_dtype=dtype)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))
     noop = lambda obs, s, x: obs
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, seg, pos, None, noop))["params"]
