@@ -93,7 +93,7 @@ def random_sentences(
 def non_embedding_params(shape: tuple[int, int, int, int, int]) -> int:
     """Parameters outside embed_in / embed_out, biases and LayerNorms included.
 
-    Same count as isojax.model.config.GPTNeoXConfig.non_embedding_params, for bare shape tuples
+    Same count as isojax.model.config.ModelConfig.non_embedding_params, for bare shape tuples
     (tests/test_peer.py checks that they agree)."""
     d, n_layers, _, _, ff = shape
     attn = (d * 3 * d + 3 * d) + (d * d + d)

@@ -152,12 +152,12 @@ def test_pallas_tpu_attention_with_segment_ids_in_interpret_mode():
     attention on packed rows, run in Pallas' TPU interpret mode on the CPU."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from isojax.model.config import GPTNeoXConfig
+    from isojax.model.config import ModelConfig
     from isojax.hf.loading import random_params
     from isojax.model.gpt_neox import GPTNeoX, collect_states
     from isojax.model.options import ForwardOptions
 
-    cfg = GPTNeoXConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                         rotary_pct=0.25, max_position_embeddings=256)
     params = random_params(cfg, seed=3)
     rng = np.random.default_rng(3)

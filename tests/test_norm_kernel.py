@@ -68,7 +68,7 @@ import sys
 import jax, jax.numpy as jnp, numpy as np
 from isojax.kernels import norm as norm_kernel
 from isojax.device import mesh as parallel
-from isojax.model.config import GPTNeoXConfig
+from isojax.model.config import ModelConfig
 from isojax.hf.loading import random_params
 from isojax.model.gpt_neox import GPTNeoX, collect_states
 from isojax.model.options import ForwardOptions
@@ -79,7 +79,7 @@ def counted(x, *a, **k):
     return kernel(x, *a, **k)
 norm_kernel.layer_norm_pair = counted
 parallel_residual = sys.argv[1] == "parallel"
-cfg = GPTNeoXConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
+cfg = ModelConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
                     rotary_pct=0.25, max_position_embeddings=256, use_parallel_residual=parallel_residual)
 params = random_params(cfg, "bfloat16", seed=3)
 # LayerNorms with different parameters, so that swapping them would show

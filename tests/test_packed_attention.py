@@ -17,7 +17,7 @@ import pytest
 
 from conftest import max_rel_error
 from isojax.kernels import packed_attention
-from isojax.model.config import GPTNeoXConfig
+from isojax.model.config import ModelConfig
 from isojax.model.ops import apply_rotary, attention_xla, rotary_tables, segment_mask
 
 gpu = pytest.mark.gpu  # skipped without a GPU (conftest)
@@ -34,7 +34,7 @@ def packed_rows(lengths_per_row, t):
 
 
 def inputs(b, t, h, k, pct, lengths_per_row, seed=0):
-    cfg = GPTNeoXConfig(vocab_size=8, hidden_size=h * k, num_layers=1, num_heads=h, intermediate_size=8,
+    cfg = ModelConfig(vocab_size=8, hidden_size=h * k, num_layers=1, num_heads=h, intermediate_size=8,
                         rotary_pct=pct, max_position_embeddings=4096)
     rng = np.random.default_rng(seed)
     qkv = jnp.asarray(rng.normal(size=(b, t, h, 3, k)) * 2, jnp.bfloat16)
@@ -93,6 +93,36 @@ def test_kernel_within_bf16_rounding_of_float64(b, t, h, k, pct, blocks, lengths
     assert err < 2 ** -7, (err, plain_err)
 
 
+
+def grouped_as_per_head(qkv_BxTxNxK, h):
+    """[B, T, H + 2G, K] ([q heads | k heads | v heads]) -> GPT-NeoX's [B, T, H, 3, K], each key and
+    value head copied to the H / G query heads it serves (Hugging Face's repeat_kv)."""
+    g = (qkv_BxTxNxK.shape[2] - h) // 2
+    q, k, v = qkv_BxTxNxK[:, :, :h], qkv_BxTxNxK[:, :, h:h + g], qkv_BxTxNxK[:, :, h + g:]
+    return jnp.stack([q, jnp.repeat(k, h // g, axis=2), jnp.repeat(v, h // g, axis=2)], axis=3)
+
+
+# (H, G, K, rotary pct, sequences per row): multi-query, grouped, and multi-head in the grouped layout
+GROUPED = [(4, 2, 32, 0.5, [[20, 30, 14]]), pytest.param(4, 1, 32, 1.0, [[64]], marks=pytest.mark.slow),
+           pytest.param(2, 2, 16, 1.0, [[7, 50]], marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("h,g,k,pct,lengths", GROUPED)
+def test_grouped_kernel_within_bf16_rounding_of_float64(h, g, k, pct, lengths):
+    """attention_grouped (G key/value heads for H query heads, read in place) against float64
+    attention of the same heads with k and v copied per group (the reference of the per-head kernel)."""
+    _, cos, sin, seg = inputs(1, 64, h, k, pct, lengths)
+    rng = np.random.default_rng(h * 10 + g)
+    qkv = jnp.asarray(rng.normal(size=(1, 64, h + 2 * g, k)) * 2, jnp.bfloat16)
+    bias = jnp.asarray(rng.normal(size=(h + 2 * g, k)), jnp.bfloat16)
+    got = np.asarray(packed_attention.attention_grouped(qkv, cos, sin, seg, bias, num_heads=h, block_q=32, block_k=32)
+                     .astype(jnp.float32), np.float64)
+    bias_Hx3xK = grouped_as_per_head(bias[None, None], h)[0, 0]
+    want = packed_attention.reference(grouped_as_per_head(qkv, h), cos, sin, seg, bias_Hx3xK)
+    real = np.asarray(seg) > 0
+    assert np.abs(got - want)[real].max() / np.abs(want[real]).max() < 2 ** -7
+
+
 def test_skipped_blocks_hold_nothing_the_kernel_needed():
     """Keys of other sequences set to huge values: any key block the kernel skips or visits from
     another sequence would change the output; it does not."""
@@ -123,7 +153,7 @@ def test_model_states_equal_plain_attention():
     from isojax.model.gpt_neox import GPTNeoX, collect_states
     from isojax.model.options import ForwardOptions
 
-    cfg = GPTNeoXConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
+    cfg = ModelConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
                         rotary_pct=0.25, max_position_embeddings=256)
     params = random_params(cfg, "bfloat16", seed=3)
     tokens = np.random.default_rng(3).integers(0, 300, (2, 128)).astype(np.int32)
@@ -144,7 +174,7 @@ import jax, jax.numpy as jnp, numpy as np
 from isojax.kernels import packed_attention
 from isojax.device import mesh as parallel
 from isojax.hf.loading import random_params
-from isojax.model.config import GPTNeoXConfig
+from isojax.model.config import ModelConfig
 from isojax.model.gpt_neox import GPTNeoX, collect_states
 from isojax.model.options import ForwardOptions
 calls = []
@@ -153,7 +183,7 @@ def counted(qkv, *a, **k):
     calls.append(qkv.shape)
     return kernel(qkv, *a, **k)
 packed_attention.attention = counted
-cfg = GPTNeoXConfig(vocab_size=300, hidden_size=128, num_layers=1, num_heads=2, intermediate_size=256,
+cfg = ModelConfig(vocab_size=300, hidden_size=128, num_layers=1, num_heads=2, intermediate_size=256,
                     rotary_pct=0.25, max_position_embeddings=256)
 params = random_params(cfg, "bfloat16", seed=3)
 tokens = np.random.default_rng(3).integers(0, 300, (4, 64)).astype(np.int32)

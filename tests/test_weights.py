@@ -346,7 +346,7 @@ def test_random_weights_are_load_models(monkeypatch):
     from isojax.model import config
     from isojax.hf import loading
 
-    tiny = config.GPTNeoXConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+    tiny = config.ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
                                 intermediate_size=32, name="tiny")
     monkeypatch.setattr(config, "preset", lambda name: tiny)
     r = weights.RandomWeights("tiny")

@@ -14,14 +14,14 @@ from typing import Callable
 
 import numpy as np
 
-from isojax.model.config import GPTNeoXConfig, read_hf_config
+from isojax.model.config import ModelConfig
 from isojax.errors import UserError
 
 LAYER_LINEARS = ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def expected_shapes(cfg: GPTNeoXConfig) -> dict[str, tuple]:
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """Hugging Face tensor name -> shape for a GPTNeoXForCausalLM checkpoint."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     linear_out_in = {"attention.query_key_value": (3 * d, d), "attention.dense": (d, d),
@@ -39,7 +39,7 @@ def expected_shapes(cfg: GPTNeoXConfig) -> dict[str, tuple]:
     return shapes
 
 
-def hf_tensors(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNeoXConfig) -> dict[str, np.ndarray]:
+def hf_tensors(read: Callable[[str], np.ndarray], names: list[str], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Every tensor a GPT-NeoX of this config needs, as stored (checked for presence and shape)."""
     shapes = expected_shapes(cfg)
     have = set(names)
@@ -64,7 +64,7 @@ def hf_tensors(read: Callable[[str], np.ndarray], names: list[str], cfg: GPTNeoX
     return tensors
 
 
-def tensors_to_params(tensors: dict, cfg: GPTNeoXConfig, xp=np) -> dict:
+def tensors_to_params(tensors: dict, cfg: ModelConfig, xp=np) -> dict:
     """Hugging Face tensors -> the parameter tree (layers stacked, kernels [in, out]), with
     `xp` = numpy on the host or jax.numpy (inside jit: the stacking and transposes run on the
     device, where they cost nothing next to the host's strided copies)."""
@@ -88,17 +88,6 @@ def tensors_to_params(tensors: dict, cfg: GPTNeoXConfig, xp=np) -> dict:
                              "bias": tensors["gpt_neox.final_layer_norm.bias"]},
         "layers": {"block": block},
     }
-
-
-def read_hf_tensors(path: Path, put: Callable | None = None):
-    """Hugging Face checkpoint dir -> (config, its tensors as stored (bfloat16 read as float32),
-    checksum of the weight files). put: applied to each tensor as stored (bfloat16 too), a view of
-    the memory-mapped file (CheckpointReader.mapped), e.g. jax.device_put: no copy in host memory."""
-    from isojax.hf.files import CheckpointReader
-    cfg = read_hf_config(path, name=path.name)
-    reader = CheckpointReader(path)
-    read = reader.read if put is None else (lambda name: put(reader.mapped(name)))
-    return cfg, hf_tensors(read, reader.names(), cfg), files_checksum(reader.files())
 
 
 def files_checksum(files, samples: int = 16, sample_bytes: int = 1 << 16) -> str:

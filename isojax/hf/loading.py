@@ -1,4 +1,5 @@
-"""`load_model`: any GPT-NeoX checkpoint -> config, parameters on device, tokenizer.
+"""`load_model`: a checkpoint of any supported family (GPT-NeoX, GPT-2, OPT, Falcon, the Llama
+family; README "Model families") -> config, parameters on device, tokenizer.
 
 Accepted names:
   random:<preset>          random weights of a preset's shapes (marked `weights="random"`)
@@ -24,12 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax.hf.gpt_neox import read_hf_tensors, tensors_to_params
+from isojax.hf.families import read_hf_tensors, tensors_to_params
 from isojax.hf.orbax_io import is_converted, load_converted
-from isojax.model.config import GPTNeoXConfig, base_preset, hub_id, preset
+from isojax.model.config import ModelConfig, base_preset, hub_id, preset
 from isojax.errors import UserError
 from isojax.model.ops import DTYPES
-from isojax.model.gpt_neox import GPTNeoX, collect_states, single_row
+from isojax.model.decoder import model_class
+from isojax.model.gpt_neox import collect_states, single_row
 from isojax.model.options import ForwardOptions
 from isojax.hf.tokenizer import load_tokenizer
 
@@ -41,7 +43,7 @@ def cache_root() -> Path:
 
 @dataclasses.dataclass
 class LoadedModel:
-    config: GPTNeoXConfig
+    config: ModelConfig
     params: dict
     weights: str                      # "pretrained" | "random"
     source: dict                      # name, revision, path, checksum (+ tokenizer once loaded)
@@ -61,11 +63,10 @@ class LoadedModel:
         return tok
 
     @property
-    def module(self) -> GPTNeoX:
+    def module(self):
         dt = DTYPES[self.dtype]
-        return GPTNeoX(self.config, dtype=dt, param_dtype=dt, options=ForwardOptions(attention=self.attention_impl,
-                                                                                 mlp_kernel=self.mlp_impl,
-                                                                                 norm_kernel=self.norm_impl))
+        options = ForwardOptions(attention=self.attention_impl, mlp_kernel=self.mlp_impl, norm_kernel=self.norm_impl)
+        return model_class(self.config)(self.config, dtype=dt, param_dtype=dt, options=options)
 
     def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
         """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]. Segment ids: 0 for
@@ -98,11 +99,11 @@ def _forward_states(module, params, tokens, seg, pos, buf):
     return module.apply({"params": params}, tokens, seg, pos, buf, collect_states)
 
 
-def random_params(cfg: GPTNeoXConfig, dtype: str = "float32", seed: int = 0, mesh=None) -> dict:
+def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, mesh=None) -> dict:
     """Random weights of the config's shapes (normal(0.02), LayerNorms at 1/0), initialized on
     device in float32 and then cast, so every dtype of `random:<preset>` holds the same weights.
     With a mesh they are created where parallel.param_shardings puts them."""
-    module = GPTNeoX(cfg)
+    module = model_class(cfg)(cfg)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))
     make = lambda key: jax.tree.map(lambda p: p.astype(DTYPES[dtype]),
                                     module.init(key, tokens, seg, pos, None, lambda obs, s, x: obs)["params"])
@@ -129,7 +130,7 @@ def place(params, dtype: str, mesh=None, build=None) -> dict:
 
 def load_model(name_or_path: str, revision: str | None = None, dtype: str = "float32",
                attention_impl: str = "xla", mesh=None) -> LoadedModel:
-    """Load any GPT-NeoX checkpoint; see module docstring for the accepted names. With a mesh
+    """Load a checkpoint of any supported family; see module docstring for the accepted names. With a mesh
     the parameters are placed on it (replicated, or split over its "model" axis)."""
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from isojax.model.config import GPTNeoXConfig
+from isojax.model.config import ModelConfig
 from isojax.errors import UserError
 
 META = "isojax.json"
@@ -20,7 +20,7 @@ def is_converted(path: Path) -> bool:
     return (Path(path) / META).is_file() and (Path(path) / "params").is_dir()
 
 
-def save_converted(path: Path, cfg: GPTNeoXConfig, params: dict, checksum: str, source: dict) -> None:
+def save_converted(path: Path, cfg: ModelConfig, params: dict, checksum: str, source: dict) -> None:
     path = Path(path).absolute()
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / "params", params)
@@ -34,7 +34,7 @@ def load_converted(path: Path, dtype=jnp.float32):
     path = Path(path).absolute()
     try:
         meta = json.loads((path / META).read_text())
-        cfg = GPTNeoXConfig(**meta["config"])
+        cfg = ModelConfig(**meta["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path / META}: unreadable isojax checkpoint metadata ({e})") from None
     try:
@@ -56,7 +56,7 @@ def convert_dir(src: Path, dst: Path, source: dict | None = None, overwrite: boo
 
     import numpy as np
 
-    from isojax.hf.gpt_neox import read_hf_tensors, tensors_to_params
+    from isojax.hf.families import read_hf_tensors, tensors_to_params
     from isojax.atomic import staged_dir
     dst = Path(dst)
     if dst.exists() and not overwrite:

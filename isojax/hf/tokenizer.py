@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from isojax.log import log
-from isojax.model.config import GPTNeoXConfig
+from isojax.model.config import ModelConfig
 from isojax.errors import UserError
 
 
@@ -30,7 +30,7 @@ def _from_hub(repo: str, revision: str | None = None) -> Path | None:
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "gpt-neox-20b-tokenizer.json"
 
 
-def load_tokenizer(directory: Path | None, cfg: GPTNeoXConfig, hub_repo: str | None = None,
+def load_tokenizer(directory: Path | None, cfg: ModelConfig, hub_repo: str | None = None,
                    hub_revision: str | None = None):
     path = Path(directory) / "tokenizer.json" if directory is not None else None
     if path is None or not path.is_file():

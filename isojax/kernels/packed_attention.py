@@ -8,7 +8,10 @@ block on and below the diagonal, although in a packed row a query sees only its 
 This kernel reads q, k and v straight from the fused projection (before its bias, which XLA
 would otherwise add in a pass of its own), adds the bias and applies Hugging Face's rotate-half
 rotary to the first R dims of q and k as it loads them, and starts each query block's loop at
-the key block that holds the start of its first query's sequence.
+the key block that holds the start of its first query's sequence. Grouped- and multi-query
+attention (`attention_grouped`: H query heads, G key/value heads) reads the same way from a
+[B, T, H + 2G, K] projection, each query head's program loading its group's k and v: no head is
+copied.
 
 Numbers: the rotation rounds as PyTorch's bf16 rotary does (q*cos, rotate_half(q)*sin and
 their sum, each to bf16; rotate_half is a product with a signed permutation, exact); scores and
@@ -127,17 +130,58 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=N
     (stages None: 3 for K <= 64, else 2; bench/RESULTS.md 10c). interpret None: Pallas' interpret mode
     unless the backend is a GPU."""
     b, t, h, _, k = qkv_BxTxHx3xK.shape
+    specs = [pl.BlockSpec((None, block_q, None, None, k), lambda i, bi, hi: (bi, i, hi, 0, 0)),
+             pl.BlockSpec((None, t, None, None, k), lambda i, bi, hi: (bi, 0, hi, 1, 0)),
+             pl.BlockSpec((None, t, None, None, k), lambda i, bi, hi: (bi, 0, hi, 2, 0)),
+             pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 0, 0)),
+             pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 1, 0)),
+             pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 2, 0))]
+    return _call(qkv_BxTxHx3xK, bias_Hx3xK, (h, 3, k), specs, h, cos_BxTxR, sin_BxTxR, segment_ids_BxT, block_q,
+                 block_k, num_warps, num_stages, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "block_q", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def attention_grouped(qkv_BxTxNxK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_NxK=None, *, num_heads: int,
+                      block_q: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int | None = None,
+                      interpret: bool | None = None):
+    """`attention` for grouped- and multi-query heads: the projection [B, T, N, K] holds the
+    H = num_heads query heads, then G key heads, then G value heads (N = H + 2G; isojax.model.decoder's
+    layout), each key/value head serving H / G consecutive query heads. No head is copied: query
+    head j's program reads key and value head j // (H / G) where they lie."""
+    b, t, n, k = qkv_BxTxNxK.shape
+    h = num_heads
+    g = (n - h) // 2
+    if n != h + 2 * g or h % g:
+        raise ValueError(f"{n} projected heads are not {h} query heads and two equal groups dividing them")
+    group = h // g
+    specs = [pl.BlockSpec((None, block_q, None, k), lambda i, bi, hi: (bi, i, hi, 0)),
+             pl.BlockSpec((None, t, None, k), lambda i, bi, hi: (bi, 0, h + hi // group, 0)),
+             pl.BlockSpec((None, t, None, k), lambda i, bi, hi: (bi, 0, h + g + hi // group, 0)),
+             pl.BlockSpec((None, k), lambda i, bi, hi: (hi, 0)),
+             pl.BlockSpec((None, k), lambda i, bi, hi: (h + hi // group, 0)),
+             pl.BlockSpec((None, k), lambda i, bi, hi: (h + g + hi // group, 0))]
+    return _call(qkv_BxTxNxK, bias_NxK, (n, k), specs, h, cos_BxTxR, sin_BxTxR, segment_ids_BxT, block_q, block_k,
+                 num_warps, num_stages, interpret)
+
+
+def _call(qkv, bias, bias_shape, qkv_bias_specs, h, cos_BxTxR, sin_BxTxR, segment_ids_BxT, block_q, block_k,
+          num_warps, num_stages, interpret):
+    """The kernel over (query block, row, query head), reading q, k, v and their biases from the
+    projection and the bias (None: zeros of bias_shape) where qkv_bias_specs (the blocks of q, k,
+    v, then of their biases) say."""
+    b, t, k = qkv.shape[0], qkv.shape[1], qkv.shape[-1]
     r = cos_BxTxR.shape[-1]
-    if not applies(t, k, r, qkv_BxTxHx3xK.dtype, block_q, block_k):
-        raise ValueError(f"packed attention does not take T={t}, K={k}, R={r}, {qkv_BxTxHx3xK.dtype} "
+    if not applies(t, k, r, qkv.dtype, block_q, block_k):
+        raise ValueError(f"packed attention does not take T={t}, K={k}, R={r}, {qkv.dtype} "
                          f"with blocks {block_q} x {block_k}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    dt = qkv_BxTxHx3xK.dtype
+    dt = qkv.dtype
     cos_BxTxR, sin_BxTxR = cos_BxTxR.astype(dt), sin_BxTxR.astype(dt)  # as Hugging Face: tables in bf16
     starts_BxT = segment_starts(segment_ids_BxT)
     p_RxR = jnp.asarray(rotate_half_matrix(r), dt)
-    bias_Hx3xK = jnp.zeros((h, 3, k), dt) if bias_Hx3xK is None else bias_Hx3xK.astype(dt)
+    bias = jnp.zeros(bias_shape, dt) if bias is None else bias.astype(dt)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -147,12 +191,7 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=N
     return pl.pallas_call(
         functools.partial(_kernel, block_q=block_q, block_k=block_k, rot=r, scale=k ** -0.5 * math.log2(math.e)),
         grid=(t // block_q, b, h),
-        in_specs=[pl.BlockSpec((None, block_q, None, None, k), lambda i, bi, hi: (bi, i, hi, 0, 0)),
-                  pl.BlockSpec((None, t, None, None, k), lambda i, bi, hi: (bi, 0, hi, 1, 0)),
-                  pl.BlockSpec((None, t, None, None, k), lambda i, bi, hi: (bi, 0, hi, 2, 0)),
-                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 0, 0)),
-                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 1, 0)),
-                  pl.BlockSpec((None, None, k), lambda i, bi, hi: (hi, 2, 0)),
+        in_specs=[*qkv_bias_specs,
                   pl.BlockSpec((None, t, r), lambda i, bi, hi: (bi, 0, 0)),
                   pl.BlockSpec((None, t, r), lambda i, bi, hi: (bi, 0, 0)),
                   pl.BlockSpec((r, r), lambda i, bi, hi: (0, 0)),
@@ -160,8 +199,7 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=N
         out_specs=pl.BlockSpec((None, block_q, None, k), lambda i, bi, hi: (bi, i, hi, 0)),
         out_shape=jax.ShapeDtypeStruct((b, t, h, k), dt),
         interpret=interpret, name="isojax_packed_attention", **params,
-    )(qkv_BxTxHx3xK, qkv_BxTxHx3xK, qkv_BxTxHx3xK, bias_Hx3xK, bias_Hx3xK, bias_Hx3xK, cos_BxTxR, sin_BxTxR, p_RxR,
-      segment_ids_BxT.astype(jnp.int32), starts_BxT)
+    )(qkv, qkv, qkv, bias, bias, bias, cos_BxTxR, sin_BxTxR, p_RxR, segment_ids_BxT.astype(jnp.int32), starts_BxT)
 
 
 def reference(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=None):

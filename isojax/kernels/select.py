@@ -31,14 +31,30 @@ def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int) -> str
     if mlp_kernel == "xla":
         return "xla"
     fits = kernels.applies(device_rows, cfg.hidden_size, cfg.intermediate_size, DTYPES[dtype]) \
-        and not ACTIVATIONS[cfg.hidden_act]
+        and exact_gelu_with_bias(cfg)
     if mlp_kernel == "mosaic" and not fits:
         raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of "
-                        f"[{cfg.hidden_size}] x [{cfg.hidden_size}, {cfg.intermediate_size}] ({cfg.hidden_act})")
+                        f"[{cfg.hidden_size}] x [{cfg.hidden_size}, {cfg.intermediate_size}] ({cfg.hidden_act}"
+                        f"{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'})")
+    if not exact_gelu_with_bias(cfg):
+        log(f"the fused MLP kernel does not apply to this {cfg.family} MLP ({cfg.hidden_act}"
+            f"{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'}, {device_rows} rows per "
+            "device): XLA's path")
     if fits and (why := kernels.works()) is not None:
         log(f"the fused MLP kernel does not run here ({why}): XLA's path instead")
         return "xla"
     return "mosaic" if fits else "xla"
+
+
+def exact_gelu_with_bias(cfg) -> bool:
+    """Whether the model's MLP is the fused kernel's: up-projection with bias, then the exact GELU."""
+    return cfg.hidden_act in ACTIVATIONS and not ACTIVATIONS[cfg.hidden_act] and not cfg.gated_mlp and cfg.mlp_bias
+
+
+def layer_norm_pair(cfg) -> bool:
+    """Whether each block reads two LayerNorms (scale and bias) of one state, the norm kernel's case."""
+    return (cfg.use_parallel_residual and not cfg.shared_input_norm and not cfg.post_sublayer_norms
+            and cfg.norm == "layer")
 
 
 def check_norm_kernel(norm_kernel: str, dtype: str) -> None:
@@ -57,10 +73,14 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> s
     import jax
 
     from isojax.kernels import norm as kernel
-    if norm_kernel == "pallas" and not cfg.use_parallel_residual:
+    if norm_kernel == "pallas" and not layer_norm_pair(cfg):
         raise UserError("norm kernel pallas fuses a parallel-residual block's two LayerNorms; this model "
-                        "has sequential residuals")
-    if norm_kernel == "xla" or not cfg.use_parallel_residual:
+                        "has sequential residuals or other norms")
+    if norm_kernel == "xla":
+        return "xla"
+    if not layer_norm_pair(cfg):
+        if cfg.family != "gpt_neox":  # GPT-NeoX's sequential blocks are told apart by their config already
+            log(f"the LayerNorm-pair kernel does not apply to this {cfg.family} block: XLA's norms")
         return "xla"
     d = cfg.hidden_size
     fits = jax.default_backend() == "gpu" and kernel.applies(d, DTYPES[dtype]) \
@@ -77,13 +97,17 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> s
 
 def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int) -> str:
     """The attention kernel for these rows. packed (isojax.kernels.packed_attention) where it applies
-    (powers-of-two head and rotary dims, rows of a multiple of 64) and works here, else, under
+    (rotary positions without q/k norms or clipping, powers-of-two head and rotary dims, rows of a
+    multiple of 64; any number of key/value heads) and works here, else, under
     auto, cuDNN; cuDNN and Pallas's TPU kernel need rows of a multiple of 64 and 128, else, under
     auto, plain XLA. An explicit choice that cannot run is an error."""
     from isojax.kernels import packed_attention
     why = None
     if attention == "packed":
-        if not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, DTYPES[dtype]):
+        if cfg.learned_positions or cfg.qk_norm or cfg.clip_qkv is not None:
+            why = ("is for rotary attention without q/k norms or clipping (this "
+                   f"{cfg.family} has {'learned positions' if cfg.learned_positions else 'q/k norms or clip_qkv'})")
+        elif not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, DTYPES[dtype]):
             why = (f"needs head and rotary dims that are powers of two >= 16 (here {cfg.head_dim} and "
                    f"{cfg.rotary_dims}) and rows of a multiple of 64 tokens (seq_len {row_len})")
         else:

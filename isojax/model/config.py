@@ -1,5 +1,6 @@
-"""GPT-NeoX model shape: one frozen dataclass, presets in `configs/`, and a strict reader of
-Hugging Face `config.json` files.
+"""Model shape: one frozen dataclass for every supported family (its family fields default to
+GPT-NeoX), presets in `configs/`, and strict readers of Hugging Face `config.json` files (GPT-NeoX
+here, the other families in isojax.model.family_configs).
 
 The reader is an allowlist: every attribute of a config.json is either implemented, checked
 to have the one value we implement, or known to be irrelevant to a forward pass without
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 
 from isojax.errors import UserError
+from isojax.model.family_configs import IRRELEVANT_KEYS, READERS
 
 def _configs_dir() -> Path:
     """configs/ of a source checkout, else the copy installed as package data of isojax.configs."""
@@ -25,25 +27,16 @@ def _configs_dir() -> Path:
 
 CONFIGS_DIR = _configs_dir()
 
-# Activations by Hugging Face name -> whether the tanh approximation is used.
+# GELU activations by Hugging Face name -> whether the tanh approximation is used.
 ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_fast": True, "gelu_pytorch_tanh": True}
-
-# Attributes that do not change the hidden states of an inference forward pass.
-IRRELEVANT_KEYS = frozenset({
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
-    "name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    "decoder_start_token_id", "initializer_range", "use_cache", "attention_dropout", "hidden_dropout",
-    "classifier_dropout", "is_decoder", "return_dict", "output_hidden_states", "output_attentions",
-    "torchscript", "use_bfloat16", "tokenizer_class", "task_specific_params", "problem_type",
-    "id2label", "label2id", "num_labels", "finetuning_task", "prefix", "add_cross_attention",
-    "tie_encoder_decoder", "chunk_size_feed_forward", "is_encoder_decoder", "pruned_heads",
-    "hub_id", "tie_word_embeddings", "use_flash_attention", "gradient_checkpointing",
-})
-
+# Every activation a model may use (GPT-NeoX: the GELUs only).
+ALL_ACTIVATIONS = (*ACTIVATIONS, "relu", "silu")
+NORMS = ("layer", "rms", "layer_no_affine")
 
 @dataclasses.dataclass(frozen=True)
-class GPTNeoXConfig:
-    """Shape of a GPT-NeoX model. `num_states` = L + 2: embed, block_1..block_L, final_ln."""
+class ModelConfig:
+    """Shape of a model of any supported family (GPT-NeoX unless the family fields say otherwise).
+    `num_states` = L + 2: embed, block_1..block_L, final_ln (the final norm, whatever its kind)."""
 
     vocab_size: int
     hidden_size: int
@@ -57,18 +50,43 @@ class GPTNeoXConfig:
     layer_norm_eps: float = 1e-5
     use_parallel_residual: bool = True
     name: str = ""
+    # The family fields (README "Model families"); their defaults are GPT-NeoX's.
+    family: str = "gpt_neox"            # Hugging Face model_type: which module and tensor reader
+    num_kv_heads: int | None = None     # key/value heads, each shared by num_heads / num_kv_heads query heads
+    attention_head_dim: int | None = None  # None: hidden_size / num_heads
+    norm: str = "layer"                 # "layer" (scale and bias), "rms" (RMSNorm) or "layer_no_affine"
+    qkv_bias: bool = True
+    out_bias: bool = True               # the attention's output projection
+    mlp_bias: bool = True
+    gated_mlp: bool = False             # SwiGLU: down(act(gate x) * up x) instead of down(act(up x))
+    learned_positions: bool = False     # a learned absolute position table instead of rotary
+    position_offset: int = 0            # row of position 0 in that table (OPT: 2)
+    shared_input_norm: bool = False     # parallel residual with one norm read by both sublayers (Falcon-7B)
+    post_sublayer_norms: bool = False   # OLMo-2: x + norm(attn(x)), then + norm(mlp(.)); no pre-norms
+    qk_norm: bool = False               # OLMo-2: RMSNorm over all heads of q and of k before rotary
+    clip_qkv: float | None = None       # OLMo: q, k, v clamped to [-clip, clip]
+    tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        if self.hidden_size % self.num_heads:
+        if self.attention_head_dim is None and self.hidden_size % self.num_heads:
             raise UserError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if self.hidden_act not in ACTIVATIONS:
-            raise UserError(f"hidden_act {self.hidden_act!r} is not implemented (have: {', '.join(ACTIVATIONS)})")
+        if self.num_heads % self.kv_heads:
+            raise UserError(f"num_heads {self.num_heads} is not a multiple of the key/value heads {self.kv_heads}")
+        acts = ACTIVATIONS if self.family == "gpt_neox" else ALL_ACTIVATIONS
+        if self.hidden_act not in acts:
+            raise UserError(f"hidden_act {self.hidden_act!r} is not implemented (have: {', '.join(acts)})")
+        if self.norm not in NORMS:
+            raise UserError(f"norm {self.norm!r} is not implemented (have: {', '.join(NORMS)})")
         if self.rotary_dims % 2:
             raise UserError(f"rotary dims {self.rotary_dims} must be even")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attention_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     @property
     def rotary_dims(self) -> int:
@@ -83,12 +101,23 @@ class GPTNeoXConfig:
         return ["embed"] + [f"block_{i}" for i in range(1, self.num_layers + 1)] + ["final_ln"]
 
     def non_embedding_params(self) -> int:
-        d, f = self.hidden_size, self.intermediate_size
-        per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-        return self.num_layers * per_layer + 2 * d
+        d, f, k = self.hidden_size, self.intermediate_size, self.head_dim
+        qkv = (self.num_heads + 2 * self.kv_heads) * k
+        norm = {"layer": 2 * d, "rms": d, "layer_no_affine": 0}[self.norm]
+        norms = 1 if self.shared_input_norm else 2
+        attention = d * qkv + self.qkv_bias * qkv + self.num_heads * k * d + self.out_bias * d
+        mlp_in = 2 if self.gated_mlp else 1
+        mlp = mlp_in * (d * f + self.mlp_bias * f) + f * d + self.mlp_bias * d
+        qk_norms = qkv - self.kv_heads * k if self.qk_norm else 0
+        return self.num_layers * (norms * norm + attention + mlp + qk_norms) + norm
+
+    def position_table_rows(self) -> int:
+        """Rows of the learned position table (0 with rotary positions)."""
+        return self.max_position_embeddings + self.position_offset if self.learned_positions else 0
 
     def param_count(self) -> int:
-        return self.non_embedding_params() + 2 * self.vocab_size * self.hidden_size
+        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size + self.position_table_rows()
+        return self.non_embedding_params() + embeddings * self.hidden_size
 
     def flops_per_token(self, gram: bool = True) -> float:
         """Forward matmul FLOPs per token (2 x non-embedding params) plus 2d^2 per state for a Gram."""
@@ -98,12 +127,19 @@ class GPTNeoXConfig:
         return dataclasses.asdict(self)
 
 
-def from_hf_dict(raw: dict, name: str = "") -> GPTNeoXConfig:
-    """Build a config from a Hugging Face GPT-NeoX `config.json` dict, refusing what we don't implement."""
+def from_hf_dict(raw: dict, name: str = "") -> ModelConfig:
+    """Build a config from a Hugging Face `config.json` dict of a supported family, refusing what
+    we don't implement."""
+    model_type = raw.get("model_type", "gpt_neox")
+    if model_type == "gpt_neox":
+        return _gpt_neox_from_hf(raw, name)
+    if model_type not in READERS:
+        raise UserError(f"model_type {model_type!r} is not supported; isojax runs {', '.join(['gpt_neox', *READERS])}")
+    return ModelConfig(name=name, **READERS[model_type](dict(raw)))
+
+
+def _gpt_neox_from_hf(raw: dict, name: str) -> ModelConfig:
     cfg = dict(raw)
-    model_type = cfg.get("model_type", "gpt_neox")
-    if model_type != "gpt_neox":
-        raise UserError(f"model_type {model_type!r} is not GPT-NeoX; isojax runs GPT-NeoX / Pythia checkpoints")
 
     def check(key, ok, expected):
         if key in cfg and cfg[key] is not None and not ok(cfg[key]):
@@ -138,7 +174,7 @@ def from_hf_dict(raw: dict, name: str = "") -> GPTNeoXConfig:
                            "intermediate_size") if k not in cfg]
     if missing:
         raise UserError(f"config.json lacks {', '.join(missing)}")
-    return GPTNeoXConfig(
+    return ModelConfig(
         vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
         intermediate_size=int(cfg["intermediate_size"]), hidden_act=cfg.get("hidden_act", "gelu"),
@@ -148,7 +184,7 @@ def from_hf_dict(raw: dict, name: str = "") -> GPTNeoXConfig:
         use_parallel_residual=bool(cfg.get("use_parallel_residual", True)), name=name)
 
 
-def read_hf_config(path: str | Path, name: str = "") -> GPTNeoXConfig:
+def read_hf_config(path: str | Path, name: str = "") -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -171,7 +207,7 @@ def base_preset(name: str) -> str | None:
     return stem if (CONFIGS_DIR / f"{stem}.json").is_file() else None
 
 
-def preset(name: str) -> GPTNeoXConfig:
+def preset(name: str) -> ModelConfig:
     base = base_preset(name)
     if base is None:
         raise UserError(f"unknown preset {name!r}; presets: {', '.join(preset_names())} (and -deduped variants)")

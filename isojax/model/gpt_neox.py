@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax.model.config import ACTIVATIONS, GPTNeoXConfig
+from isojax.model.config import ACTIVATIONS, ModelConfig
 from isojax.model.ops import apply_rotary, attention_pallas_tpu, attention_xla, gelu, rotary_tables, segment_mask
 from isojax.model.options import ForwardOptions
 
@@ -136,7 +136,7 @@ class DenseGelu(nn.Module):
 
 
 class Attention(nn.Module):
-    cfg: GPTNeoXConfig
+    cfg: ModelConfig
     dtype: Any
     param_dtype: Any
     precision: Any
@@ -174,7 +174,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    cfg: GPTNeoXConfig
+    cfg: ModelConfig
     dtype: Any
     param_dtype: Any
     precision: Any
@@ -212,12 +212,13 @@ class ObservedBlock(nn.Module):
     observer's work does not feed the block, so XLA may overlap the two (the statistics'
     collectives with the block's products)."""
 
-    cfg: GPTNeoXConfig
+    cfg: ModelConfig
     dtype: Any
     param_dtype: Any
     precision: Any
     options: ForwardOptions
     observe: Observer
+    block_type: Any = Block  # the family's block (isojax.model.decoder.DecoderBlock for the others)
 
     @nn.compact
     def __call__(self, carry, s, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
@@ -227,8 +228,8 @@ class ObservedBlock(nn.Module):
         # (measured: bench/RESULTS.md 10e, 10h).
         seen_BxTxD = jax.lax.optimization_barrier(x_BxTxD) if x_BxTxD.shape[-1] >= BARRIER_FROM_WIDTH else x_BxTxD
         obs = self.observe(obs, s - 1, seen_BxTxD)
-        x_BxTxD = Block(self.cfg, self.dtype, self.param_dtype, self.precision, self.options,
-                        name="block")(x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
+        x_BxTxD = self.block_type(self.cfg, self.dtype, self.param_dtype, self.precision, self.options,
+                                  name="block")(x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
         return (self.options.constrain(x_BxTxD), obs), None
 
 
@@ -239,7 +240,7 @@ class GPTNeoX(nn.Module):
     otherwise. `options`: attention kernel, GELU, activation sharding (options.ForwardOptions).
     """
 
-    cfg: GPTNeoXConfig
+    cfg: ModelConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     options: ForwardOptions = ForwardOptions()
@@ -266,15 +267,20 @@ class GPTNeoX(nn.Module):
                                    observe, name="layers")(
             (x_BxTxD, obs), jnp.arange(1, cfg.num_layers + 1), cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT)
         h_BxTxD = LayerNorm(cfg.layer_norm_eps, self.dtype, self.param_dtype, name="final_layer_norm")(x_BxTxD)
-        # The last block's output and the final LayerNorm's are observed in a loop too: an update
-        # of the scan's output outside any loop makes XLA copy every accumulator it touches (a
-        # second copy of every Gram: 13 GB per device at gpt-neox-20b; bench/RESULTS.md 7b).
-        # The state is taken out of the stack first (a barrier: a copy of [B, T, D]); fused into the
-        # per-token scatter, the dynamic slice makes that scatter many times slower
-        # (bench/RESULTS.md 10e).
-        last_2xBxTxD = jnp.stack([x_BxTxD, h_BxTxD.astype(x_BxTxD.dtype)])
-        return jax.lax.fori_loop(0, 2, lambda i, obs: observe(
-            obs, cfg.num_layers + i, jax.lax.optimization_barrier(last_2xBxTxD[i])), obs)
+        return observe_last_two(observe, obs, x_BxTxD, h_BxTxD, cfg.num_layers)
+
+
+def observe_last_two(observe: Observer, obs, x_BxTxD, h_BxTxD, num_layers: int):
+    """Hand the last block's output x (state L) and the final norm's h (state L + 1) to the observer."""
+    # They are observed in a loop too: an update
+    # of the scan's output outside any loop makes XLA copy every accumulator it touches (a
+    # second copy of every Gram: 13 GB per device at gpt-neox-20b; bench/RESULTS.md 7b).
+    # The state is taken out of the stack first (a barrier: a copy of [B, T, D]); fused into the
+    # per-token scatter, the dynamic slice makes that scatter many times slower
+    # (bench/RESULTS.md 10e).
+    last_2xBxTxD = jnp.stack([x_BxTxD, h_BxTxD.astype(x_BxTxD.dtype)])
+    return jax.lax.fori_loop(0, 2, lambda i, obs: observe(
+        obs, num_layers + i, jax.lax.optimization_barrier(last_2xBxTxD[i])), obs)
 
 
 def collect_states(buf_SxBxTxD, s, x_BxTxD):
@@ -288,7 +294,7 @@ def single_row(token_ids_T):
     return (np.asarray(token_ids_T, np.int32)[None], np.ones((1, t), np.int32), np.arange(t, dtype=np.int32)[None])
 
 
-def param_shapes(cfg: GPTNeoXConfig, dtype=jnp.float32):
+def param_shapes(cfg: ModelConfig, dtype=jnp.float32):
     """Parameter shapes without allocating (jax.eval_shape)."""
     model = GPTNeoX(cfg, dtype=dtype, param_dtype=dtype)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))

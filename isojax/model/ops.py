@@ -13,7 +13,7 @@ import numpy as np
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the compute dtypes a run may name
 
 if TYPE_CHECKING:
-    from isojax.model.config import GPTNeoXConfig
+    from isojax.model.config import ModelConfig
 
 
 # Rational approximation of erf on [-4, 4] (odd degree-13 numerator, even degree-8
@@ -54,7 +54,7 @@ def gelu(u, approximate: bool, fast: bool = True):
     return (uf * (0.5 + 0.5 * fast_erf(uf * np.float32(np.sqrt(0.5))))).astype(u.dtype)
 
 
-def rotary_tables(positions_BxT, cfg: GPTNeoXConfig):
+def rotary_tables(positions_BxT, cfg: ModelConfig):
     """cos, sin [B, T, R] in float32, as Hugging Face: freqs = pos * inv_freq, emb = [freqs, freqs]."""
     r = cfg.rotary_dims
     inv_freq_R2 = (1.0 / cfg.rotary_emb_base ** (np.arange(0, r, 2, dtype=np.float64) / r)).astype(np.float32)
