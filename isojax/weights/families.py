@@ -1,6 +1,9 @@
 """Which tensors of a checkpoint are its embedding, unembedding and final norm, per model family.
 
-The family is config.json's `model_type`. Names are those transformers' modeling files give
+The family is config.json's `model_type`. This table is apart from isojax.hf.families (the
+whole forward's tensors) on purpose: `weights` reads three tensors of any checkpoint of a family,
+also of configurations the forward refuses (a Llama-3 rope scaling, OPT-350m's projections).
+Names are those transformers' modeling files give
 (`*ForCausalLM`), checked against checkpoints written by `save_pretrained`. A name under the
 base model (`transformer.wte.weight`) is also found without that prefix (`wte.weight`): the base
 model saved alone, and older hub uploads of GPT-2 and OPT, store it so.
