@@ -447,3 +447,22 @@ def test_unreachable_hub_with_warm_cache_runs_offline(hub, env, tmp_path):
     p = resolve(A, "step0", down)  # not cached: an error naming the endpoint
     assert p.returncode == 2 and down["HF_ENDPOINT"] in last_line(p)
     assert len(hub.requests) == n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", [r"/api/models/", r"/resolve/[^/]+/model\.safetensors$"])
+def test_a_hub_that_stops_answering_ends_in_one_error(hub, env, where):
+    """A hub that takes the connection and sends nothing, for its API (huggingface_hub sets no timeout
+    there: a run hung for as long as the server waited) or a weight file (tried 6 times by
+    huggingface_hub, then 3 times more by isojax): bounded by HF_HUB_DOWNLOAD_TIMEOUT, one error."""
+    import time
+    hub.fail(where, delay=120, times=-1, methods=("GET",))
+    t0 = time.monotonic()
+    p = resolve(A, "step0", dict(env, HF_HUB_DOWNLOAD_TIMEOUT="2"))
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr[-3000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [last_line(p)] and "sent nothing" in errors[0] and "HF_HUB_DOWNLOAD_TIMEOUT" in errors[0]
+    assert ("model.safetensors" if "resolve" in where else "its API") in errors[0]
+    assert "Traceback" not in p.stderr
+    assert took < 60, took  # 3 tries of 2 s per API call; 6 of 2 s for the file (untouched: 3 x 6 x 2 s and more)

@@ -76,6 +76,13 @@ def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> UserError:
         return UserError(f"hub repo {repo_id} not found (if it is private or gated, {LOGIN_HINT})")
     if isinstance(exc, e.HfHubHTTPError) and status in (401, 403):
         return UserError(f"hub repo {repo_id}: access refused ({status}); {LOGIN_HINT}")
+    url = _timeout(exc)
+    if url is not None:
+        from huggingface_hub import constants
+        what = url.rpartition("/")[2] if "/resolve/" in url else "its API"
+        return UserError(f"cannot download {repo_id}@{rev}: the hub at {hub_endpoint()} sent nothing of {what} for "
+                         f"{constants.HF_HUB_DOWNLOAD_TIMEOUT} s (HF_HUB_DOWNLOAD_TIMEOUT) in any of its tries; "
+                         "try again later")
     if isinstance(exc, e.LocalEntryNotFoundError):
         if hub_offline() or not hub_reachable():
             return UserError(f"{repo_id}@{rev} is not in the Hugging Face cache and {why_unreachable()}")
@@ -115,7 +122,7 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
             except Exception as exc:
                 if not online or attempt + 1 == API_ATTEMPTS or not _transient_api_error(exc):
                     raise
-                log(f"the hub answered {_status_of(exc) or type(exc).__name__} for {repo_id}@"
+                log(f"the hub answered {_status_of(exc) or type(exc.__cause__ or exc).__name__} for {repo_id}@"
                     f"{revision or 'main'}; trying again ({attempt + 2}/{API_ATTEMPTS})")
                 time.sleep(2.0 * (attempt + 1))
     except Exception as exc:  # every hub/network failure becomes one line for the user
@@ -142,10 +149,23 @@ def _status_of(exc: BaseException) -> int | None:
     return None
 
 
+def _timeout(exc: BaseException) -> str | None:
+    """The URL of a request behind exc that timed out ('' where unknown), or None."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is not None and type(e).__name__ in ("ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout"):
+            try:
+                return str(e.request.url).split("?")[0]
+            except (AttributeError, RuntimeError):  # httpx raises RuntimeError for an exception without one
+                return ""
+    return None
+
+
 def _transient_api_error(exc: BaseException) -> bool:
     """A 5xx/408/429 (or a timeout, a refused connection) from the hub's API (/api/...): worth
     another try. huggingface_hub falls back to the cache on these, raising LocalEntryNotFoundError
     with the HTTP error as its cause."""
+    if "/resolve/" in (_timeout(exc) or ""):  # once more would repeat huggingface_hub's 6 tries of the file
+        return False
     for e in (exc, exc.__cause__, exc.__context__):
         if e is None:
             continue

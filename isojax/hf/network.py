@@ -27,8 +27,35 @@ def hub_offline() -> bool:
 
 
 def hub_reachable() -> bool:
-    """Whether HF_ENDPOINT's host resolves and accepts a connection (False when offline)."""
-    return not hub_offline() and _reachable(hub_endpoint())
+    """Whether HF_ENDPOINT's host resolves and accepts a connection (False when offline). Every use
+    of the hub asks this first, so the hub's answers are bounded in time from here on."""
+    if hub_offline() or not _reachable(hub_endpoint()):
+        return False
+    _bound_api_timeouts()
+    return True
+
+
+@functools.cache
+def _bound_api_timeouts() -> None:
+    """huggingface_hub sends its API requests (repo info, refs, file lists) with no timeout, so a hub
+    that takes the connection and never answers would hang a run for ever. Each request of its
+    shared client that has none gets the timeout of a file's download instead
+    (HF_HUB_DOWNLOAD_TIMEOUT, 10 s unless set: nothing received for that long); requests that set
+    their own (file downloads, HEADs) keep theirs."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _http
+
+    def bound(request) -> None:  # an explicit timeout=None per request overrides a client's default
+        limits = request.extensions.get("timeout") or {}
+        request.extensions["timeout"] = {k: constants.HF_HUB_DOWNLOAD_TIMEOUT if limits.get(k) is None else limits[k]
+                                         for k in ("connect", "read", "write", "pool")}
+
+    def client():
+        c = _http.default_client_factory()
+        c.event_hooks["request"] = [*c.event_hooks["request"], bound]
+        return c
+    huggingface_hub.set_client_factory(client)
 
 
 def why_unreachable() -> str:
