@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write accumulators + data cursor atomically under OUT/checkpoint every N tokens")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     ap.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    ap.add_argument("--delete-downloads", action="store_true",
+                    help="sweeps: once a checkpoint is measured, delete from the Hugging Face cache the files this "
+                         "sweep downloaded for it (files cached before the run stay)")
     ap.add_argument("--no-token-stats", action="store_true",
                     help="skip per-token IntraSim (saves (L+2) x V x D x 8 bytes of device memory)")
     ap.add_argument("--centered", action="store_true",
@@ -175,9 +178,12 @@ def run(args) -> Path:
         if None in models:
             raise UserError("a sweep needs --model")
         run_sweep(models, revisions, out, resume=args.resume, overwrite=args.overwrite, plots=not args.no_plots,
+                  delete_downloads=args.delete_downloads,
                   config=MeasureConfig.build(**options))
         log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
         return out
+    if args.delete_downloads:
+        raise UserError("--delete-downloads applies to sweeps (--revisions, --paper-steps or several --model)")
     from isojax.run import outdir
     names = {"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | (set() if args.no_plots else {"plots"})
     # held to the end: a second run into this --out is refused before it measures anything

@@ -277,19 +277,19 @@ def test_commands_refuse_out_paths(tmp_path, capsys):
 
 def test_sweep_resume_refuses_another_corpus_or_budget(tmp_path):
     from isojax.run import sweep
-    jobs = [("m", "step1"), ("m", "step2")]
+    jobs = [sweep.Step("m", r, tmp_path / "m" / r) for r in ("step1", "step2")]
     done = tmp_path / "m" / "step1"
     done.mkdir(parents=True)
     (done / "manifest.json").write_text(json.dumps({"corpus": "a.txt", "corpus_fingerprint": "aa",
                                                     "settings": {"max_tokens": 1000}}))
     (done / "metrics.json").write_text(json.dumps({"model": "m", "tokens": 1000, "layers": [{"name": "embed"}]}))
-    step2 = tmp_path / "m" / "step2"
+    step2 = jobs[1]
     same = {"corpus": "a.txt", "corpus_fingerprint": "aa", "settings": {"max_tokens": 1000}}
-    sweep.check_same_corpus(same, tmp_path, jobs, "m", step2)
+    sweep.check_same_corpus(same, jobs, step2)
     with pytest.raises(UserError, match="another corpus"):
-        sweep.check_same_corpus({**same, "corpus_fingerprint": "bb"}, tmp_path, jobs, "m", step2)
+        sweep.check_same_corpus({**same, "corpus_fingerprint": "bb"}, jobs, step2)
     with pytest.raises(UserError, match="--max-tokens 1000, this run with 2000"):
-        sweep.check_same_corpus({**same, "settings": {"max_tokens": 2000}}, tmp_path, jobs, "m", step2)
+        sweep.check_same_corpus({**same, "settings": {"max_tokens": 2000}}, jobs, step2)
     (tmp_path / "notes.txt").write_text("mine")
     sweep.write_sweep_csv(tmp_path, jobs)
     sweep.write_sweep_csv(tmp_path, jobs)  # again (a resumed sweep): replaces its own sweep.csv

@@ -117,7 +117,9 @@ def test_gpt_neox_every_number(neox, tmp_path):
     ckpt, t = neox
     assert run_cli(["--model", ckpt, "--out", tmp_path / "o"]) == 0
     out = json.loads((tmp_path / "o/weights.json").read_text())
-    assert out["model"] == str(ckpt) and out["revision"] is None and out["weights"] == "pretrained"
+    # a local folder is named by its name (isojax.run.names), the path kept as the checkpoint
+    assert out["model"] == ckpt.name and out["revision"] is None and out["weights"] == "pretrained"
+    assert out["checkpoint"] == str(ckpt)
     for key, name in (("embed_in", "gpt_neox.embed_in.weight"), ("embed_out", "embed_out.weight")):
         assert MATRIX_KEYS <= set(out[key])
         close(out[key], ref_matrix(t[name]))
@@ -224,11 +226,11 @@ def test_sweep_through_hub_stand_in(monkeypatch, tmp_path):
     assert {c for c in calls} == {("EleutherAI/pythia-70m", "step0"), ("EleutherAI/pythia-70m", "step1000")}
     rows = (out / "sweep.csv").read_text().splitlines()
     header = rows[0].split(",")
-    assert header[:2] == ["revision", "step"] and len(rows) == 3
+    assert header[:3] == ["model", "revision", "step"] and len(rows) == 3
     for line, rev in zip(rows[1:], ckpts):
         row = dict(zip(header, line.split(",")))
-        one = json.loads((out / rev / "weights.json").read_text())
-        assert one["revision"] == rev
+        one = json.loads((out / "EleutherAI--pythia-70m" / rev / "weights.json").read_text())  # extract's layout
+        assert (one["model"], one["revision"]) == (row["model"], row["revision"]) == ("EleutherAI/pythia-70m", rev)
         ref = ref_matrix(tensors[rev]["embed_out.weight"])["isotropy"]
         assert float(row["embed_out.isotropy"]) == pytest.approx(ref, rel=RTOL)
     assert (out / "sweep_isotropy.png").is_file() and (out / "sweep_final_ln_avgnorm_g_avgnorm_b.png").is_file()
@@ -285,7 +287,7 @@ def test_truncated_and_missing_and_not_neox(neox, tmp_path, capsys):
     assert run_cli(["--model", other, "--out", tmp_path / "o"]) == 2
     assert "not a GPT-NeoX checkpoint" in capsys.readouterr().err
     assert run_cli(["--model", neox[0], "--revision", "step0", "--out", tmp_path / "o"]) == 2
-    assert "local directory: revisions apply to hub models only" in capsys.readouterr().err
+    assert "local directory: --revision applies to hub models" in capsys.readouterr().err
 
 
 def test_overwrite_rules(neox, tmp_path, capsys):
