@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_out(out: Path, args) -> None:
-    """Before any work: --out can be written and holds no input of this run; results already there
-    are refused unless --overwrite (or --resume of the run that is to write them)."""
+    """Before any work, in every process: --out can be written and holds no input of this run;
+    results already there are refused unless --overwrite (outdir's one refusal), or --resume of
+    the run that is to write them."""
     from isojax.run import outdir
     outdir.check_path(out, [*(args.data or []), *(args.model or [])])
     has_results = (out / "metrics.json").exists()
@@ -121,8 +122,8 @@ def check_out(out: Path, args) -> None:
         if has_results and not has_ckpt:
             raise UserError(f"{out} holds the results of a finished run: nothing to resume")
         return
-    if has_results and not args.overwrite:
-        raise UserError(f"{out} already holds results (metrics.json); pass --overwrite to replace them")
+    outdir.refuse_earlier(out, outdir.owned(out) or (["metrics.json"] if has_results else []),
+                          overwrite=args.overwrite)
     if has_ckpt and not args.overwrite:
         raise UserError(f"{out}/checkpoint holds an unfinished run: pass --resume to continue it "
                         "or --overwrite to start over")

@@ -132,10 +132,10 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
     # a folder with a commit cut short is not done: its claim puts the earlier results back, then it is measured
     done = set() if overwrite else \
         {s for s in steps if (s.folder / result).exists() and not (s.folder / outdir.JOURNAL).exists()}
-    if done and not resume:
-        first = next(s for s in steps if s in done)
-        raise UserError(f"{first.folder} already holds results; pass --resume to continue the sweep "
-                        "or --overwrite to replace them")
+    if not resume:
+        first = next((s for s in steps if s in done), None)
+        outdir.refuse_earlier(out, first and [str(first.folder.relative_to(out) / result)], overwrite=overwrite,
+                              flag="--resume to continue the sweep or --overwrite")
     todo = [s for s in steps if s not in done]
     downloads = None
     if delete_downloads:
