@@ -123,7 +123,7 @@ def plan(models: list[str], revisions: list[str | None], out: Path) -> list[Step
 def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resume: bool, overwrite: bool,
               delete_downloads: bool, finish, inputs=(), names=("sweep.csv",)) -> None:
     """The loop of every sweep, extract's and weights': each unfinished step is measured into its
-    folder (measure(step, i) writes there, committed whole), the next unfinished one downloading
+    folder (measure(step) writes there, committed whole), the next unfinished one downloading
     meanwhile (fetch(step), in a thread); a step whose folder holds `result` is done: skipped with
     --resume, nothing downloaded for it, refused without (before anything is measured); with
     delete_downloads, a measured step's files this sweep downloaded leave the Hugging Face cache.
@@ -154,7 +154,7 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
             fetching = _start_fetch(fetch, later[0]) if later else None
             log(label)
             with outdir.claim(step.folder, overwrite=True) if main else contextlib.nullcontext():
-                measure(step, i)
+                measure(step)
             if downloads is not None and step.repo is not None:
                 if fetching is not None:  # its files are in the cache before this step's go
                     fetching.join()
@@ -189,7 +189,7 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
     steps = plan(models, revisions, out)
     main = parallel.is_main_process()
 
-    def measure_step(step: Step, i: int) -> None:
+    def measure_step(step: Step) -> None:
         local = step.local
         ckpt = step.folder / "checkpoint"
         results = measure(config.replace(

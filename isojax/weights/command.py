@@ -316,7 +316,7 @@ def _sweep(args, revisions: list[str], out: pathlib.Path, inputs) -> None:
     needed = args.tensor or [EMBED_IN, EMBED_OUT, LN_G, LN_B]
     plots = not args.no_plots
 
-    def measure(step: sweep.Step, i: int) -> None:
+    def measure(step: sweep.Step) -> None:
         local = step.local
         with outdir.staged(step.folder) as tmp:
             analyze_checkpoint(str(local) if local is not None else step.model, None if local is not None
