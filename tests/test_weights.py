@@ -397,3 +397,21 @@ def test_matrix_plot_names_and_summary_line(tmp_path, capsys):
     iso = json.loads((out / "weights.json").read_text())["tensors"][str(tmp_path / "glove_6B_50d_emb.npy")]["isotropy"]
     assert len(lines) == 1 and lines[0].startswith("isojax: I(W) of ") and f"{iso:.4g}" in lines[0]
     assert lines[0].endswith(f"results in {out} (weights.json, arrays.npz, 4 PNGs)")
+
+
+@pytest.mark.slow
+def test_sweep_of_local_revisions_refuses_the_earlier_layout(tmp_path, capsys):
+    """A local folder of revisions sweeps into OUT/<model>/<revision>/ as extract does; an OUT
+    holding a sweep of the layout before (OUT/<revision>/) is refused, not mixed with it."""
+    repo = tmp_path / "tiny"
+    for i, rev in enumerate(("step0", "step1000")):
+        (repo / rev).mkdir(parents=True)
+        make_neox(repo / rev, 20 + i, hidden=32, vocab=150)
+    out = tmp_path / "w"
+    assert run_cli(["--model", repo, "--revisions", "step0,step1000", "--no-plots", "--out", out]) == 0
+    docs = [json.loads((out / "tiny" / r / "weights.json").read_text()) for r in ("step0", "step1000")]
+    assert [(d["model"], d["revision"]) for d in docs] == [("tiny", "step0"), ("tiny", "step1000")]
+    (tmp_path / "old" / "step0").mkdir(parents=True)
+    (tmp_path / "old" / "step0" / "weights.json").write_text("{}")
+    assert run_cli(["--model", repo, "--revisions", "step0,step1000", "--out", tmp_path / "old"]) == 2
+    assert "earlier layout" in capsys.readouterr().err

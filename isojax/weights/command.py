@@ -313,6 +313,10 @@ def _sweep(args, revisions: list[str], out: pathlib.Path, inputs) -> None:
     from isojax.run import sweep
 
     steps = sweep.plan([args.model], revisions, out)  # unknown revisions refused before any is measured
+    old = next((out / r for r in revisions if (out / _safe(r) / "weights.json").exists()), None)
+    if old is not None:  # the report would find each revision twice
+        raise UserError(f"{out} holds a weights sweep of the earlier layout ({old}/, now OUT/<model>/<revision>/); "
+                        "sweep into another --out, or move it away")
     needed = args.tensor or [EMBED_IN, EMBED_OUT, LN_G, LN_B]
     plots = not args.no_plots
 
