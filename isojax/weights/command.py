@@ -317,14 +317,12 @@ def _sweep(args, revisions: list[str], out: pathlib.Path, inputs) -> None:
     if old is not None:  # the report would find each revision twice
         raise UserError(f"{out} holds a weights sweep of the earlier layout ({old}/, now OUT/<model>/<revision>/); "
                         "sweep into another --out, or move it away")
-    needed = args.tensor or [EMBED_IN, EMBED_OUT, LN_G, LN_B]
-    plots = not args.no_plots
+    needed, plots = args.tensor or [EMBED_IN, EMBED_OUT, LN_G, LN_B], not args.no_plots
 
     def measure(step: sweep.Step) -> None:
-        local = step.local
+        spec, revision = (str(step.local), None) if step.local is not None else (step.model, step.revision)
         with outdir.staged(step.folder) as tmp:
-            analyze_checkpoint(str(local) if local is not None else step.model, None if local is not None
-                               else step.revision, args.tensor, tmp, plots, name=step.name)
+            analyze_checkpoint(spec, revision, args.tensor, tmp, plots, name=step.name)
 
     def finish() -> None:
         rows = sweep.sweep_rows(steps, "weights.json", lambda doc: [_flat(doc)])
