@@ -23,6 +23,9 @@ def convert(args) -> None:
     from isojax.model.config import base_preset, hub_id
     from isojax.hf.files import resolve_checkpoint
     from isojax.hf.orbax_io import convert_dir
+    from isojax.run.outdir import refuse_earlier
+    out = Path(args.out)
+    refuse_earlier(out, out.exists(), overwrite=args.overwrite)  # before anything is downloaded
     src = Path(args.src).expanduser()
     if src.is_dir():
         if args.revision:
@@ -32,7 +35,7 @@ def convert(args) -> None:
         repo = hub_id(args.src) if base_preset(args.src) else args.src
         src = resolve_checkpoint(repo, args.revision)
         source = {"name": repo, "revision": args.revision}
-    out = convert_dir(src, Path(args.out), source=source, overwrite=args.overwrite)
+    out = convert_dir(src, out, source=source)
     print(f"wrote {out}", file=sys.stderr)
 
 

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write accumulators + data cursor atomically under OUT/checkpoint every N tokens")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     ap.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    ap.add_argument("--delete-downloads", action="store_true",
+                    help="sweeps: once a checkpoint is measured, delete from the Hugging Face cache the files this "
+                         "sweep downloaded for it (files cached before the run stay)")
     ap.add_argument("--no-token-stats", action="store_true",
                     help="skip per-token IntraSim (saves (L+2) x V x D x 8 bytes of device memory)")
     ap.add_argument("--centered", action="store_true",
@@ -108,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_out(out: Path, args) -> None:
-    """Before any work: --out can be written and holds no input of this run; results already there
-    are refused unless --overwrite (or --resume of the run that is to write them)."""
+    """Before any work, in every process: --out can be written and holds no input of this run;
+    results already there are refused unless --overwrite (outdir's one refusal), or --resume of
+    the run that is to write them."""
     from isojax.run import outdir
     outdir.check_path(out, [*(args.data or []), *(args.model or [])])
     has_results = (out / "metrics.json").exists()
@@ -118,8 +122,8 @@ def check_out(out: Path, args) -> None:
         if has_results and not has_ckpt:
             raise UserError(f"{out} holds the results of a finished run: nothing to resume")
         return
-    if has_results and not args.overwrite:
-        raise UserError(f"{out} already holds results (metrics.json); pass --overwrite to replace them")
+    outdir.refuse_earlier(out, outdir.owned(out) or (["metrics.json"] if has_results else []),
+                          overwrite=args.overwrite)
     if has_ckpt and not args.overwrite:
         raise UserError(f"{out}/checkpoint holds an unfinished run: pass --resume to continue it "
                         "or --overwrite to start over")
@@ -175,9 +179,12 @@ def run(args) -> Path:
         if None in models:
             raise UserError("a sweep needs --model")
         run_sweep(models, revisions, out, resume=args.resume, overwrite=args.overwrite, plots=not args.no_plots,
+                  delete_downloads=args.delete_downloads,
                   config=MeasureConfig.build(**options))
         log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
         return out
+    if args.delete_downloads:
+        raise UserError("--delete-downloads applies to sweeps (--revisions, --paper-steps or several --model)")
     from isojax.run import outdir
     names = {"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | (set() if args.no_plots else {"plots"})
     # held to the end: a second run into this --out is refused before it measures anything

@@ -7,7 +7,7 @@
     hub.fail("resolve/.*model.safetensors", status=503, times=2)  # faults, per test
     os.environ["HF_ENDPOINT"] = hub.url
     ...
-    hub.requests  # [(method, path, time, status)] in the order served
+    hub.requests  # [(method, path, answered, status, arrived)] in the order answered (times: time.time())
     hub.stop()
 
 Served (repo ids are `namespace/name`; revisions are branch names or the branch's commit):
@@ -83,7 +83,7 @@ class LoopbackHub:
     def __init__(self):
         self.repos: dict[tuple[str, str], Repo] = {}
         self.faults: list[Fault] = []
-        self.requests: list[tuple[str, str, float, int]] = []
+        self.requests: list[tuple[str, str, float, int, float]] = []
         self._hashes: dict[Path, tuple[str, str]] = {}
         self._lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
@@ -126,7 +126,7 @@ class LoopbackHub:
                     return f
         return None
 
-    def seen(self, pattern: str, method: str | None = None) -> list[tuple[str, str, float, int]]:
+    def seen(self, pattern: str, method: str | None = None) -> list[tuple[str, str, float, int, float]]:
         """The requests served whose path matches `pattern` (re.search)."""
         rx = re.compile(pattern)
         return [r for r in list(self.requests) if rx.search(r[1]) and (method is None or r[0] == method)]
@@ -195,7 +195,7 @@ class _Handler(BaseHTTPRequestHandler):
         if drop_after is not None:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.hub.requests.append((self.command, self.path, time.time(), status))
+        self.hub.requests.append((self.command, self.path, time.time(), status, self._arrived))
         if self.command == "HEAD":
             return
         if drop_after is not None:
@@ -232,6 +232,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- routing --------------------------------------------------------------------------
     def _route(self):
+        self._arrived = time.time()  # before an injected delay: when the client asked
         hub = self.hub
         parsed = urllib.parse.urlsplit(self.path)
         path, query = parsed.path, urllib.parse.parse_qs(parsed.query)

@@ -447,3 +447,155 @@ def test_unreachable_hub_with_warm_cache_runs_offline(hub, env, tmp_path):
     p = resolve(A, "step0", down)  # not cached: an error naming the endpoint
     assert p.returncode == 2 and down["HF_ENDPOINT"] in last_line(p)
     assert len(hub.requests) == n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", [r"/api/models/", r"/resolve/[^/]+/model\.safetensors$"])
+def test_a_hub_that_stops_answering_ends_in_one_error(hub, env, where):
+    """A hub that takes the connection and sends nothing, for its API (huggingface_hub sets no timeout
+    there: a run hung for as long as the server waited) or a weight file (tried 6 times by
+    huggingface_hub, then 3 times more by isojax): bounded by HF_HUB_DOWNLOAD_TIMEOUT, one error."""
+    import time
+    hub.fail(where, delay=120, times=-1, methods=("GET",))
+    t0 = time.monotonic()
+    p = resolve(A, "step0", dict(env, HF_HUB_DOWNLOAD_TIMEOUT="2"))
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr[-3000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [last_line(p)] and "sent nothing" in errors[0] and "HF_HUB_DOWNLOAD_TIMEOUT" in errors[0]
+    assert ("model.safetensors" if "resolve" in where else "its API") in errors[0]
+    assert "Traceback" not in p.stderr
+    assert took < 60, took  # 3 tries of 2 s per API call; 6 of 2 s for the file (untouched: 3 x 6 x 2 s and more)
+
+
+# --- sweeps over the hub as over local folders (issue 29) ------------------------------------------
+
+def commit(hub, repo, revision) -> str:
+    return hub.repos[("model", repo)].branches[revision].commit
+
+
+def weight_gets(requests, hub, repo, revision) -> list:
+    """GETs of a revision's weight files (downloads ask for them by the revision's commit)."""
+    c = commit(hub, repo, revision)
+    return [r for r in requests if r[0] == "GET" and f"/resolve/{c}/" in r[1] and r[1].endswith((".safetensors", ".bin"))]
+
+
+@pytest.mark.slow
+def test_sweep_downloads_the_next_checkpoint_while_measuring_one(hub, env, tmp_path):
+    """The next revision's weights are asked for before the current one's have even arrived (the
+    server holds step0's file 5 s): a weights sweep fetched its revisions one after the other."""
+    hub.fail(rf"/resolve/{commit(hub, A, 'step0')}/model\.safetensors$", delay=5, methods=("GET",))
+    p = run("-m", "isojax.weights", "--model", A, "--revisions", "step0,step1000", "--no-plots",
+            "--out", tmp_path / "w", env=dict(env, HF_HUB_DOWNLOAD_TIMEOUT="30"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    current, following = weight_gets(hub.requests, hub, A, "step0"), weight_gets(hub.requests, hub, A, "step1000")
+    assert len(current) == 1 and following, hub.requests
+    assert min(r[4] for r in following) < current[0][2]  # asked (arrival) before step0's file was sent
+
+
+@pytest.mark.slow
+def test_resumed_sweep_downloads_nothing_for_finished_steps(hub, env, tmp_path):
+    """A sweep killed with step1000 done and step0 not: --resume measures step0 (downloading it into
+    an empty cache) and never asks for step1000's weights, not even to prefetch them."""
+    out = tmp_path / "out"
+    args = ["-m", "isojax.extract", "--model", A, "--revisions", "step0,step1000", "--data",
+            write_jsonl(tmp_path / "d.jsonl"), *EXTRACT_SMALL, "--out", out]
+    p = run(*args, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import shutil
+    shutil.rmtree(out / "tiny-org--neox-a" / "step0")  # as if killed before step0's results were in
+    fresh = hub_env(hub.url, tmp_path / "fresh", ISOJAX_CACHE=env["ISOJAX_CACHE"])  # an empty Hugging Face cache
+    n = len(hub.requests)
+    p = run(*args, "--resume", env=fresh)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count("done earlier") == 1 and (out / "tiny-org--neox-a" / "step0" / "metrics.json").exists()
+    assert weight_gets(hub.requests[n:], hub, A, "step0")
+    assert not weight_gets(hub.requests[n:], hub, A, "step1000"), hub.requests[n:]
+
+
+@pytest.mark.slow
+def test_one_name_and_one_layout_for_a_checkpoint(hub, env, repos, tmp_path):
+    """A local folder of revisions and the hub repository, through extract and weights sweeps: the
+    same OUT/<model>/<revision>/ folders, the same (model, revision) in every output (a local
+    revision folder given alone too), and report and correlate match them with their scores."""
+    import csv
+    local = tmp_path / "tiny-neox"
+    local.mkdir()
+    revisions = ["step0", "step1000", "main"]
+    for r in revisions:
+        (local / r).symlink_to(repos["a"][r], target_is_directory=True)
+    x, w = tmp_path / "x", tmp_path / "w"
+    p = run("-m", "isojax.extract", "--model", local, "--model", A, "--revisions", ",".join(revisions), "--data",
+            write_jsonl(tmp_path / "d.jsonl"), *EXTRACT_SMALL, "--out", x, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for model, name in ((local, "local"), (A, "hub")):
+        p = run("-m", "isojax.weights", "--model", model, "--revisions", ",".join(revisions), "--no-plots",
+                "--out", w / name, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+    p = run("-m", "isojax.weights", "--model", local / "step1000", "--no-plots", "--out", tmp_path / "w1", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one = json.loads((tmp_path / "w1" / "weights.json").read_text())
+    assert (one["model"], one["revision"]) == ("tiny-neox", "step1000")
+
+    names = {(m, r) for m in ("tiny-neox", A) for r in revisions}
+    folders = {(m.replace("/", "--"), r) for m, r in names}
+    extract = {f.parent.relative_to(x).parts: json.loads(f.read_text()) for f in x.rglob("metrics.json")}
+    weights = {f.parent.relative_to(w / n).parts: json.loads(f.read_text())
+               for n in ("local", "hub") for f in (w / n).rglob("weights.json")}
+    assert set(extract) == set(weights) == folders
+    for folder, doc in extract.items():
+        assert (doc["model"], doc["revision"]) == (weights[folder]["model"], weights[folder]["revision"])
+    assert {(d["model"], d["revision"]) for d in extract.values()} == names
+    rows = list(csv.DictReader(open(x / "sweep.csv"))) + [
+        r for n in ("local", "hub") for r in csv.DictReader(open(w / n / "sweep.csv"))]
+    assert {(r["model"], r["revision"]) for r in rows} == names
+
+    with open(tmp_path / "scores.csv", "w") as f:
+        f.write("model,revision,task,score\n")
+        for i, (m, r) in enumerate(sorted(names)):
+            f.write(f"{m},{r},sciq/acc,{0.3 + 0.1 * i}\n")
+    p = run("-m", "isojax.correlate", x, w, "--scores", tmp_path / "scores.csv", "--include-step0",
+            "--out", tmp_path / "correlation.json", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    entries = json.loads((tmp_path / "correlation.json").read_text())
+    assert {pt["model"] for e in entries for pt in e["points"]} == {"tiny-neox", A}
+    assert all(e["n"] == 3 for e in entries)
+    p = run("-m", "isojax.report", x, w, "--scores", tmp_path / "scores.csv", "--include-step0",
+            "--out", tmp_path / "report", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def cached(repo: str, env) -> set:
+    """Files and symlinks of a repository in the Hugging Face cache, relative to its folder."""
+    folder = Path(env["HF_HOME"]) / "hub" / f"models--{repo.replace('/', '--')}"
+    return {p.relative_to(folder) for p in folder.rglob("*") if p.is_symlink() or p.is_file()}
+
+
+@pytest.mark.slow
+def test_delete_downloads_removes_only_what_the_sweep_downloaded(hub, env, tmp_path):
+    """--delete-downloads: a revision cached before the run stays whole; the files the sweep
+    downloaded (blobs and snapshot links) are gone once their revision is measured, while the
+    revision after it, sharing its config and tokenizer blobs, still measures; --resume then
+    downloads nothing for the finished revisions."""
+    assert py(f"from isojax.hf.files import resolve_model; resolve_model({A!r}, 'step0')", env).returncode == 0
+    before = cached(A, env)
+    assert any(p.parts[0] == "blobs" for p in before)
+    p = run("-m", "isojax.weights", "--model", A, "--revisions", "step0,step1000,main", "--delete-downloads",
+            "--no-plots", "--out", tmp_path / "wa", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(list((tmp_path / "wa").rglob("weights.json"))) == 3
+    assert weight_gets(hub.requests, hub, A, "step1000") and weight_gets(hub.requests, hub, A, "main")
+    after = cached(A, env)
+    assert before <= after and all((Path(env["HF_HOME"]) / "hub" / f"models--{A.replace('/', '--')}" / q).exists()
+                                   for q in before)  # links of step0 still reach their blobs
+    assert {q.parts[0] for q in after - before} <= {"refs"}, after - before  # refs/step1000, refs/main: a few bytes
+
+    b = ["--model", B, "--revisions", "step1000,main", "--tensor", "gpt_neox.embed_in.weight", "--no-plots"]  # .bin
+    p = run("-m", "isojax.weights", *b, "--delete-downloads", "--out", tmp_path / "wb", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(list((tmp_path / "wb").rglob("weights.json"))) == 2
+    assert {q.parts[0] for q in cached(B, env)} <= {"refs"}, cached(B, env)
+    n = len(hub.requests)
+    p = run("-m", "isojax.weights", *b, "--resume", "--out", tmp_path / "wb", env=env)
+    assert p.returncode == 0 and p.stderr.count("done earlier") == 2, p.stderr[-3000:]
+    assert not [r for r in hub.requests[n:] if "/resolve/" in r[1]], hub.requests[n:]

@@ -277,19 +277,19 @@ def test_commands_refuse_out_paths(tmp_path, capsys):
 
 def test_sweep_resume_refuses_another_corpus_or_budget(tmp_path):
     from isojax.run import sweep
-    jobs = [("m", "step1"), ("m", "step2")]
+    jobs = [sweep.Step("m", r, tmp_path / "m" / r) for r in ("step1", "step2")]
     done = tmp_path / "m" / "step1"
     done.mkdir(parents=True)
     (done / "manifest.json").write_text(json.dumps({"corpus": "a.txt", "corpus_fingerprint": "aa",
                                                     "settings": {"max_tokens": 1000}}))
     (done / "metrics.json").write_text(json.dumps({"model": "m", "tokens": 1000, "layers": [{"name": "embed"}]}))
-    step2 = tmp_path / "m" / "step2"
+    step2 = jobs[1]
     same = {"corpus": "a.txt", "corpus_fingerprint": "aa", "settings": {"max_tokens": 1000}}
-    sweep.check_same_corpus(same, tmp_path, jobs, "m", step2)
+    sweep.check_same_corpus(same, jobs, step2)
     with pytest.raises(UserError, match="another corpus"):
-        sweep.check_same_corpus({**same, "corpus_fingerprint": "bb"}, tmp_path, jobs, "m", step2)
+        sweep.check_same_corpus({**same, "corpus_fingerprint": "bb"}, jobs, step2)
     with pytest.raises(UserError, match="--max-tokens 1000, this run with 2000"):
-        sweep.check_same_corpus({**same, "settings": {"max_tokens": 2000}}, tmp_path, jobs, "m", step2)
+        sweep.check_same_corpus({**same, "settings": {"max_tokens": 2000}}, jobs, step2)
     (tmp_path / "notes.txt").write_text("mine")
     sweep.write_sweep_csv(tmp_path, jobs)
     sweep.write_sweep_csv(tmp_path, jobs)  # again (a resumed sweep): replaces its own sweep.csv
@@ -319,3 +319,23 @@ def test_cli_run_stays_beside_user_files(tmp_path, monkeypatch, capsys):
     assert main(args[:-3] + ["--out", str(tmp_path), "--overwrite"]) == 2  # --out holds --data
     assert "is or holds an input" in capsys.readouterr().err
     assert not [p for p in out.iterdir() if p.name.startswith(".partial") or p.name == outdir.LOCK]
+
+
+def test_one_refusal_of_earlier_results(tmp_path, capsys):
+    """correlate's file, the converter's folder and a result folder are refused by one rule in one
+    words (outdir.refuse_earlier), the converter's before it reads or downloads its source."""
+    from converters.__main__ import main as convert_main
+    from isojax.report import correlate
+    f = tmp_path / "c.json"
+    f.write_text("[]")
+    with pytest.raises(UserError) as refused:
+        correlate.write_json(f, [], False)
+    assert str(refused.value) == f"{f} exists; pass --overwrite to replace it"
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    assert convert_main([str(tmp_path / "no-such-checkpoint"), "--out", str(converted)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {converted} exists; pass --overwrite to replace it"
+    _write(tmp_path / "run", 1)
+    with pytest.raises(UserError, match=r"run already holds results \(.*\); pass --overwrite to replace them"):
+        with outdir.claim(tmp_path / "run", overwrite=False):
+            pass

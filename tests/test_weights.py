@@ -117,7 +117,9 @@ def test_gpt_neox_every_number(neox, tmp_path):
     ckpt, t = neox
     assert run_cli(["--model", ckpt, "--out", tmp_path / "o"]) == 0
     out = json.loads((tmp_path / "o/weights.json").read_text())
-    assert out["model"] == str(ckpt) and out["revision"] is None and out["weights"] == "pretrained"
+    # a local folder is named by its name (isojax.run.names), the path kept as the checkpoint
+    assert out["model"] == ckpt.name and out["revision"] is None and out["weights"] == "pretrained"
+    assert out["checkpoint"] == str(ckpt)
     assert (out["family"], out["tied"], out["final_ln"]["norm"]) == ("gpt_neox", False, "layernorm")
     for key, name in (("embed_in", "gpt_neox.embed_in.weight"), ("embed_out", "embed_out.weight")):
         assert MATRIX_KEYS <= set(out[key])
@@ -225,11 +227,11 @@ def test_sweep_through_hub_stand_in(monkeypatch, tmp_path):
     assert {c for c in calls} == {("EleutherAI/pythia-70m", "step0"), ("EleutherAI/pythia-70m", "step1000")}
     rows = (out / "sweep.csv").read_text().splitlines()
     header = rows[0].split(",")
-    assert header[:2] == ["revision", "step"] and len(rows) == 3
+    assert header[:3] == ["model", "revision", "step"] and len(rows) == 3
     for line, rev in zip(rows[1:], ckpts):
         row = dict(zip(header, line.split(",")))
-        one = json.loads((out / rev / "weights.json").read_text())
-        assert one["revision"] == rev
+        one = json.loads((out / "EleutherAI--pythia-70m" / rev / "weights.json").read_text())  # extract's layout
+        assert (one["model"], one["revision"]) == (row["model"], row["revision"]) == ("EleutherAI/pythia-70m", rev)
         ref = ref_matrix(tensors[rev]["embed_out.weight"])["isotropy"]
         assert float(row["embed_out.isotropy"]) == pytest.approx(ref, rel=RTOL)
     assert (out / "sweep_isotropy.png").is_file() and (out / "sweep_final_ln_avgnorm_g_avgnorm_b.png").is_file()
@@ -286,7 +288,7 @@ def test_truncated_and_missing_and_not_neox(neox, tmp_path, capsys):
     assert run_cli(["--model", other, "--out", tmp_path / "o"]) == 2
     assert "has no config.json, which names the model family" in capsys.readouterr().err
     assert run_cli(["--model", neox[0], "--revision", "step0", "--out", tmp_path / "o"]) == 2
-    assert "local directory: revisions apply to hub models only" in capsys.readouterr().err
+    assert "local directory: --revision applies to hub models" in capsys.readouterr().err
 
 
 def test_overwrite_rules(neox, tmp_path, capsys):
@@ -397,3 +399,21 @@ def test_matrix_plot_names_and_summary_line(tmp_path, capsys):
     iso = json.loads((out / "weights.json").read_text())["tensors"][str(tmp_path / "glove_6B_50d_emb.npy")]["isotropy"]
     assert len(lines) == 1 and lines[0].startswith("isojax: I(W) of ") and f"{iso:.4g}" in lines[0]
     assert lines[0].endswith(f"results in {out} (weights.json, arrays.npz, 4 PNGs)")
+
+
+@pytest.mark.slow
+def test_sweep_of_local_revisions_refuses_the_earlier_layout(tmp_path, capsys):
+    """A local folder of revisions sweeps into OUT/<model>/<revision>/ as extract does; an OUT
+    holding a sweep of the layout before (OUT/<revision>/) is refused, not mixed with it."""
+    repo = tmp_path / "tiny"
+    for i, rev in enumerate(("step0", "step1000")):
+        (repo / rev).mkdir(parents=True)
+        make_neox(repo / rev, 20 + i, hidden=32, vocab=150)
+    out = tmp_path / "w"
+    assert run_cli(["--model", repo, "--revisions", "step0,step1000", "--no-plots", "--out", out]) == 0
+    docs = [json.loads((out / "tiny" / r / "weights.json").read_text()) for r in ("step0", "step1000")]
+    assert [(d["model"], d["revision"]) for d in docs] == [("tiny", "step0"), ("tiny", "step1000")]
+    (tmp_path / "old" / "step0").mkdir(parents=True)
+    (tmp_path / "old" / "step0" / "weights.json").write_text("{}")
+    assert run_cli(["--model", repo, "--revisions", "step0,step1000", "--out", tmp_path / "old"]) == 2
+    assert "earlier layout" in capsys.readouterr().err

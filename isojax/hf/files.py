@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from isojax.model.config import base_preset, hub_id
 from isojax.errors import UserError
+from isojax.hf.network import LOGIN_HINT, hub_error, status_of, transient_api_error  # noqa: F401 (LOGIN_HINT: data's)
 from isojax.log import log
 
 class RowBlocks(abc.ABC):
@@ -58,36 +59,6 @@ def preset_hub_id(name: str) -> str | None:
     return hub_id(name) if base_preset(name) else None
 
 
-LOGIN_HINT = "log in with `hf auth login` (formerly `huggingface-cli login`) or set HF_TOKEN"
-
-
-def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> UserError:
-    from huggingface_hub import errors as e
-
-    from isojax.hf.network import hub_endpoint, hub_offline, hub_reachable, why_unreachable
-    rev = revision or "main"
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    if isinstance(exc, e.RevisionNotFoundError):
-        return UserError(f"revision {rev!r} not found in hub repo {repo_id}")
-    if isinstance(exc, e.GatedRepoError):
-        return UserError(f"hub repo {repo_id} is gated ({status or 'refused'}): accept its terms on its page "
-                         f"and {LOGIN_HINT}")
-    if isinstance(exc, e.RepositoryNotFoundError):
-        return UserError(f"hub repo {repo_id} not found (if it is private or gated, {LOGIN_HINT})")
-    if isinstance(exc, e.HfHubHTTPError) and status in (401, 403):
-        return UserError(f"hub repo {repo_id}: access refused ({status}); {LOGIN_HINT}")
-    if isinstance(exc, e.LocalEntryNotFoundError):
-        if hub_offline() or not hub_reachable():
-            return UserError(f"{repo_id}@{rev} is not in the Hugging Face cache and {why_unreachable()}")
-        cause = exc.__cause__ or exc.__context__
-        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0]}" if cause is not None and str(cause) else \
-            str(exc).splitlines()[0]
-        return UserError(f"cannot download {repo_id}@{rev} from {hub_endpoint()} ({reason[:200]}), "
-                         "and it is not in the Hugging Face cache")
-    return UserError(f"cannot download {repo_id}@{rev}: {type(exc).__name__}: "
-                     f"{str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
-
-
 def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
                        allow_patterns=None) -> pathlib.Path:
     """Local directory of a checkpoint given a directory, preset name or hub id."""
@@ -113,13 +84,13 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
                                                           local_files_only=not online)
                 break
             except Exception as exc:
-                if not online or attempt + 1 == API_ATTEMPTS or not _transient_api_error(exc):
+                if not online or attempt + 1 == API_ATTEMPTS or not transient_api_error(exc):
                     raise
-                log(f"the hub answered {_status_of(exc) or type(exc).__name__} for {repo_id}@"
+                log(f"the hub answered {status_of(exc) or type(exc.__cause__ or exc).__name__} for {repo_id}@"
                     f"{revision or 'main'}; trying again ({attempt + 2}/{API_ATTEMPTS})")
                 time.sleep(2.0 * (attempt + 1))
     except Exception as exc:  # every hub/network failure becomes one line for the user
-        err = _hub_error(exc, repo_id, revision)
+        err = hub_error(exc, repo_id, revision)
         if repo_id == name_or_path:  # it could also have been meant as a local path
             err = UserError(f"{err} (and there is no local directory {name_or_path})")
         raise err from exc
@@ -131,33 +102,6 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
 
 _ANNOUNCED: set = set()
 API_ATTEMPTS = 3  # huggingface_hub retries neither the repo info and tree listing nor a file's GET on a 5xx
-
-
-def _status_of(exc: BaseException) -> int | None:
-    """The HTTP status behind an error (or behind its cause)."""
-    for e in (exc, exc.__cause__, exc.__context__):
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        if status is not None:
-            return status
-    return None
-
-
-def _transient_api_error(exc: BaseException) -> bool:
-    """A 5xx/408/429 (or a timeout, a refused connection) from the hub's API (/api/...): worth
-    another try. huggingface_hub falls back to the cache on these, raising LocalEntryNotFoundError
-    with the HTTP error as its cause."""
-    for e in (exc, exc.__cause__, exc.__context__):
-        if e is None:
-            continue
-        status = _status_of(e)
-        request = getattr(getattr(e, "response", None), "request", None)
-        url, method = str(getattr(request, "url", "") or ""), getattr(request, "method", "")
-        # not a HEAD of a file: huggingface_hub retries those itself (5 times, ~25 s)
-        if status is not None and (status >= 500 or status in (408, 429)) and ("/api/" in url or method == "GET"):
-            return True
-        if type(e).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException"):
-            return True
-    return False
 
 
 def resolve_model(name_or_path: str, revision: str | None = None) -> pathlib.Path:

@@ -3,7 +3,9 @@ huggingface_hub's retry loop (which spends ~30 s backing off on a machine with n
 
 The hub is the one HF_ENDPOINT names (a mirror, a company's proxy), huggingface.co when unset:
 its host is resolved and its port contacted (a short TCP connect), so a mirror reachable while
-huggingface.co is not counts as reachable, and a mirror that is down does not."""
+huggingface.co is not counts as reachable, and a mirror that is down does not. Once it is, every
+request to it is bounded in time (HF_HUB_DOWNLOAD_TIMEOUT). Below: the hub's errors as one line
+for the user, and which of them are worth another try."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import functools
 import os
 import socket
 from urllib.parse import urlsplit
+
+from isojax.errors import UserError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 5.0
@@ -27,8 +31,35 @@ def hub_offline() -> bool:
 
 
 def hub_reachable() -> bool:
-    """Whether HF_ENDPOINT's host resolves and accepts a connection (False when offline)."""
-    return not hub_offline() and _reachable(hub_endpoint())
+    """Whether HF_ENDPOINT's host resolves and accepts a connection (False when offline). Every use
+    of the hub asks this first, so the hub's answers are bounded in time from here on."""
+    if hub_offline() or not _reachable(hub_endpoint()):
+        return False
+    _bound_api_timeouts()
+    return True
+
+
+@functools.cache
+def _bound_api_timeouts() -> None:
+    """huggingface_hub sends its API requests (repo info, refs, file lists) with no timeout, so a hub
+    that takes the connection and never answers would hang a run for ever. Each request of its
+    shared client that has none gets the timeout of a file's download instead
+    (HF_HUB_DOWNLOAD_TIMEOUT, 10 s unless set: nothing received for that long); requests that set
+    their own (file downloads, HEADs) keep theirs."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _http
+
+    def bound(request) -> None:  # an explicit timeout=None per request overrides a client's default
+        limits = request.extensions.get("timeout") or {}
+        request.extensions["timeout"] = {k: constants.HF_HUB_DOWNLOAD_TIMEOUT if limits.get(k) is None else limits[k]
+                                         for k in ("connect", "read", "write", "pool")}
+
+    def client():
+        c = _http.default_client_factory()
+        c.event_hooks["request"] = [*c.event_hooks["request"], bound]
+        return c
+    huggingface_hub.set_client_factory(client)
 
 
 def why_unreachable() -> str:
@@ -60,4 +91,82 @@ def _reachable(endpoint: str) -> bool:
                 return True
         except OSError:
             continue
+    return False
+
+
+# ---- the hub's errors, for the user ----------------------------------------------------------------
+
+LOGIN_HINT = "log in with `hf auth login` (formerly `huggingface-cli login`) or set HF_TOKEN"
+
+
+def hub_error(exc: Exception, repo_id: str, revision: str | None) -> UserError:
+    from huggingface_hub import errors as e
+
+    rev = revision or "main"
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(exc, e.RevisionNotFoundError):
+        return UserError(f"revision {rev!r} not found in hub repo {repo_id}")
+    if isinstance(exc, e.GatedRepoError):
+        return UserError(f"hub repo {repo_id} is gated ({status or 'refused'}): accept its terms on its page "
+                         f"and {LOGIN_HINT}")
+    if isinstance(exc, e.RepositoryNotFoundError):
+        return UserError(f"hub repo {repo_id} not found (if it is private or gated, {LOGIN_HINT})")
+    if isinstance(exc, e.HfHubHTTPError) and status in (401, 403):
+        return UserError(f"hub repo {repo_id}: access refused ({status}); {LOGIN_HINT}")
+    url = _timeout(exc)
+    if url is not None:
+        from huggingface_hub import constants
+        what = url.rpartition("/")[2] if "/resolve/" in url else "its API"
+        return UserError(f"cannot download {repo_id}@{rev}: the hub at {hub_endpoint()} sent nothing of {what} for "
+                         f"{constants.HF_HUB_DOWNLOAD_TIMEOUT} s (HF_HUB_DOWNLOAD_TIMEOUT) in any of its tries; "
+                         "try again later")
+    if isinstance(exc, e.LocalEntryNotFoundError):
+        if hub_offline() or not hub_reachable():
+            return UserError(f"{repo_id}@{rev} is not in the Hugging Face cache and {why_unreachable()}")
+        cause = exc.__cause__ or exc.__context__
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0]}" if cause is not None and str(cause) else \
+            str(exc).splitlines()[0]
+        return UserError(f"cannot download {repo_id}@{rev} from {hub_endpoint()} ({reason[:200]}), "
+                         "and it is not in the Hugging Face cache")
+    return UserError(f"cannot download {repo_id}@{rev}: {type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status behind an error (or behind its cause)."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status is not None:
+            return status
+    return None
+
+
+def _timeout(exc: BaseException) -> str | None:
+    """The URL of a request behind exc that timed out ('' where unknown), or None."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is not None and type(e).__name__ in ("ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout"):
+            try:
+                return str(e.request.url).split("?")[0]
+            except (AttributeError, RuntimeError):  # httpx raises RuntimeError for an exception without one
+                return ""
+    return None
+
+
+def transient_api_error(exc: BaseException) -> bool:
+    """A 5xx/408/429 (or a timeout, a refused connection) from the hub's API (/api/...): worth
+    another try. huggingface_hub falls back to the cache on these, raising LocalEntryNotFoundError
+    with the HTTP error as its cause."""
+    if "/resolve/" in (_timeout(exc) or ""):  # once more would repeat huggingface_hub's 6 tries of the file
+        return False
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is None:
+            continue
+        status = status_of(e)
+        request = getattr(getattr(e, "response", None), "request", None)
+        url, method = str(getattr(request, "url", "") or ""), getattr(request, "method", "")
+        # not a HEAD of a file: huggingface_hub retries those itself (5 times, ~25 s)
+        if status is not None and (status >= 500 or status in (408, 429)) and ("/api/" in url or method == "GET"):
+            return True
+        if type(e).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException"):
+            return True
     return False

@@ -49,9 +49,10 @@ def load_converted(path: Path, dtype=jnp.float32):
 
 
 
-def convert_dir(src: Path, dst: Path, source: dict | None = None, overwrite: bool = False) -> Path:
+def convert_dir(src: Path, dst: Path, source: dict | None = None) -> Path:
     """Hugging Face dir -> Orbax checkpoint (float32) + isojax.json + tokenizer files, written
-    completely or not at all."""
+    completely or not at all; a `dst` already there is replaced once the new one is complete
+    (the command refuses that without --overwrite: isojax.run.outdir.refuse_earlier)."""
     import shutil
 
     import numpy as np
@@ -59,11 +60,9 @@ def convert_dir(src: Path, dst: Path, source: dict | None = None, overwrite: boo
     from isojax.hf.families import read_hf_tensors, tensors_to_params
     from isojax.atomic import staged_dir
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise UserError(f"{dst} exists; pass --overwrite to replace it")
     cfg, tensors, checksum = read_hf_tensors(Path(src))
     params = tensors_to_params({k: np.asarray(v, np.float32) for k, v in tensors.items()}, cfg)
-    with staged_dir(dst) as tmp:  # with overwrite: the old checkpoint goes once the new one is complete
+    with staged_dir(dst) as tmp:  # the old checkpoint goes once the new one is complete
         for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(src) / fname).is_file():
                 shutil.copy2(Path(src) / fname, tmp / fname)

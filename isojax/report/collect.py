@@ -2,14 +2,15 @@
 
 A result folder is any folder holding `metrics.json` (an extract run, `manifest.json` beside
 it) and/or `weights.json` (a weights run, `arrays.npz` beside it), at any depth below the
-paths given: single runs, extract sweeps (OUT/<model>/<revision>/), weights sweeps
-(OUT/<revision>/), or a mix. `correlation.json` files found the same way are kept too. A folder
+paths given: single runs, sweeps of extract and weights (OUT/<model>/<revision>/; weights sweeps
+before it wrote OUT/<revision>/, read too), or a mix. `correlation.json` files found the same way are kept too. A folder
 whose results isojax is still moving in, or whose files differ from isojax's record of them, is
 refused (isojax.run.outdir.check_results).
 
-A run is identified by (model, revision): the model name is canonical (a preset name such as
-`pythia-70m` becomes its hub id `EleutherAI/pythia-70m`, as extract writes it; names compare
-without case, as the hub does) and a missing revision is `main`. Extract runs must all come
+A run is identified by (model, revision) as every command names a checkpoint
+(isojax.run.names.checkpoint_name: a preset name such as `pythia-70m` becomes its hub id
+`EleutherAI/pythia-70m`; a local folder its name, a local revision folder DIR/step1000 (DIR's
+name, step1000); names compare without case, as the hub does) and a missing revision is `main`. Extract runs must all come
 from one corpus (the same `corpus_fingerprint` in their manifests): IntraSim and InterSim of
 different text are not comparable.
 """
@@ -26,6 +27,7 @@ import re
 from isojax.log import log
 from isojax.steps import step_of
 from isojax.run import outdir
+from isojax.run.names import canonical_model, checkpoint_name, revision_name
 from isojax.errors import UserError
 
 # Folders that never hold results; hidden ones (staging folders .partial-*, .tmp-*) are skipped too.
@@ -33,22 +35,15 @@ _SKIP = {"plots", "tokens.zarr", "figures", "checkpoint", "__pycache__"}
 _SIZE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)([mb])(?![a-z])", re.IGNORECASE)
 
 
-def canonical_model(name) -> str:
-    """'pythia-70m' -> 'EleutherAI/pythia-70m'; hub ids, local paths and random:NAME unchanged."""
-    name = str(name).strip()
-    if name and "/" not in name and ":" not in name:
-        from isojax.model.config import base_preset, hub_id
-        if base_preset(name):
-            return hub_id(name)
-    return name
-
-
 def model_key(model: str) -> str:
     return canonical_model(model).lower()
 
 
-def revision_name(revision) -> str:
-    return "main" if revision in (None, "") else str(revision)
+def _named(data: dict, folder: pathlib.Path) -> tuple[str, str]:
+    """(model, revision) of a result document, named as the commands name them now (results
+    written before by a path, `weights --model DIR/step1000`, get DIR's name at step1000)."""
+    model, revision = checkpoint_name(data.get("model") or folder.name, data.get("revision") or None)
+    return model, revision_name(revision)
 
 
 @dataclasses.dataclass
@@ -150,8 +145,7 @@ def _extract_run(folder: pathlib.Path) -> Run:
     manifest = _read_json(folder / "manifest.json") if (folder / "manifest.json").exists() else None
     if manifest is not None and not isinstance(manifest, dict):
         raise UserError(f"{folder / 'manifest.json'}: not a JSON object")
-    return Run("extract", folder, data, manifest, canonical_model(data.get("model") or folder.name),
-               revision_name(data.get("revision")))
+    return Run("extract", folder, data, manifest, *_named(data, folder))
 
 
 def _weights_run(folder: pathlib.Path) -> Run:
@@ -159,8 +153,7 @@ def _weights_run(folder: pathlib.Path) -> Run:
     data = _read_json(path)
     if not isinstance(data, dict) or not any(k in data for k in ("embed_in", "embed_out", "final_ln", "tensors")):
         raise UserError(f"{path}: not an isojax weights.json (no embed_in, embed_out, final_ln or tensors)")
-    return Run("weights", folder, data, None, canonical_model(data.get("model") or folder.name),
-               revision_name(data.get("revision")))
+    return Run("weights", folder, data, None, *_named(data, folder))
 
 
 def _check_unique(runs: list[Run]) -> None:

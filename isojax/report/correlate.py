@@ -382,8 +382,7 @@ def write_json(path: pathlib.Path, entries: list[dict], overwrite: bool) -> None
     from isojax.atomic import write_atomic
     from isojax.run.results import json_safe
     outdir.check_path(path, folder=False)
-    if path.exists() and not overwrite:
-        raise UserError(f"--out {path} exists; pass --overwrite to replace it")
+    outdir.refuse_earlier(path, path.exists(), overwrite=overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_atomic(path, json.dumps(json_safe(entries), indent=1, allow_nan=False) + "\n")

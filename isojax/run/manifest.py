@@ -9,9 +9,12 @@ import time
 
 import jax
 
+from isojax.run.names import checkpoint_name
+
 
 def build_metrics(model, unit: str, done: dict, final: dict, has_sources: bool) -> dict:
-    metrics = {"model": model.source["name"], "revision": model.source.get("revision"), "weights": model.weights,
+    name, revision = checkpoint_name(model.source["name"], model.source.get("revision"))
+    metrics = {"model": name, "revision": revision, "weights": model.weights,
                "unit": unit, "tokens": done["tokens"], "sequences": done["sequences"],
                "dtype": model.dtype, "layers": final["layers"]}
     if has_sources and "groups" in final:
@@ -33,8 +36,9 @@ def package_versions() -> dict:
 
 def build_manifest(model, cache, corpus, done, plan, seconds, wall, settings) -> dict:
     dev = jax.devices()[0]
+    name, revision = checkpoint_name(model.source["name"], model.source.get("revision"))
     return {
-        "model": model.source["name"], "revision": model.source.get("revision"), "weights": model.weights,
+        "model": name, "revision": revision, "weights": model.weights,
         "weight_checksum": model.source["checksum"], "model_path": model.source.get("path"),
         "tokenizer": model.source.get("tokenizer"), "config": model.config.to_dict(),
         "corpus": corpus.describe(), "corpus_fingerprint": cache.fingerprint,

@@ -134,10 +134,21 @@ def claim(out, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite
         _recover(out)
         _clean(out)
         _check_names(out, names)
-        if not overwrite and owned(out):
-            raise UserError(f"{out} already holds results ({', '.join(sorted(owned(out))[:3])}); "
-                            f"pass {flag} to replace them")
+        refuse_earlier(out, owned(out), overwrite=overwrite, flag=flag)
         yield out
+
+
+def refuse_earlier(path, held, *, overwrite: bool, flag: str = "--overwrite") -> None:
+    """The one refusal of earlier results, for every command: `held` names the results already at
+    `path` (a folder), or is True where `path` itself is one (correlate's file, a converted
+    checkpoint); refused unless `overwrite`."""
+    if not held or overwrite:
+        return
+    if held is True:
+        raise UserError(f"{path} exists; pass {flag} to replace it")
+    held = sorted(held)
+    raise UserError(f"{path} already holds results ({', '.join(held[:3])}{', …' if len(held) > 3 else ''}); "
+                    f"pass {flag} to replace them")
 
 
 @contextlib.contextmanager

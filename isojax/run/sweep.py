@@ -1,14 +1,16 @@
 """Runs over training checkpoints and model sizes: `extract --model A --model B --revisions R1,R2`
-or `--paper-steps`.
+or `--paper-steps`, and `weights --model A --revisions ...` alike.
 
-Every (model, revision) is one isojax.measure into OUT/<model>/<revision>/ (model: a local
-directory's name, else the name with '/' as '--'; revision: `main` when none), then OUT/sweep.csv gathers every finished step, one row
-per (model, revision, layer). The corpus is tokenized once (Pythia models share a tokenizer, so
-they share the token cache); while the devices measure one checkpoint a background thread
-fetches the next one into Hugging Face's cache. A step whose folder holds metrics.json is done:
-a killed sweep, run again with the same arguments and --resume, skips the finished steps and
-resumes the unfinished one from its checkpoint; it refuses a corpus or --max-tokens other than
-the finished steps' (sweep.csv would mix them).
+Every (model, revision) is measured into OUT/<model>/<revision>/ (isojax.run.names: the model's
+name with '/' as '--', a preset as its hub id; revision `main` when none), then OUT/sweep.csv
+gathers every finished step, one row per (model, revision[, layer]). The corpus is tokenized once
+(Pythia models share a tokenizer, so they share the token cache); while one checkpoint is measured
+a background thread fetches the next unfinished one into Hugging Face's cache. A step whose folder
+holds its result (metrics.json, weights.json) is done: a killed sweep, run again with the same
+arguments and --resume, skips the finished steps without downloading them and resumes the
+unfinished one from its checkpoint; an extract sweep refuses a corpus or --max-tokens other than
+the finished steps' (sweep.csv would mix them). --delete-downloads removes from the Hugging Face
+cache what the sweep downloaded for a step once it is measured (isojax.hf.cache).
 
 Offline stand-ins for the hub: a local directory with one subfolder per revision
 (DIR/step1000/, DIR/step2000/, each a Hugging Face checkpoint) is read as a repository:
@@ -18,6 +20,7 @@ Offline stand-ins for the hub: a local directory with one subfolder per revision
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import threading
 from pathlib import Path
@@ -29,12 +32,7 @@ from isojax.errors import UserError
 from isojax.log import log
 from isojax.run.config import MeasureConfig
 from isojax.steps import step_of
-
-
-def slug(name: str) -> str:
-    """A model's folder name: a local directory's own name, else the name with '/' as '--'."""
-    path = Path(name).expanduser()
-    return path.name if path.is_dir() else str(name).replace("/", "--")
+from isojax.run.names import canonical_model, checkpoint_name, revision_name, step_folder
 
 
 def local_revision(model: str, revision: str | None) -> Path | None:
@@ -68,8 +66,8 @@ def check_revisions(model: str, revisions: list[str | None]) -> None:
     except Exception as e:  # network trouble: loading will say precisely
         from huggingface_hub import errors
         if isinstance(e, (errors.RepositoryNotFoundError, errors.GatedRepoError)):
-            from isojax.hf.files import _hub_error
-            raise _hub_error(e, repo, None) from None
+            from isojax.hf.network import hub_error
+            raise hub_error(e, repo, None) from None
         log(f"could not list the revisions of {repo} ({type(e).__name__}); checking them one by one")
         return
     known = {b.name for b in refs.branches} | {t.name for t in refs.tags}
@@ -82,75 +80,148 @@ def check_revisions(model: str, revisions: list[str | None]) -> None:
                         f"(it has {len(known)} branches and tags: {', '.join(shown)})")
 
 
-def _prefetch(model: str, revision: str | None) -> None:
-    """Download a hub checkpoint into the cache (in a background thread; errors surface later)."""
-    if model.startswith("random:") or Path(model).expanduser().is_dir():
-        return
-    try:
-        from isojax.model.config import base_preset, hub_id
-        from isojax.hf.files import resolve_model
-        resolve_model(hub_id(model) if base_preset(model) else model, revision)
-    except Exception:
-        pass
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One checkpoint of a sweep: --model as given, a revision, and its result folder."""
+    model: str
+    revision: str | None
+    folder: Path
+
+    @property
+    def name(self) -> tuple[str, str | None]:
+        return checkpoint_name(self.model, self.revision)
+
+    @property
+    def local(self) -> Path | None:
+        return local_revision(self.model, self.revision)
+
+    @property
+    def repo(self) -> str | None:
+        """The hub repository it downloads from (None: random weights or a local folder)."""
+        if self.model.startswith("random:") or Path(self.model).expanduser().is_dir():
+            return None
+        return canonical_model(self.model)
+
+
+def plan(models: list[str], revisions: list[str | None], out: Path) -> list[Step]:
+    """Every (model, revision), revisions checked before anything runs; two that would share a result
+    folder (a preset and its hub id) are refused."""
+    for m in models:
+        check_revisions(m, revisions)
+    steps, seen = [], {}
+    for m in models:
+        for r in revisions:
+            step = Step(m, r, step_folder(out, m, r))
+            if step.folder in seen:
+                raise UserError(f"{seen[step.folder]} and {m} @ {revision_name(r)} are the same checkpoint "
+                                f"({step.folder}); give it once")
+            seen[step.folder] = f"{m} @ {revision_name(r)}"
+            steps.append(step)
+    return steps
+
+
+def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resume: bool, overwrite: bool,
+              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",)) -> None:
+    """The loop of every sweep, extract's and weights': each unfinished step is measured into its
+    folder (measure(step) writes there, committed whole), the next unfinished one downloading
+    meanwhile (fetch(step), in a thread); a step whose folder holds `result` is done: skipped with
+    --resume, nothing downloaded for it, refused without (before anything is measured); with
+    delete_downloads, a measured step's files this sweep downloaded leave the Hugging Face cache.
+    finish() then writes the sweep's files at OUT's top (process 0 only)."""
+    main = parallel.is_main_process()
+    # a folder with a commit cut short is not done: its claim puts the earlier results back, then it is measured
+    done = set() if overwrite else \
+        {s for s in steps if (s.folder / result).exists() and not (s.folder / outdir.JOURNAL).exists()}
+    if not resume:
+        first = next((s for s in steps if s in done), None)
+        outdir.refuse_earlier(out, first and [str(first.folder.relative_to(out) / result)], overwrite=overwrite,
+                              flag="--resume to continue the sweep or --overwrite")
+    todo = [s for s in steps if s not in done]
+    downloads = None
+    if delete_downloads:
+        from isojax.hf.cache import Downloads
+        downloads = Downloads(s.repo for s in todo if s.repo is not None)
+    with outdir.claim(out, overwrite=True, names=set(names), inputs=inputs) if main else contextlib.nullcontext():
+        fetching = None
+        for i, step in enumerate(steps):
+            label = f"[{i + 1}/{len(steps)}] {step.model} @ {revision_name(step.revision)}"
+            if step in done:
+                log(f"{label}: done earlier")
+                continue
+            if fetching is not None:
+                fetching.join()
+            later = todo[todo.index(step) + 1:]
+            fetching = _start_fetch(fetch, later[0]) if later else None
+            log(label)
+            with outdir.claim(step.folder, overwrite=True) if main else contextlib.nullcontext():
+                measure(step)
+            if downloads is not None and step.repo is not None:
+                if fetching is not None:  # its files are in the cache before this step's go
+                    fetching.join()
+                freed = downloads.release(step.repo, step.revision,
+                                          keep=[s.revision for s in later if s.repo == step.repo])
+                if freed:
+                    log(f"{step.repo} @ {revision_name(step.revision)}: deleted the {freed / 1e9:.2f} GB this sweep "
+                        "downloaded (--delete-downloads)")
+        if main:
+            finish()
+
+
+def _start_fetch(fetch, step: Step) -> threading.Thread | None:
+    """Download a hub checkpoint into the cache in a background thread; its errors surface when
+    the step itself loads it."""
+    if step.repo is None:
+        return None
+
+    def run():
+        with contextlib.suppress(Exception):
+            fetch(step)
+    thread = threading.Thread(target=run, daemon=True, name="isojax-prefetch")
+    thread.start()
+    return thread
 
 
 def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resume: bool, overwrite: bool,
-              plots: bool, config: MeasureConfig) -> Path:
+              plots: bool, config: MeasureConfig, delete_downloads: bool = False) -> Path:
+    """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv."""
+    from isojax.hf.files import resolve_model
     from isojax.run.measure import measure
-    jobs = [(m, r) for m in models for r in revisions]
-    for m in models:
-        check_revisions(m, revisions)
+    steps = plan(models, revisions, out)
     main = parallel.is_main_process()
-    inputs = [*models, *(config.data.data or [])]
-    with outdir.claim(out, overwrite=True, names={"sweep.csv"}, inputs=inputs) if main else contextlib.nullcontext():
-        fetch = None
-        for i, (model, revision) in enumerate(jobs):
-            step_dir = out / slug(model) / (revision or "main")
-            with outdir.claim(step_dir, overwrite=True) if main else contextlib.nullcontext():
-                done = (step_dir / "metrics.json").exists()
-                if done and not overwrite:
-                    if not resume:
-                        raise UserError(f"{step_dir} already holds results; pass --resume to continue the sweep "
-                                        "or --overwrite to replace it")
-                    log(f"[{i + 1}/{len(jobs)}] {model} @ {revision or 'main'}: done earlier")
-                    continue
-                if fetch is not None:
-                    fetch.join()
-                if i + 1 < len(jobs):
-                    fetch = threading.Thread(target=_prefetch, args=jobs[i + 1], daemon=True, name="isojax-prefetch")
-                    fetch.start()
-                log(f"[{i + 1}/{len(jobs)}] {model} @ {revision or 'main'}")
-                local = local_revision(model, revision)
-                spec = str(local) if local is not None else model
-                ckpt = step_dir / "checkpoint"
-                results = measure(config.replace(
-                    model={"model": spec, "revision": None if local is not None else revision},
-                    checkpoint={"directory": ckpt, "resume": resume and ckpt.exists()}))
-                if local is not None:  # a stand-in repository: report the step as the hub's would be
-                    results.metrics.update(model=slug(model), revision=revision)
-                    results.manifest.update(model=slug(model), revision=revision)
-                if resume and not overwrite:
-                    check_same_corpus(results.manifest, out, jobs, model, step_dir)
-                if main:
-                    results.save(step_dir, overwrite=True, plots=plots)
-                    checkpointing.remove(ckpt)  # only what isojax wrote there
-                else:
-                    results.join_save()
-                del results
+
+    def measure_step(step: Step) -> None:
+        local = step.local
+        ckpt = step.folder / "checkpoint"
+        results = measure(config.replace(
+            model={"model": str(local) if local is not None else step.model,
+                   "revision": None if local is not None else step.revision},
+            checkpoint={"directory": ckpt, "resume": resume and ckpt.exists()}))
+        model, revision = step.name  # a stand-in repository's step is named as the hub's would be
+        results.metrics.update(model=model, revision=revision)
+        results.manifest.update(model=model, revision=revision)
+        if resume and not overwrite:
+            check_same_corpus(results.manifest, steps, step)
         if main:
-            write_sweep_csv(out, jobs)
+            results.save(step.folder, overwrite=True, plots=plots)
+            checkpointing.remove(ckpt)  # only what isojax wrote there
+        else:
+            results.join_save()
+
+    run_steps(steps, out, result="metrics.json", measure=measure_step, fetch=lambda s: resolve_model(s.repo, s.revision),
+              resume=resume, overwrite=overwrite, delete_downloads=delete_downloads,
+              finish=lambda: write_sweep_csv(out, steps), inputs=[*models, *(config.data.data or [])])
     return out
 
 
-def check_same_corpus(manifest: dict, out: Path, jobs, model: str, step_dir: Path) -> None:
+def check_same_corpus(manifest: dict, steps: list[Step], step: Step) -> None:
     """A resumed sweep measures what its finished steps measured: the same corpus (fingerprint of the
     text as this model's tokenizer reads it; other models may tokenize differently) and the same
     --max-tokens; otherwise sweep.csv would mix two corpora. Checked once the step is measured (the
     fingerprint is known only then), before it is saved."""
     import json
-    for m, r in jobs:
-        d = out / slug(m) / (r or "main")
-        if d == step_dir or not (d / "manifest.json").exists():
+    for other in steps:
+        d = other.folder
+        if d == step.folder or not (d / "manifest.json").exists():
             continue
         try:
             earlier = json.loads((d / "manifest.json").read_text())
@@ -160,26 +231,33 @@ def check_same_corpus(manifest: dict, out: Path, jobs, model: str, step_dir: Pat
         if was != now:
             raise UserError(f"{d} was measured with --max-tokens {was or 'unset'}, this run with {now or 'unset'}: "
                             "resume with the same --max-tokens, or sweep into another --out")
-        if m == model and earlier.get("corpus_fingerprint") != manifest.get("corpus_fingerprint"):
+        if other.model == step.model and earlier.get("corpus_fingerprint") != manifest.get("corpus_fingerprint"):
             raise UserError(f"{d} was measured on another corpus ({earlier.get('corpus')}) than this run "
                             f"({manifest.get('corpus')}): resume with the same --data, --source and --unit, "
                             "or sweep into another --out")
 
 
-def write_sweep_csv(out: Path, jobs) -> Path:
+def sweep_rows(steps: list[Step], result: str, rows_of) -> list[dict]:
+    """model, revision, step, then rows_of(document) for every finished step (its `result` file read
+    whole, as isojax's record of the folder says)."""
+    import json
+    rows = []
+    for step in steps:
+        path = step.folder / result
+        if path.exists():
+            outdir.check_results(step.folder, reads=(result,))
+            model, revision = step.name
+            head = {"model": model, "revision": revision_name(revision), "step": step_of(revision)}
+            rows += [{**head, **row} for row in rows_of(json.loads(path.read_text()))]
+    return rows
+
+
+def write_sweep_csv(out: Path, steps: list[Step]) -> Path:
     """OUT/sweep.csv: model, revision, step, tokens, layer and every scalar layer metric, for
     every finished step of the sweep; committed beside the step folders (outdir.staged)."""
-    import json
-
     from isojax.run.results import flat_layer, write_csv
-    rows = []
-    for model, revision in jobs:
-        d = out / slug(model) / (revision or "main")
-        if (d / "metrics.json").exists():
-            outdir.check_results(d, reads=("metrics.json",))
-            metrics = json.loads((d / "metrics.json").read_text())
-            rows += [{"model": metrics["model"], "revision": revision or "main", "step": step_of(revision),
-                      "tokens": metrics["tokens"], **flat_layer(layer)} for layer in metrics["layers"]]
+    rows = sweep_rows(steps, "metrics.json",
+                      lambda metrics: [{"tokens": metrics["tokens"], **flat_layer(layer)} for layer in metrics["layers"]])
     with outdir.staged(out, replace_all=False) as stage:
         write_csv(stage / "sweep.csv", rows)
     return out / "sweep.csv"

@@ -6,8 +6,8 @@ matrices and the final norm's g and b (Machina & Mercer §4.2-4.4);
 `random:<preset>` measures the random weights `isojax.load_model` gives that name, offline.
 With `--tensor NAME`: the matrix metrics of any 2-D tensor of any checkpoint; with
 `--matrix PATH[:KEY]`: of a matrix in any file (`isojax.weights.matrix_files`).
-Results go to a temporary directory next to OUT that replaces OUT only when the run has
-succeeded, so a failed run never damages earlier results.
+Results are committed whole (isojax.run.outdir), so a failed run never damages earlier results;
+`--revisions`/`--paper-steps` sweep into OUT/<model>/<revision>/ as extract does (isojax.run.sweep).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from isojax.weights import families
 from isojax.weights import isotropy
 from isojax.weights import matrix_files
 from isojax.run import outdir
+from isojax.run.names import checkpoint_name
 from isojax.plots import weights as weight_plots
 from isojax.errors import UserError, run_command
-from isojax.steps import paper_steps, step_of
+from isojax.steps import paper_steps
 
 EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
 LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
@@ -179,17 +180,19 @@ def _write(out: pathlib.Path, result: dict, arrays: dict) -> None:
 
 
 def analyze_checkpoint(model: str, revision: str | None, tensors: list[str] | None,
-                       out: pathlib.Path, plots: bool = True) -> dict:
-    """Measure one checkpoint, write `out/weights.json` (+ arrays.npz, PNGs); return the JSON."""
+                       out: pathlib.Path, plots: bool = True, name: tuple | None = None) -> dict:
+    """Measure one checkpoint, write `out/weights.json` (+ arrays.npz, PNGs); return the JSON.
+    name: (model, revision) as the results name it (default: isojax.run.names.checkpoint_name)."""
+    named, named_revision = name or checkpoint_name(model, revision)
     if model.startswith("random:"):
         reader, directory = RandomWeights(model.removeprefix("random:"), only=tensors), None
         config = {"model_type": "gpt_neox", "tie_word_embeddings": False}
-        result: dict = {"model": model, "revision": None, "weights": "random", "checkpoint": None}
+        result: dict = {"model": named, "revision": None, "weights": "random", "checkpoint": None}
     else:
         directory = hf_files.resolve_weights(model, revision, tensors=tensors or families.all_names())
         reader = hf_files.CheckpointReader(directory, only=tensors or families.all_names())
         config = None if tensors else families.read_config(directory)
-        result = {"model": model, "revision": revision, "weights": "pretrained",
+        result = {"model": named, "revision": named_revision, "weights": "pretrained",
                   "checkpoint": str(directory)}
     result["format"] = reader.format
     source = f"random weights of {model.removeprefix('random:')}" if directory is None else directory
@@ -274,6 +277,10 @@ def _check_sources(args) -> None:
         raise UserError("give --model NAME_OR_PATH, or --matrix PATH[:KEY] for matrices in files")
     elif args.model.startswith("random:") and (args.revision or args.revisions or args.paper_steps):
         raise UserError(f"{args.model} has no revisions: random weights are made, not downloaded")
+    sweep = args.revisions or args.paper_steps
+    for flag, given in (("--resume", args.resume), ("--delete-downloads", args.delete_downloads)):
+        if given and not sweep:
+            raise UserError(f"{flag} applies to sweeps (--revisions, --paper-steps)")
 
 
 def run(args) -> None:
@@ -290,23 +297,23 @@ def run(args) -> None:
             raise UserError("--revisions is empty")
     else:
         revisions = None
-    if (args.revision or revisions) and pathlib.Path(args.model or "").expanduser().is_dir():
-        raise UserError(f"{args.model} is a local directory: revisions apply to hub models only")
+    if args.revision and pathlib.Path(args.model or "").expanduser().is_dir():
+        raise UserError(f"{args.model} is a local directory: --revision applies to hub models (a local folder "
+                        "of revisions takes --revisions)")
     if args.tensor:
         for t in args.tensor:
             if not t:
                 raise UserError("--tensor needs a tensor name")
-    if revisions is not None:  # refuse unknown revisions before measuring any (as extract does)
-        from isojax.run.sweep import check_revisions
-        check_revisions(args.model, revisions)
-    names = {"weights.json", "arrays.npz", "sweep.csv"}
+    if revisions is not None:
+        _sweep(args, revisions, out, inputs)
+        _summary(out, revisions)
+        return
+    names = {"weights.json", "arrays.npz"}
     with outdir.claim(out, overwrite=args.overwrite, names=names, inputs=inputs), outdir.staged(out) as tmp:
         if args.matrix:
             analyze_matrices(args.matrix, tmp, not args.no_plots)
-        elif revisions is None:
-            analyze_checkpoint(args.model, args.revision, args.tensor, tmp, not args.no_plots)
         else:
-            _sweep(args, revisions, tmp)
+            analyze_checkpoint(args.model, args.revision, args.tensor, tmp, not args.no_plots)
     _summary(out, revisions)
 
 
@@ -314,7 +321,7 @@ def _summary(out: pathlib.Path, revisions: list[str] | None) -> None:
     """The one line a successful run ends with: what was measured, I(W), where the results are."""
     pngs = len(list(out.glob("*.png")))
     if revisions is not None:
-        log(f"{len(revisions)} revisions measured; results in {out}/<revision>/ and {out}/sweep.csv"
+        log(f"{len(revisions)} revisions measured; results in {out}/<model>/<revision>/ and {out}/sweep.csv"
               + (f", {pngs} sweep plots" if pngs else ""))
         return
     doc = json.loads((out / "weights.json").read_text())
@@ -326,27 +333,42 @@ def _summary(out: pathlib.Path, revisions: list[str] | None) -> None:
           + (f", {pngs} PNGs)" if pngs else ")"))
 
 
-def _sweep(args, revisions: list[str], tmp: pathlib.Path) -> None:
-    from tqdm import tqdm
+def _sweep(args, revisions: list[str], out: pathlib.Path, inputs) -> None:
+    """OUT/<model>/<revision>/ per revision (as extract's sweeps; isojax.run.sweep), then OUT/sweep.csv
+    and OUT/sweep_*.png over the finished ones."""
+    from isojax.run import sweep
 
-    rows = []
-    for rev in tqdm(revisions, desc="revisions", unit="ckpt", file=sys.stderr,
-                    disable=len(revisions) < 2):
-        sub = tmp / _safe(rev)
-        sub.mkdir()
-        res = analyze_checkpoint(args.model, rev, args.tensor, sub, not args.no_plots)
-        rows.append({"revision": rev, "step": step_of(rev), **_flat(res)})
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    with open(tmp / "sweep.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows([{k: "" if r.get(k) is None else r.get(k) for k in cols} for r in rows])
-    if not args.no_plots:
-        groups = list(args.tensor) if args.tensor else \
-            [g for g in ("embed_in", "embed_out") if any(f"{g}.isotropy" in r for r in rows)]  # tied: one
-        ln = [ms for ms in LN_METRICS if any(r.get(f"final_ln.{m}") is not None for r in rows for m in ms)]
-        weight_plots.sweep_plots(rows, groups, MATRIX_METRICS, [] if args.tensor else ln, tmp,  # null: no such weight
-                                 model_label(args.model))
+    steps = sweep.plan([args.model], revisions, out)  # unknown revisions refused before any is measured
+    old = next((out / r for r in revisions if (out / _safe(r) / "weights.json").exists()), None)
+    if old is not None:  # the report would find each revision twice
+        raise UserError(f"{out} holds a weights sweep of the earlier layout ({old}/, now OUT/<model>/<revision>/); "
+                        "sweep into another --out, or move it away")
+    needed, plots = args.tensor or families.all_names(), not args.no_plots
+
+    def measure(step: sweep.Step) -> None:
+        spec, revision = (str(step.local), None) if step.local is not None else (step.model, step.revision)
+        with outdir.staged(step.folder) as tmp:
+            analyze_checkpoint(spec, revision, args.tensor, tmp, plots, name=step.name)
+
+    def finish() -> None:
+        rows = sweep.sweep_rows(steps, "weights.json", lambda doc: [_flat(doc)])
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        with outdir.staged(out, replace_all=False) as tmp:
+            with open(tmp / "sweep.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=cols)
+                w.writeheader()
+                w.writerows([{k: "" if r.get(k) is None else r.get(k) for k in cols} for r in rows])
+            if plots:
+                groups = list(args.tensor) if args.tensor else \
+                    [g for g in ("embed_in", "embed_out") if any(f"{g}.isotropy" in r for r in rows)]  # tied: one
+                ln = [ms for ms in LN_METRICS if any(r.get(f"final_ln.{m}") is not None for r in rows for m in ms)]
+                weight_plots.sweep_plots(rows, groups, MATRIX_METRICS, [] if args.tensor else ln, tmp,  # null: none
+                                         model_label(args.model))
+
+    sweep.run_steps(steps, out, result="weights.json", measure=measure,
+                    fetch=lambda s: hf_files.resolve_weights(s.repo, s.revision, tensors=needed),
+                    resume=args.resume, overwrite=args.overwrite, delete_downloads=args.delete_downloads,
+                    finish=finish, inputs=inputs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "matrices and statistics\nof the final norm of a checkpoint of a known family "
                     "(model_type in config.json:\n" + ", ".join(sorted(families.FAMILIES)) +
                     "),\nor of any 2-D tensor with --tensor, or of matrices in files with --matrix.",
-        epilog="outputs in OUT (one subfolder per revision for sweeps):\n"
+        epilog="outputs in OUT (OUT/<model>/<revision>/ per revision for sweeps):\n"
                "  weights.json             metrics (family, tied, embed_in, embed_out, final_ln | tensors)\n"
                "  arrays.npz               normalized singular values, 2-D SVD projections\n"
                "  *_singular_values.png    normalized singular values before/after centering\n"
@@ -372,14 +394,20 @@ def build_parser() -> argparse.ArgumentParser:
     rev = ap.add_mutually_exclusive_group()
     rev.add_argument("--revision", help="hub revision (branch, tag or commit), e.g. step143000")
     rev.add_argument("--revisions", metavar="R1,R2,...",
-                     help="sweep comma-separated revisions: OUT/REV/ per revision, "
-                          "OUT/sweep.csv and OUT/sweep_*.png")
+                     help="sweep comma-separated revisions: OUT/<model>/<revision>/ per revision, "
+                          "OUT/sweep.csv and OUT/sweep_*.png; a local directory with one subfolder per "
+                          "revision stands in for a hub repository")
     rev.add_argument("--paper-steps", action="store_true",
                      help="sweep the paper's 21 checkpoints: step0 and floor(i*143/20)*1000 "
                           "for i = 1..20")
     ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace existing results in OUT (refused without it)")
+    ap.add_argument("--resume", action="store_true",
+                    help="sweeps: skip the revisions already measured in OUT (nothing is downloaded for them)")
+    ap.add_argument("--delete-downloads", action="store_true",
+                    help="sweeps: once a revision is measured, delete from the Hugging Face cache the files this "
+                         "sweep downloaded for it (files cached before the run stay)")
     ap.add_argument("--tensor", action="append", metavar="NAME",
                     help="measure this 2-D tensor instead of the family's set; repeatable; "
                          "works for any safetensors checkpoint (reads only that tensor)")
