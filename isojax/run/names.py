@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from isojax.model.config import base_preset, hub_id, step_of
+from isojax.model.config import base_preset, hub_id
+from isojax.steps import step_of
 
 
 def canonical_model(name: str) -> str:

@@ -27,63 +27,17 @@ from isojax.hf import files as hf_files
 from isojax.weights import families
 from isojax.weights import isotropy
 from isojax.weights import matrix_files
+from isojax.weights.random_weights import RandomWeights
 from isojax.run import outdir
 from isojax.run.names import checkpoint_name
 from isojax.plots import weights as weight_plots
 from isojax.errors import UserError, run_command
 from isojax.steps import paper_steps
 
-EMBED_IN, EMBED_OUT = "gpt_neox.embed_in.weight", "embed_out.weight"
-LN_G, LN_B = "gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"
 MATRIX_METRICS = ["isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
                   "isotropy_scaled_centered", "mean_norm", "mean_vector_norm"]
 LN_METRICS = [("avgnorm_g", "avgnorm_b"), ("b_over_g",), ("gao_sum",),
               ("b_parallel_norm", "b_perp_norm")]
-
-
-class RandomWeights:
-    """`random:<preset>`: the four tensors this command reads, from `loading.random_params` (the
-    weights `load_model("random:<preset>")` runs), under their Hugging Face names and layout."""
-
-    format = "random"
-    NAMES = (EMBED_IN, EMBED_OUT, LN_G, LN_B)
-
-    def __init__(self, preset_name: str, only=None):
-        import jax
-
-        from isojax.model.config import preset
-        from isojax.hf.loading import random_params
-
-        for name in only or ():
-            self._check(name)
-        cfg = preset(preset_name)
-        # jitted and trimmed, XLA skips the blocks' initializers: same values, a fraction of the work
-        p = jax.jit(lambda: {k: v for k, v in random_params(cfg).items() if k != "layers"})()
-        # flax's embed_out is [D, V]; Hugging Face stores embed_out.weight as [V, D] like embed_in
-        self._t = {EMBED_IN: np.asarray(p["embed_in"], np.float32),
-                   EMBED_OUT: np.ascontiguousarray(np.asarray(p["embed_out"], np.float32).T),
-                   LN_G: np.asarray(p["final_layer_norm"]["scale"], np.float32),
-                   LN_B: np.asarray(p["final_layer_norm"]["bias"], np.float32)}
-
-    def _check(self, name: str) -> None:
-        if name not in self.NAMES:
-            raise UserError(f"random weights hold only {', '.join(self.NAMES)}, not {name!r}")
-
-    def names(self) -> list[str]:
-        return sorted(self.NAMES)
-
-    def shape(self, name) -> tuple:
-        self._check(name)
-        return self._t[name].shape
-
-    def dtype(self, name) -> str:
-        return "float32"
-
-    def read(self, name) -> np.ndarray:
-        self.shape(name)
-        return self._t[name]
-
-    rows = read
 
 
 def _matrix(reader, name: str):
