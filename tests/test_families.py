@@ -53,6 +53,7 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralCon
            "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
            "opt": ("OPTConfig", "OPTForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
 CASES = [(family, i) for family, shapes in SHAPES.items() for i in range(len(shapes))]
+FAST = {("llama", 0), ("falcon", 0), ("gpt2", 0)}  # pytest -m "not slow": one per reader's code path
 
 
 def build(directory, family: str, seed: int = 0, tokenizer: bool = False, **kwargs):
@@ -96,7 +97,8 @@ def hf_states(model, ids) -> np.ndarray:
     return np.stack(hs[:-1] + [captured["x"][0].double().numpy(), hs[-1]])
 
 
-@pytest.mark.parametrize("family,shape", CASES, ids=[f"{f}-{i}" for f, i in CASES])
+@pytest.mark.parametrize("family,shape", [pytest.param(f, i, marks=[] if (f, i) in FAST else pytest.mark.slow)
+                                          for f, i in CASES], ids=[f"{f}-{i}" for f, i in CASES])
 def test_states_match_hugging_face(tmp_path, family, shape):
     kwargs = SHAPES[family][shape]
     model = build(tmp_path, family, seed=shape, **kwargs)
@@ -328,6 +330,7 @@ def test_extract_refuses_an_unsupported_family_or_attribute_in_one_line(tmp_path
         assert "error:" in err and needle in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_jax_attention_takes_the_key_value_heads_itself():
     """attention "auto" hands jax.nn.dot_product_attention the G key/value heads (cuDNN's path on a
     GPU, XLA's here): the states of the plain attention, which repeats them per group."""

@@ -172,6 +172,7 @@ def test_hub_reachable_follows_hf_endpoint(hub, env, tmp_path):
     assert py(code, dict(env, HF_HUB_OFFLINE="1")).stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_mirror_down_no_cache_is_an_error_naming_the_endpoint(tmp_path):
     """A hub model with HF_ENDPOINT unreachable and nothing cached: one error line naming the
     endpoint, exit 2, no traceback."""
@@ -183,6 +184,7 @@ def test_mirror_down_no_cache_is_an_error_naming_the_endpoint(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_default_model_not_on_the_hub_is_an_error_not_random_weights(hub, env, tmp_path):
     """The hub at HF_ENDPOINT answers but has no pythia-70m: the default command must not fall back
     to random weights with exit 0 (that fallback is for a machine that cannot reach any hub)."""
@@ -263,6 +265,7 @@ print(json.dumps(desc))
     assert hub.repos[("model", "tiny-org/neox-c")].branches["step0"].commit in desc
 
 
+@pytest.mark.slow
 def test_missing_hub_dataset_error_is_the_last_line(hub, env, tmp_path):
     p = run("-m", "isojax.extract", "--model", A, "--data", "hub:tiny-org/nope:test", *EXTRACT_SMALL,
             "--out", tmp_path / "out", env=env)
@@ -272,6 +275,7 @@ def test_missing_hub_dataset_error_is_the_last_line(hub, env, tmp_path):
     assert not hub.downloads(A)  # refused before the model was fetched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "no route"])
 def test_offline_hub_data_fails_at_once(hub, env, tmp_path, offline):
     import time

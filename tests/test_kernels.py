@@ -39,6 +39,7 @@ def test_dense_gelu_is_flax_dense_then_gelu(dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
 
 
+@pytest.mark.slow
 def test_rounding_bound_holds_for_xla_and_catches_a_wrong_result():
     """kernels.rounding_error, the check of works() and of the GPU tests: XLA's CPU path, which
     rounds twice (product, then product + bias), lies within the bound for that, and one rounding

@@ -107,6 +107,7 @@ GROUPED = [(4, 2, 32, 0.5, [[20, 30, 14]]), pytest.param(4, 1, 32, 1.0, [[64]], 
            pytest.param(2, 2, 16, 1.0, [[7, 50]], marks=pytest.mark.slow)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("h,g,k,pct,lengths", GROUPED)
 def test_grouped_kernel_within_bf16_rounding_of_float64(h, g, k, pct, lengths):
     """attention_grouped (G key/value heads for H query heads, read in place) against float64

@@ -110,6 +110,7 @@ def test_every_figure_as_png_and_svg(report):
     assert not list(out.parent.glob(".report.tmp-*"))  # staging folder gone
 
 
+@pytest.mark.slow
 def test_html_is_self_contained(report):
     out, _ = report
     text = (out / "report.html").read_text()
@@ -122,6 +123,7 @@ def test_html_is_self_contained(report):
         assert base64.b64decode(src.split(",", 1)[1])[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_markdown_links_existing_figures(report):
     out, _ = report
     md = (out / "report.md").read_text()
@@ -139,6 +141,7 @@ def _md_cells(md):
     return {c.strip() for line in md.splitlines() if line.startswith("|") for c in line.strip("|").split(" | ")}
 
 
+@pytest.mark.slow
 def test_tables_hold_the_input_numbers(report):
     out, data = report
     html_cells, md_cells = _html_cells((out / "report.html").read_text()), _md_cells((out / "report.md").read_text())
@@ -158,6 +161,7 @@ def test_tables_hold_the_input_numbers(report):
         assert text in html_cells and text in md_cells, value
 
 
+@pytest.mark.slow
 def test_csv_has_full_precision(report):
     out, data = report
     with open(out / "figures" / "inter_sim_by_layer.csv") as f:

@@ -83,6 +83,7 @@ def _csv(out, name):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_families_side_by_side(report):
     out, docs, texts, raw = report
     bars = texts["isotropy_embed_out_sizes"]
@@ -96,6 +97,7 @@ def test_families_side_by_side(report):
     assert {"falcon-7b (tied) — uncentered", "pythia-410m @ step143000 — centered"} <= texts["svd2d_embed_out"]
 
 
+@pytest.mark.slow
 def test_olmo_revisions_on_the_training_axis(report):
     out, docs, texts, raw = report
     assert {"pythia-410m embed_out", "OLMo-2-0425-1B embed_in"} <= texts["isotropy_training"]
@@ -109,6 +111,7 @@ def test_olmo_revisions_on_the_training_axis(report):
         texts["inter_sim_by_layer"]
 
 
+@pytest.mark.slow
 def test_norms_of_each_family(report):
     out, docs, texts, raw = report
     rows = {r["model"]: r for r in _csv(out, "layernorm_sizes")}

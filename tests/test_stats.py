@@ -157,6 +157,7 @@ def test_long_stream_of_nearly_equal_vectors_does_not_drift():
     np.testing.assert_allclose(out["token"]["intra_sim_SxV"][0], ref["intra_V"], atol=TOL)
 
 
+@pytest.mark.slow
 def test_zipf_per_token_intra_sim_and_bands():
     rng = np.random.default_rng(4)
     n, d, v, s = 200_000, 16, 3000, 2
@@ -211,6 +212,7 @@ def test_segment_sum_modes_token_chunks_and_gram_blocks(segment_sum, token_chunk
     np.testing.assert_array_equal(out["token"]["count_V"], ref["count_V"])
 
 
+@pytest.mark.slow
 def test_merge_of_halves_equals_one_pass():
     rng = np.random.default_rng(5)
     n, d, v, s = 1 << 16, 16, 3000, 2
@@ -346,6 +348,7 @@ def test_accumulator_bytes():
     assert full - no_tokens == 2 * s * v * d * 4 + s * v * 4
 
 
+@pytest.mark.slow
 def test_the_compiled_step_updates_grams_and_token_sums_in_place():
     """The step keeps one copy of every accumulator: XLA once copied the Grams inside the layer
     scan (separate hi and lo arrays) and after it (the last two states observed outside any

@@ -94,6 +94,7 @@ def assert_same_batches(got, want):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
 
+@pytest.mark.slow
 def test_packing_follows_a_growing_cache(tmp_path, tok, slow_small_chunks):
     paths = write_sources(tmp_path / "data")
     reference = tokenize_corpus(load_corpus(paths), tok, cache_dir=tmp_path / "ref", max_len=48, workers=1)
@@ -174,6 +175,7 @@ def test_streamed_run_equals_cached_run(tmp_path, monkeypatch, slow_small_chunks
         {k: v for k, v in second.manifest.items() if k not in skip}
 
 
+@pytest.mark.slow
 def test_bad_file_late_in_a_first_run_exits_cleanly(tmp_path, monkeypatch, capsys, slow_small_chunks):
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)

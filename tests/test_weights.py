@@ -383,6 +383,7 @@ def test_plot_titles_name_the_model(tmp_path):
     assert weights.model_label("ckpt/run1") == "ckpt/run1"
 
 
+@pytest.mark.slow
 def test_matrix_plot_names_and_summary_line(tmp_path, capsys):
     """--matrix outputs are named after the file without its extension; success ends with one
     line giving I(W) and where the results are."""
