@@ -352,3 +352,29 @@ def test_jax_attention_takes_the_key_value_heads_itself():
         {"params": params}, tokens, seg, pos, buf, collect_states)) for a in ("xla", "auto")]
     real = seg > 0
     assert max_rel_error(states[1][:, real], states[0][:, real]) < 1e-6
+
+
+@pytest.mark.slow
+def test_gpt2_style_tokenizer_files_give_transformers_ids(tmp_path):
+    """A checkpoint with vocab.json + merges.txt and no tokenizer.json (OPT's repositories ship
+    that): the byte-level BPE isojax builds gives the ids of transformers' own pure-Python
+    GPT2Tokenizer, and a model folder so laid out loads it instead of the bundled tokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import GPT2Tokenizer
+
+    from isojax.hf.tokenizer import byte_level_bpe
+    Tokenizer.from_file(str(TOKENIZER_JSON)).model.save(str(tmp_path))  # vocab.json, merges.txt
+    ref = GPT2Tokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    ours = byte_level_bpe(tmp_path)
+    book = (TOKENIZER_JSON.parents[2] / "tests" / "data" / "moby-dick.txt").read_text()[:4000]
+    for text in (book, "  two leading spaces,\ttabs\n\nand lines", "naïve café — 東京 🚀 don't it's 12345"):
+        assert ours.encode(text, add_special_tokens=False).ids == ref.encode(text), text[:40]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    assert byte_level_bpe(tmp_path) is None  # another class's files: not read as GPT-2's
+    model_dir = tmp_path / "opt"
+    build(model_dir, "opt", **dict(SHAPES["opt"][0], vocab_size=50304))
+    for name in ("vocab.json", "merges.txt"):
+        (model_dir / name).write_bytes((tmp_path / name).read_bytes())
+    loaded = load_model(model_dir)
+    assert loaded.tokenizer.encode("don't", add_special_tokens=False).ids == ref.encode("don't")
+    assert "vocab.json + merges.txt" in loaded.source["tokenizer"]

@@ -246,7 +246,7 @@ def test_resolve_weights_fetches_only_needed_shards(monkeypatch, sharded):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     hf_files.resolve_weights("pythia-70m", "step0", tensors=["embed_out.weight"])
     shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]["embed_out.weight"]
-    assert calls == [["*.json"], ["*.json", shard]]
+    assert calls == [["*.json"], ["*.json", "merges.txt", shard]]
 
 
 def test_offline_cache_snapshot(tmp_path, sharded):

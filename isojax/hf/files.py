@@ -44,8 +44,10 @@ class RowBlocks(abc.ABC):
 
 
 
-SAFETENSORS_PATTERNS = ["*.json", "*.safetensors"]
-BIN_PATTERNS = ["*.json", "*.bin"]
+# the JSON files (config, index, tokenizer) and merges.txt: OPT's repositories ship a GPT-2-style
+# tokenizer (vocab.json + merges.txt) and no tokenizer.json
+SAFETENSORS_PATTERNS = ["*.json", "merges.txt", "*.safetensors"]
+BIN_PATTERNS = ["*.json", "merges.txt", "*.bin"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 _ST_DTYPES = {  # safetensors dtype -> the name `CheckpointReader.dtype` reports
@@ -128,7 +130,7 @@ def resolve_weights(name_or_path: str, revision: str | None = None, *,
         if (meta / index).is_file():
             if tensors is not None:
                 weight_map = _read_index(meta / index)
-                patterns = ["*.json"] + sorted({weight_map[t] for t in tensors if t in weight_map})
+                patterns = ["*.json", "merges.txt"] + sorted({weight_map[t] for t in tensors if t in weight_map})
             return resolve_checkpoint(name_or_path, revision, allow_patterns=patterns)
     local = resolve_checkpoint(name_or_path, revision, allow_patterns=SAFETENSORS_PATTERNS)
     if not any(local.glob("*.safetensors")):

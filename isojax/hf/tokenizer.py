@@ -1,10 +1,12 @@
-"""The model's tokenizer: the checkpoint's own `tokenizer.json`, else its hub repository's
-(huggingface_hub cache first, then network), else -- announced -- GPT-NeoX-20B's tokenizer,
-which Pythia uses and isojax ships (isojax/data/gpt-neox-20b-tokenizer.json, Apache-2.0).
-Returns (tokenizers.Tokenizer, description)."""
+"""The model's tokenizer: the checkpoint's own `tokenizer.json`, else its GPT-2-style files
+(`vocab.json` + `merges.txt` of a byte-level BPE, as OPT's repositories ship), else its hub
+repository's `tokenizer.json` (huggingface_hub cache first, then network), else -- announced --
+GPT-NeoX-20B's tokenizer, which Pythia uses and isojax ships
+(isojax/data/gpt-neox-20b-tokenizer.json, Apache-2.0). Returns (tokenizers.Tokenizer, description)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -28,11 +30,39 @@ def _from_hub(repo: str, revision: str | None = None) -> Path | None:
 
 
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "gpt-neox-20b-tokenizer.json"
+BPE_TOKENIZERS = ("GPT2Tokenizer", "GPT2TokenizerFast")  # tokenizer_config.json's classes read from the BPE files
+
+
+def byte_level_bpe(directory: Path):
+    """The tokenizer GPT2TokenizerFast builds from `vocab.json` and `merges.txt` (a byte-level BPE;
+    tokenizer_config.json's `add_prefix_space`, default false), or None where the folder has no
+    such files or its tokenizer_config.json names another class."""
+    vocab, merges, conf = (Path(directory) / n for n in ("vocab.json", "merges.txt", "tokenizer_config.json"))
+    if not (vocab.is_file() and merges.is_file()):
+        return None
+    try:
+        config = json.loads(conf.read_text()) if conf.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise UserError(f"{conf}: unreadable tokenizer_config.json ({e})") from None
+    if config.get("tokenizer_class", BPE_TOKENIZERS[0]) not in BPE_TOKENIZERS:
+        return None
+    from tokenizers import decoders, models, pre_tokenizers
+    try:
+        tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as e:
+        raise UserError(f"{vocab}, {merges}: unreadable tokenizer files ({e})") from None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space", False)))
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
 def load_tokenizer(directory: Path | None, cfg: ModelConfig, hub_repo: str | None = None,
                    hub_revision: str | None = None):
     path = Path(directory) / "tokenizer.json" if directory is not None else None
+    if (path is None or not path.is_file()) and directory is not None:
+        bpe = byte_level_bpe(Path(directory))
+        if bpe is not None:
+            return _checked(bpe, cfg, f"{directory} (vocab.json + merges.txt)", False)
     if path is None or not path.is_file():
         path = _from_hub(hub_repo, hub_revision) if hub_repo else None
     if path is None or not path.is_file():
@@ -44,8 +74,12 @@ def load_tokenizer(directory: Path | None, cfg: ModelConfig, hub_repo: str | Non
         tok, desc = Tokenizer.from_file(str(path)), str(path) if path != BUNDLED else "gpt-neox-20b (bundled)"
     except Exception as e:
         raise UserError(f"{path}: unreadable tokenizer ({e})") from None
+    return _checked(tok, cfg, desc, path == BUNDLED)
+
+
+def _checked(tok, cfg: ModelConfig, desc: str, bundled: bool):
     if tok.get_vocab_size() > cfg.vocab_size:
         raise UserError(f"tokenizer vocabulary ({tok.get_vocab_size()}) is larger than the model's "
                         f"({cfg.vocab_size}): token ids would index past the embedding"
-                        + ("; put the model's own tokenizer.json beside its weights" if path == BUNDLED else ""))
+                        + ("; put the model's own tokenizer.json beside its weights" if bundled else ""))
     return tok, desc
