@@ -37,9 +37,36 @@ def per_device_batch(cfg) -> int:
     return 262144 if cfg.hidden_size <= 1024 else 65536
 
 
-def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 512, model_axis: int = 1,
+def fitting_model_axis(cfg, k: int, token_stats: bool, tokens_per_device: int) -> int:
+    """The smallest 'model' axis dividing k at which weights, accumulators and the step fit, as
+    isojax.device.memory.choose_mesh picks it for extract."""
+    from isojax.device import memory
+    from isojax.device.runner import device_memory_bytes, host_memory_bytes
+    limit = memory.FIT * (device_memory_bytes() or host_memory_bytes())
+    for m in (m for m in range(1, k + 1) if k % m == 0):
+        if sum(memory.memory_per_device(cfg, token_stats, "bfloat16", 1, k, m)) + \
+                memory.step_bytes(cfg, "bfloat16", tokens_per_device, m) <= limit:
+            return m
+    return k
+
+
+def kernels(cfg, attention: str, mlp_kernel: str, norm_kernel: str, device_rows: int, row_len: int):
+    """auto: the kernels isojax.extract would choose here (isojax.kernels.select)."""
+    from isojax.kernels import select
+    if attention == "auto":
+        attention = select.choose_attention("packed", True, cfg, "bfloat16", row_len) \
+            if jax.default_backend() == "gpu" else "xla"
+    if mlp_kernel == "auto":
+        mlp_kernel = select.choose_mlp_kernel("auto", cfg, "bfloat16", device_rows)
+    if norm_kernel == "auto":
+        norm_kernel = select.choose_norm_kernel("auto", cfg, "bfloat16", device_rows)
+    return attention, mlp_kernel, norm_kernel
+
+
+def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 512, model_axis: int | str = 1,
         batch_per_device: int | None = None, token_stats: bool = True, profile: str | None = None,
-        reserve: bool = True, mlp_kernel: str = "xla", attention: str | None = None) -> dict:
+        reserve: bool = True, mlp_kernel: str = "xla", attention: str | None = None, norm_kernel: str = "xla",
+        matmul_rate: float | None = None) -> dict:
     import jax.numpy as jnp
 
     from isojax.device import checkpoints as checkpointing
@@ -50,13 +77,18 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     from isojax.model.options import ForwardOptions
     from isojax.device.runner import Runner
     cfg = preset(name)
+    per_device = batch_per_device or per_device_batch(cfg)
+    if model_axis == "auto":
+        model_axis = fitting_model_axis(cfg, k, token_stats, per_device)
+    model_axis = min(int(model_axis), k)
     mesh = parallel.make_mesh({"data": k // model_axis, "model": model_axis}, devices=jax.devices()[:k])
-    rows = k * (batch_per_device or per_device_batch(cfg)) // row_len
+    rows = k * per_device // row_len
     lengths = sentence_lengths(int(rows * row_len * (steps + 3) * 1.02), seed=1, max_len=row_len)
     tokens, offsets = random_sentences(lengths, 50304, seed=2)
     batches = pack_in_memory(tokens, offsets, rows, row_len)[:steps + 2]
     attention = attention or ("cudnn" if jax.default_backend() == "gpu" else "xla")
-    options = ForwardOptions(attention=attention, mlp_kernel=mlp_kernel,
+    attention, mlp_kernel, norm_kernel = kernels(cfg, attention, mlp_kernel, norm_kernel, rows // k, row_len)
+    options = ForwardOptions(attention=attention, mlp_kernel=mlp_kernel, norm_kernel=norm_kernel,
                              activation_sharding=parallel.rows(mesh) if k > 1 else None)
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options)
     runner = Runner(module, random_params(cfg, "bfloat16", mesh=mesh), mesh, token_stats=token_stats)
@@ -78,12 +110,13 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     half = 2 + steps // 2
     n_tok, secs = loop(batches[2:half])
     out = dict(model=name, devices=k, model_axis=model_axis, rows=rows, token_stats=token_stats, mlp_kernel=mlp_kernel,
-               attention=attention,
+               attention=attention, norm_kernel=norm_kernel,
                tokens_per_s=n_tok / secs, compile_s=compile_s,
+               mfu=n_tok / secs * cfg.flops_per_token(gram=True) / (k * matmul_rate) if matmul_rate else None,
                acc_gb_per_device=runner.accumulator_bytes() / 1e9,
                peak_gb=[(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9 for d in mesh.local_devices])
     if profile:  # three more steps under the profiler, summed per kernel class over all devices
-        from profile_step import load_trace, summarize
+        from bench.profile_step import load_trace, summarize
         trace_dir = Path(profile) / f"{name}-{k}"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             loop(batches[2:5])
@@ -123,47 +156,57 @@ def main() -> int:
     ap.add_argument("--models", default="pythia-410m,pythia-1.4b")
     ap.add_argument("--devices", default=None, help="device counts (default: 1 and all)")
     ap.add_argument("--steps", type=int, default=16, help="timed steps per run")
-    ap.add_argument("--model-axis", type=int, default=1, help="split parameters over this many devices (FSDP)")
+    ap.add_argument("--model-axis", default="1", help="split parameters over this many devices (FSDP); auto: the "
+                    "smallest that fits, as extract chooses")
     ap.add_argument("--batch-per-device", type=int, default=None, help="token slots per device and step")
     ap.add_argument("--token-stats", default="on", help="on, off or on,off (per-token IntraSim)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="trace 3 steps of the largest device count "
                     "(with token stats) into DIR and print device time per kernel class")
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
                     help="also time two asynchronous checkpoints on the largest device count")
-    ap.add_argument("--mlp-kernel", default="xla", choices=["xla", "mosaic"], help="ForwardOptions.mlp_kernel")
-    ap.add_argument("--attention", default=None, choices=["xla", "cudnn", "packed"],
-                    help="ForwardOptions.attention (default: cudnn on GPUs, else xla)")
+    ap.add_argument("--mlp-kernel", default="xla", choices=["xla", "mosaic", "auto"], help="ForwardOptions.mlp_kernel")
+    ap.add_argument("--norm-kernel", default="xla", choices=["xla", "pallas", "auto"], help="ForwardOptions.norm_kernel")
+    ap.add_argument("--attention", default=None, choices=["xla", "cudnn", "packed", "auto"],
+                    help="ForwardOptions.attention (default: cudnn on GPUs, else xla; auto: packed where it applies)")
+    ap.add_argument("--mfu", action="store_true", help="measure the card's bf16 matrix rate and give each run's MFU")
     ap.add_argument("--no-reserve", action="store_true",
                     help="do not grow the page-locked pool before the first checkpoint (Checkpointer.reserve)")
     args = ap.parse_args()
     counts = [int(c) for c in args.devices.split(",")] if args.devices else sorted({1, jax.device_count()})
     dev = jax.devices()[0]
+    rate = None
+    if args.mfu:
+        from bench.bench_throughput import bf16_matmul_rate
+        rate = bf16_matmul_rate()
     results = []
     for name in args.models.split(","):
         for token_stats in [t == "on" for t in args.token_stats.split(",")]:
             for k in counts:
                 last = k == max(counts) and token_stats
                 res = run(name, k, args.steps, args.checkpoint if last else None,
-                          model_axis=min(args.model_axis, k), batch_per_device=args.batch_per_device,
+                          model_axis=args.model_axis, batch_per_device=args.batch_per_device,
                           token_stats=token_stats, profile=args.profile if last else None,
-                          reserve=not args.no_reserve, mlp_kernel=args.mlp_kernel, attention=args.attention)
+                          reserve=not args.no_reserve, mlp_kernel=args.mlp_kernel, attention=args.attention,
+                          norm_kernel=args.norm_kernel, matmul_rate=rate)
                 results.append(res)
                 print(json.dumps(res), file=sys.stderr, flush=True)
     base = {(r["model"], r["token_stats"]): r["tokens_per_s"] for r in results if r["devices"] == 1}
-    lines = [f"card: {jax.device_count()} x {dev.device_kind}; jax {jax.__version__}",
+    lines = [f"card: {jax.device_count()} x {dev.device_kind}; jax {jax.__version__}"
+             + (f"; bf16 matmul {rate / 1e12:.0f} TFLOP/s (MFU's denominator)" if rate else ""),
              f"{'model':<13}{'tokens':>7}{'devices':>8}{'rows':>6}{'tok/s':>12}{'efficiency':>11}{'acc GB/dev':>11}"
-             f"{'peak GB/dev':>12}{'compile s':>10}{'ckpt GB':>8}{'1st @20M':>9}{'2nd @20M':>9}"]
+             f"{'peak GB/dev':>12}{'compile s':>10}{'MFU':>6}  {'kernels':<22}{'ckpt GB':>8}{'1st @20M':>9}{'2nd @20M':>9}"]
     for r in results:
         key = (r["model"], r["token_stats"])
         eff = r["tokens_per_s"] / (r["devices"] * base[key]) if key in base else float("nan")
         ck = (f"{r['ckpt_gb']:>8.1f}{r['ckpt1']['cost_at_20M']:>9.1%}{r['ckpt2']['cost_at_20M']:>9.1%}"
               if "ckpt1" in r else "")
         lines.append(f"{r['model']:<13}{'on' if r['token_stats'] else 'off':>7}{str(r['devices']) + ('/m' + str(r['model_axis']) if r['model_axis'] > 1 else ''):>8}{r['rows']:>6}{r['tokens_per_s']:>12,.0f}{eff:>11.1%}"
-                     f"{r['acc_gb_per_device']:>11.2f}{max(r['peak_gb']):>12.1f}{r['compile_s']:>10.1f}" + ck)
+                     f"{r['acc_gb_per_device']:>11.2f}{max(r['peak_gb']):>12.1f}{r['compile_s']:>10.1f}"
+                     f"{r['mfu'] or float('nan'):>6.1%}  {r['attention'] + '/' + r['mlp_kernel'] + '/' + r['norm_kernel']:<22}" + ck)
     table = "\n".join(lines)
     print(table)
     if os.environ.get("OUT"):
-        tag = f"{args.models.replace(',', '_')}_{'_'.join(map(str, counts))}" + ("_noreserve" if args.no_reserve else "") + f"_{args.mlp_kernel}" + (f"_{args.attention}" if args.attention else "")
+        tag = f"{args.models.replace(',', '_')}_{'_'.join(map(str, counts))}" + ("_noreserve" if args.no_reserve else "") + f"_{args.mlp_kernel}" + (f"_{args.attention}" if args.attention else "") + ("_m" + args.model_axis if args.model_axis != "1" else "")
         Path(os.environ["OUT"], f"bench_scaling_{tag}.txt").write_text(table + "\n")
         Path(os.environ["OUT"], f"bench_scaling_{tag}.json").write_text(json.dumps(results, indent=1))
     return 0

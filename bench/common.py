@@ -36,7 +36,8 @@ def _preset_shape(name: str) -> tuple[int, int, int, int, int]:
 
 # name -> (d_model, n_layers, n_heads, vocab, d_ff), e.g. pythia-1.4b: (2048, 24, 16, 50304, 8192).
 PYTHIA_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
-    name: _preset_shape(name) for name in ("pythia-70m", "pythia-410m", "pythia-1.4b")
+    name: _preset_shape(name) for name in ("pythia-70m", "pythia-410m", "pythia-1.4b", "pythia-6.9b", "pythia-12b",
+                                           "gpt-neox-20b")
 }
 
 

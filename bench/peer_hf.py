@@ -43,7 +43,8 @@ except ImportError:  # run as `python -m bench.peer_hf`
 
 # Sized so the whole benchmark (3 shapes × 2 batchings × gram on/off) fits in ~3 GPU-minutes
 # (~100 s wall on one H200, model builds included).
-DEFAULT_TOKENS = {"pythia-70m": 2_000_000, "pythia-410m": 1_000_000, "pythia-1.4b": 500_000}
+DEFAULT_TOKENS = {"pythia-70m": 2_000_000, "pythia-410m": 1_000_000, "pythia-1.4b": 500_000, "pythia-6.9b": 300_000,
+                  "pythia-12b": 200_000, "gpt-neox-20b": 150_000}
 
 
 def state_names(n_layers: int) -> list[str]:
