@@ -287,6 +287,22 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
         assert res["err"] <= 1e-5, (exchange_rows, res)
 
 
+def test_exchange_cap_pads_less_than_a_quarter_of_large_batches():
+    """A round's rows per owner: a quarter of a batch of up to 65,536 split over the owners, then
+    growing as n^0.6 (what 262,144-token batches of text hold), never more than an owner holds."""
+    from isojax.device import mesh as parallel
+    from isojax.stats.accumulators import exchange_cap
+    from isojax.stats.options import StatsOptions
+    for shards in (2, 4, 8):
+        opts, held = StatsOptions(token_shards=shards, token_axes=parallel.ALL), -(-50304 // shards)
+        assert [exchange_cap(opts, n, held) for n in (8192, 65536)] == [8192 // 4 // shards, 65536 // 4 // shards]
+        caps = [exchange_cap(opts, n, held) for n in (65536, 131072, 262144, 1 << 20)]
+        assert caps == sorted(caps) and caps[-1] <= held
+        assert exchange_cap(opts, 262144, held) < 262144 // 4 // shards * 0.6
+    assert exchange_cap(StatsOptions(token_shards=4, token_axes=parallel.ALL), 262144, 100) == 100
+    assert exchange_cap(StatsOptions(token_shards=4, token_axes=parallel.ALL, exchange_rows=8), 262144, 100) == 2
+
+
 @pytest.mark.slow
 def test_grams_split_over_model_equal_float64(tmp_path):
     """Second moments pooled over model groups and split by rows (data=2 x model=4: each device

@@ -405,9 +405,19 @@ def _add_owned_rows(carry, s, rows_KxD, local_K, count_K):
             count_SxV.at[rows].set(count_SxV.at[rows].get(mode="fill", fill_value=0) + count_K, **kw))
 
 
-def exchange_cap(opts: StatsOptions, n: int) -> int:
-    """Segments sent to each owner per round, for a device batch of n rows."""
-    return max(1, (opts.exchange_rows or max(1, n // 4)) // opts.token_shards)
+BATCH_OF_QUARTER = 65536  # device batches up to this send a quarter of their rows per round
+
+
+def exchange_cap(opts: StatsOptions, n: int, held: int) -> int:
+    """Segments sent to each owner per round, for a device batch of n rows and owners of `held`
+    token rows each. Every round is padded to it, so it is the traffic: by default a quarter of
+    the batch up to 65,536 rows (15.2k distinct tokens of 65k on the Zipf workload of bench/, 8.2k
+    in a book), then growing as n^0.6, as distinct tokens do (Heaps' law: 32.6k of 262k on the
+    Zipf workload, 15.3k in a book; a quarter would pad 410m's exchange to twice what it carries,
+    bench/RESULTS.md 7f); never more than `held`, the most distinct rows an owner can receive."""
+    rows = opts.exchange_rows or (max(1, n // 4) if n <= BATCH_OF_QUARTER
+                                  else int(BATCH_OF_QUARTER // 4 * (n / BATCH_OF_QUARTER) ** 0.6))
+    return max(1, min(rows // opts.token_shards, held))
 
 
 def _round_meta(index: TokenIndex, bounds_O1, r, cap: int, held: int):
@@ -424,7 +434,7 @@ def _round_meta(index: TokenIndex, bounds_O1, r, cap: int, held: int):
 
 def plan_exchange(index: TokenIndex, held: int, opts: StatsOptions) -> Exchange:
     """The batch's Exchange: owner bounds, round count, and round 0's metadata, exchanged once."""
-    shards, axes, cap = opts.token_shards, opts.token_axes, exchange_cap(opts, index.order_N.shape[0])
+    shards, axes, cap = opts.token_shards, opts.token_axes, exchange_cap(opts, index.order_N.shape[0], held)
     bounds_O1 = jnp.searchsorted(index.uniq_U, jnp.arange(shards + 1, dtype=jnp.int32) * held).astype(jnp.int32)
     most = jnp.max(bounds_O1[1:] - bounds_O1[:-1])
     rounds = jnp.maximum(1, lax.pmax((most + cap - 1) // cap, axes))
@@ -459,7 +469,7 @@ def _update_token_shards(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts
     distinct-token rows, once, padded to cap per owner."""
     n, d = unit_NxD.shape
     held = acc.tok_count_SxV.shape[1]  # token rows this device owns: V / shards
-    cap = exchange_cap(opts, n)
+    cap = exchange_cap(opts, n, held)
     num_rows = min(n, opts.token_shards * held + 1)  # >= the segments of the batch (distinct keys + padding)
     seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows, opts)
     ex = exchange if exchange is not None else plan_exchange(index, held, opts)
