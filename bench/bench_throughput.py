@@ -38,9 +38,9 @@ DEFAULT_TOKENS = {"pythia-70m": 1.2e7, "pythia-410m": 4e6, "pythia-1.4b": 1.5e6}
 DEFAULT_BATCH_TOKENS = {"pythia-70m": 262144, "pythia-410m": 262144, "pythia-1.4b": 65536}
 
 
-def bf16_matmul_rate() -> float:
-    """Measured dense bf16 matrix rate of this card (FLOP/s), the MFU denominator."""
-    n = 8192
+def bf16_matmul_rate(n: int = 8192) -> float:
+    """Measured dense bf16 matrix rate of this card (FLOP/s), the MFU denominator (n x n products;
+    a small n for a CPU's look)."""
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
     f = jax.jit(lambda a: a @ a)
     f(a).block_until_ready()
@@ -52,24 +52,26 @@ def bf16_matmul_rate() -> float:
 
 
 def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, mlp_kernel="xla",
-               norm_kernel="xla", gram_block=512, warmup=2):
-    from isojax.model.config import preset
+               norm_kernel="xla", gram_block=512, warmup=2, dtype="bfloat16"):
+    """isojax's step over the packed workload: `name` a preset or a ModelConfig of any family."""
+    from isojax.model.config import ModelConfig, preset
     from isojax.hf.loading import random_params
     from isojax.device import mesh as parallel
-    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.model.decoder import model_class
+    from isojax.model.ops import DTYPES
     from isojax.model.options import ForwardOptions
     from isojax.stats.options import StatsOptions
     from isojax.device.runner import Runner
-    cfg = preset(name)
+    cfg = name if isinstance(name, ModelConfig) else preset(name)
     rows = max(1, batch_tokens // row_len)
     t0 = time.perf_counter()
     # The last, partly filled batch is left out (over 10^8 tokens it is noise; here it would
     # add several points of padding).
     batches = pack_in_memory(tokens, offsets, rows, row_len)[:-1]
     pack_s = time.perf_counter() - t0
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention, mlp_kernel=mlp_kernel,
-                                                                                             norm_kernel=norm_kernel))
-    runner = Runner(module, random_params(cfg, "bfloat16"), parallel.make_mesh(devices=jax.devices()[:1]),
+    module = model_class(cfg)(cfg, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype],
+                              options=ForwardOptions(attention=attention, mlp_kernel=mlp_kernel, norm_kernel=norm_kernel))
+    runner = Runner(module, random_params(cfg, dtype), parallel.make_mesh(devices=jax.devices()[:1]),
                     token_stats=token_stats, options=StatsOptions(gram_block=gram_block))
     t0 = time.perf_counter()
     for tok, seg, pos, _ in batches[:warmup]:

@@ -66,6 +66,31 @@ def build_model(shape, *, device="cuda", dtype=torch.bfloat16, seed=0) -> torch.
     return lm.gpt_neox.to(dtype).eval()
 
 
+def build_family_model(hf_config: dict, *, device="cuda", dtype=torch.bfloat16, seed=0) -> torch.nn.Module:
+    """The transformers base model (AutoModel: no LM head) of any family from a Hugging Face
+    config.json dict (isojax's presets are such files), random weights, SDPA attention, eval mode.
+    Only transformers' own classes: no remote code."""
+    raw = {k: v for k, v in hf_config.items() if k not in ("hub_id", "_comment", "auto_map")}
+    config = transformers.AutoConfig.for_model(raw.pop("model_type", "gpt_neox"), **raw)
+    config.use_cache = False
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the device: CPU init of 1.4b takes tens of s
+        model = transformers.AutoModel.from_config(config, attn_implementation="sdpa")
+    return model.to(dtype).eval()
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The blocks of a transformers base model: `.layers` (GPT-NeoX, the Llama family), `.h` (GPT-2,
+    Falcon) or `.decoder.layers` (OPT)."""
+    for path in ("layers", "h", "decoder.layers"):
+        found = model
+        for attr in path.split("."):
+            found = getattr(found, attr, None)
+        if isinstance(found, torch.nn.ModuleList):
+            return found
+    raise ValueError(f"{type(model).__name__}: no layer list found")
+
+
 @dataclasses.dataclass
 class PeerStats:
     """Accumulators over all real tokens; S states, vocabulary V, width d."""
@@ -139,20 +164,29 @@ def run_peer(
     shape_name, tokens_flat, offsets, *, device="cuda", dtype=torch.bfloat16,
     batch_tokens=16384, sort_by_length=True, pad_multiple=1, warmup_batches=3, max_seconds=None,
     gram=True, gram_tf32=False, sdpa_cudnn=False, model=None, seed=0, finalize=False, keep_stats=False,
+    flops=None,
 ) -> dict:
     """Run the peer over a corpus (flat int32 tokens + int64 offsets); return rate and memory.
 
-    ``shape_name``: a key of PYTHIA_SHAPES or a (d, L, heads, vocab, ff) tuple. ``model``: a
-    prebuilt base model (reused across runs; else one is built). Warm-up batches are
+    ``shape_name``: a key of PYTHIA_SHAPES or a (d, L, heads, vocab, ff) tuple, or None with
+    ``model`` a base model of any family (build_family_model; width, layers and vocabulary from
+    it). ``model``: a prebuilt base model (reused across runs; else one is built). ``flops``:
+    forward FLOPs per token for the rate (default: the Pythia shape's; nan without a shape). Warm-up batches are
     accumulated but not timed; ``tokens`` counts real (unpadded) tokens of timed batches.
     ``gram_tf32`` lets the float32 Gram matmul use TF32 tensor cores (10-bit mantissa); by
     default it is IEEE float32, which runs on CUDA cores (~40% of pythia-1.4b's time on H100).
     ``pad_multiple`` rounds each batch's T up (HF collators' ``pad_to_multiple_of``).
     """
-    shape = PYTHIA_SHAPES[shape_name] if isinstance(shape_name, str) else tuple(shape_name)
-    d, n_layers, _, vocab, _ = shape
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if shape_name is None:
+        if model is None:
+            raise ValueError("run_peer needs a shape or a model")
+        shape = None
+        d, n_layers, vocab = model.config.hidden_size, len(decoder_layers(model)), model.config.vocab_size
+    else:
+        shape = PYTHIA_SHAPES[shape_name] if isinstance(shape_name, str) else tuple(shape_name)
+        d, n_layers, _, vocab, _ = shape
     if model is None:
         model = build_model(shape, device=device, dtype=dtype, seed=seed)
     offsets = np.asarray(offsets, np.int64)
@@ -164,7 +198,7 @@ def run_peer(
     warmup = min(warmup_batches, len(batches) - 1)
 
     captured = {}
-    last_block = model.layers[-1]
+    last_block = decoder_layers(model)[-1]
     hook = last_block.register_forward_hook(
         lambda mod, args, out: captured.__setitem__("raw", out[0] if isinstance(out, tuple) else out))
     if cuda:
@@ -213,9 +247,10 @@ def run_peer(
         torch.set_float32_matmul_precision(precision)
 
     rate = timed_tokens / seconds if seconds > 0 else math.nan
-    fpt = flops_per_token(shape, gram=gram)
+    fpt = flops if flops is not None else flops_per_token(shape, gram=gram) if shape is not None else math.nan
     result = dict(
-        shape=shape_name if isinstance(shape_name, str) else list(shape),
+        shape=shape_name if isinstance(shape_name, str) else list(shape) if shape is not None
+        else model.config.model_type,
         batching="length-sorted" if sort_by_length else "padded", gram=gram, gram_tf32=gram_tf32,
         sdpa_cudnn=sdpa_cudnn, pad_multiple=pad_multiple,
         tokens_per_s=rate, tokens=timed_tokens, seconds=seconds,

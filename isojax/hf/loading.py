@@ -27,7 +27,7 @@ import numpy as np
 
 from isojax.hf.families import read_hf_tensors, tensors_to_params
 from isojax.hf.orbax_io import is_converted, load_converted
-from isojax.model.config import ModelConfig, base_preset, hub_id, preset
+from isojax.model.config import ModelConfig, base_preset, hub_id, preset, shape_only
 from isojax.errors import UserError
 from isojax.model.ops import DTYPES
 from isojax.model.decoder import model_class
@@ -148,6 +148,9 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
             raise UserError("--revision applies to hub models, not to a local directory")
         return _load_dir(path, name, None, dtype, attention_impl, mesh)
     repo = hub_id(name) if base_preset(name) else name
+    if shape_only(name):
+        raise UserError(f"{name} is a preset of shapes with no hub model behind it: random:{name} runs it "
+                        "with random weights")
     if "/" not in repo:
         from isojax.model.config import preset_names
         raise UserError(f"unknown model {name!r}: not a directory, a hub id (org/name), or a preset "

@@ -74,7 +74,30 @@ def load_tokenizer(directory: Path | None, cfg: ModelConfig, hub_repo: str | Non
         tok, desc = Tokenizer.from_file(str(path)), str(path) if path != BUNDLED else "gpt-neox-20b (bundled)"
     except Exception as e:
         raise UserError(f"{path}: unreadable tokenizer ({e})") from None
+    if path == BUNDLED and directory is None and tok.get_vocab_size() > cfg.vocab_size:
+        # random weights (no checkpoint folder) of a preset whose vocabulary is smaller (gpt2-xl, opt-1.3b,
+        # llama-1b, mistral-1b): the ids carry no meaning for them, only their range must fit the embedding
+        log(f"random weights with a vocabulary of {cfg.vocab_size}: the bundled tokenizer cut to its first "
+            f"{cfg.vocab_size} ids")
+        tok, desc = first_ids(path, cfg.vocab_size), f"gpt-neox-20b (bundled, first {cfg.vocab_size} ids)"
     return _checked(tok, cfg, desc, path == BUNDLED)
+
+
+def first_ids(path: Path, vocab_size: int) -> Tokenizer:
+    """The BPE tokenizer of `path` without its ids >= vocab_size: those tokens, the merges that make
+    or read them and the added tokens among them are dropped, so every word still encodes (into
+    shorter pieces, down to the byte alphabet) and every id lies below vocab_size."""
+    raw = json.loads(Path(path).read_text())
+    model = raw["model"]
+    vocab = {t: i for t, i in model["vocab"].items() if i < vocab_size}
+    if model.get("type") != "BPE" or any(len(t) == 1 and t not in vocab for t in model["vocab"]):
+        raise UserError(f"{path}: cannot cut this tokenizer to {vocab_size} ids (it would lose byte tokens)")
+    pair = lambda m: m.split(" ") if isinstance(m, str) else m
+    model["vocab"] = vocab
+    model["merges"] = [m for m in model["merges"]
+                       if (p := pair(m))[0] in vocab and p[1] in vocab and p[0] + p[1] in vocab]
+    raw["added_tokens"] = [t for t in raw.get("added_tokens", []) if t["id"] < vocab_size]
+    return Tokenizer.from_str(json.dumps(raw))
 
 
 def _checked(tok, cfg: ModelConfig, desc: str, bundled: bool):
