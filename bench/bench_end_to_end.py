@@ -8,6 +8,12 @@ interpreter's own standard library) as .jsonl.gz, sentence unit.
 
     python -m bench.bench_end_to_end --shape pythia-1.4b --chars 34e6 --workdir /tmp/e2e
     python -m bench.bench_end_to_end --sources 8     # the documents dealt round-robin into 8 sources
+    python -m bench.bench_end_to_end --first-only --no-peer --checkpoint-every 0 --sweep 3
+
+Each run reports wall, loop and wall minus loop, and the step's plan (run/plan.py: kernels and the
+step's compile beside the weights' load) with the part the run waited for. --sweep N: then N
+checkpoints (stand-ins: DIR/step1 ... linked to the model) in one extract process, with a fresh
+compilation cache, counting the step's compiles (issue 30: once per shape, not per checkpoint).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,7 +90,33 @@ def run_isojax(args: list[str], env: dict, profile: str | None = None, cwd: Path
     manifest = json.loads((out / "manifest.json").read_text())
     last = [ln for ln in p.stderr.splitlines() if ln.startswith("isojax:")]
     return {"process_s": wall, "wall_s": manifest["seconds_wall"], "tokens": manifest["tokens"],
-            "timings": manifest["timings"], "timeline": manifest.get("timeline"), "log": last[-4:]}
+            "timings": manifest["timings"], "timeline": manifest.get("timeline"), "step_plan_s": manifest["step_plan_s"],
+            "log": last[-4:]}
+
+
+def run_sweep(model_dir: Path, corpus: Path, work: Path, n: int, max_tokens: int, env: dict) -> dict:
+    """n checkpoints of the model's shape (DIR/step1 ... linked to model_dir) swept by one extract
+    process with a fresh compilation cache (the token cache kept): the step's compiles (jax's log:
+    `Compiling jit(step)`, persistent cache reads included) and each checkpoint's plan."""
+    repo = work / "sweep-repo"
+    shutil.rmtree(repo, ignore_errors=True)
+    repo.mkdir()
+    for i in range(1, n + 1):
+        (repo / f"step{i}").symlink_to(model_dir.resolve(), target_is_directory=True)
+    shutil.rmtree(work / "xla-sweep", ignore_errors=True)
+    env = {**env, "JAX_COMPILATION_CACHE_DIR": str(work / "xla-sweep"), "JAX_LOG_COMPILES": "1"}
+    revisions = ",".join(f"step{i}" for i in range(1, n + 1))
+    t = time.time()
+    p = subprocess.run([sys.executable, "-m", "isojax.extract", "--model", str(repo), "--revisions", revisions,
+                        "--data", str(corpus), "--max-tokens", str(max_tokens), "--no-plots", "--out",
+                        str(work / "sweep-out"), "--overwrite"], cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.time() - t
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr[-3000:])
+    plans = [json.loads((work / "sweep-out" / "sweep-repo" / f"step{i}" / "manifest.json").read_text())["step_plan_s"]
+             for i in range(1, n + 1)]
+    return {"process_s": wall, "step_compiles": len(re.findall(r"Compiling jit\(step\) ", p.stderr)),
+            "step_plan_s": plans}
 
 
 def run_peer(model_dir: Path, corpus: Path, batch_tokens: int) -> dict:
@@ -130,6 +163,9 @@ def main() -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more cached run under cProfile: $OUT/cached.pstats")
     ap.add_argument("--peer-batch-tokens", type=int, default=16384)
+    ap.add_argument("--first-only", action="store_true", help="no cached run (only the first, without caches)")
+    ap.add_argument("--sweep", type=int, default=0, help="then a sweep of this many checkpoints in one process")
+    ap.add_argument("--sweep-max-tokens", type=int, default=2_000_000, help="tokens per checkpoint of the sweep")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -144,8 +180,9 @@ def main() -> int:
     rows = {}
     rows["isojax first run"] = run_isojax(common + ["--out", str(work / "o1"), "--overwrite"], env)
     print(json.dumps(rows["isojax first run"]), flush=True)
-    rows["isojax cached"] = run_isojax(common + ["--out", str(work / "o2"), "--overwrite"], env)
-    print(json.dumps(rows["isojax cached"]), flush=True)
+    if not args.first_only:
+        rows["isojax cached"] = run_isojax(common + ["--out", str(work / "o2"), "--overwrite"], env)
+        print(json.dumps(rows["isojax cached"]), flush=True)
     if args.baseline:
         base_env = {**env, "PYTHONPATH": os.pathsep.join([str(Path(args.baseline).resolve())]
                                                          + [p for p in [env.get("PYTHONPATH")] if p])}
@@ -156,25 +193,36 @@ def main() -> int:
         stats = str(Path(os.environ.get("OUT", work)) / "cached.pstats")
         rows["isojax cached, cProfile"] = run_isojax(common + ["--out", str(work / "o4"), "--overwrite"], env, stats)
         print(json.dumps(rows["isojax cached, cProfile"]), flush=True)
-    if args.checkpoint_every:
+    if args.checkpoint_every and not args.first_only:
         rows["isojax cached + checkpoints"] = run_isojax(
             common + ["--out", str(work / "o3"), "--overwrite", "--checkpoint-every-tokens", str(args.checkpoint_every)],
             env)
         print(json.dumps(rows["isojax cached + checkpoints"]), flush=True)
+    sweep = run_sweep(model_dir, corpus, work, args.sweep, args.sweep_max_tokens, env) if args.sweep else None
+    if sweep:
+        print(json.dumps(sweep), flush=True)
     peer = None if args.no_peer else run_peer(model_dir, corpus, args.peer_batch_tokens)
     if peer:
         print(json.dumps(peer), flush=True)
 
     import jax
     lines = [f"card: {jax.devices()[0].device_kind}; jax {jax.__version__}; {args.shape}, random float16 weights; "
-             f"{rows['isojax cached']['tokens']:,} tokens of Python sources in {args.sources} source(s), sentences"]
-    lines.append(f"{'run':<30}{'wall s':>8}{'compile':>9}{'loop':>8}{'wall/(c+l)':>11}  other phases (s)")
+             f"{rows['isojax first run']['tokens']:,} tokens of Python sources in {args.sources} source(s), sentences"]
+    lines.append(f"{'run':<30}{'wall s':>8}{'loop':>8}{'wall-loop':>10}{'compile':>9}{'plan':>6}{'waited':>7}"
+                 "  other phases (s)")
     for name, r in rows.items():
-        t = r["timings"]
-        cl = t["compile"] + t["loop"]
+        t, plan = r["timings"], r["step_plan_s"]
         other = ", ".join(f"{k} {v:.1f}" for k, v in t.items() if k not in ("compile", "loop") and v >= 0.05)
-        lines.append(f"{name:<30}{r['wall_s']:>8.1f}{t['compile']:>9.1f}{t['loop']:>8.1f}{r['wall_s'] / cl:>11.2f}  {other}")
-    if args.checkpoint_every:
+        lines.append(f"{name:<30}{r['wall_s']:>8.1f}{t['loop']:>8.1f}{r['wall_s'] - t['loop']:>10.1f}"
+                     f"{t['compile']:>9.1f}{plan['total']:>6.1f}{plan['waited']:>7.1f}  {other}")
+    lines.append("compile: the run's wait for the step's plan, its first step and the kernels' checks; plan: the "
+                 "plan's seconds beside the load (its step compile included), waited: the part of it the run waited for")
+    if sweep:
+        lines.append(f"sweep of {args.sweep} checkpoints ({args.sweep_max_tokens:,} tokens each), fresh compilation "
+                     f"cache: {sweep['process_s']:.1f} s, the step compiled {sweep['step_compiles']} time(s); step "
+                     "compile per checkpoint (s): " + ", ".join(f"{p['compile']:.1f}" for p in sweep["step_plan_s"])
+                     + "; waited: " + ", ".join(f"{p['waited']:.1f}" for p in sweep["step_plan_s"]))
+    if args.checkpoint_every and not args.first_only:
         with_ck, without = rows["isojax cached + checkpoints"]["timings"], rows["isojax cached"]["timings"]
         n_ck = rows["isojax cached"]["tokens"] // args.checkpoint_every
         per_ck = (with_ck["loop"] - without["loop"]) / max(n_ck, 1)
@@ -189,7 +237,8 @@ def main() -> int:
     print(table)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_end_to_end.txt").write_text(table + "\n")
-        Path(os.environ["OUT"], "bench_end_to_end.json").write_text(json.dumps({"isojax": rows, "peer": peer}, indent=1))
+        Path(os.environ["OUT"], "bench_end_to_end.json").write_text(json.dumps({"isojax": rows, "sweep": sweep,
+                                                                                "peer": peer}, indent=1))
     return 0
 
 

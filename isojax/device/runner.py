@@ -68,6 +68,49 @@ def token_order(values_SxV: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
     return values_SxV.reshape(s, n, v // n).transpose(0, 2, 1).reshape(s, v)[:, :vocab_size]
 
 
+class Layout:
+    """What the step's program depends on besides the values: the module, the mesh, the statistics'
+    options and the accumulators' shapes and placement (module docstring). Known before any
+    weights load, so the step can compile from it (device/ahead.py)."""
+
+    def __init__(self, module: GPTNeoX, mesh, *, token_stats: bool, num_groups: int, centered: bool = False,
+                 options: StatsOptions | None = None, sample_size: int = 0):
+        cfg, n = module.cfg, mesh.size
+        self.module, self.mesh, self.centered = module, mesh, centered
+        options = options or StatsOptions()
+        self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
+        rows = gram_rows(cfg.hidden_size, mesh.shape["model"])
+        if rows:
+            self.options = dataclasses.replace(self.options, gram_shards=mesh.shape["model"], gram_axis="model")
+        # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
+        self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=centered,
+                                group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
+                                sample_dtype=module.dtype, gram_rows=rows)
+        self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
+        shapes = jax.eval_shape(self.init_global)
+        self.specs = accumulator_specs(shapes)
+        self.shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs)
+        self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                     shapes, self.shardings)
+
+    def init_global(self) -> stats.Accumulators:
+        cfg, n = self.module.cfg, self.mesh.size
+        acc = stats.init_accumulators(cfg.num_states, cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
+        return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (n, *x.shape)))
+
+    def step(self):
+        """The jitted step: one per module, mesh, options and layout in a process (a sweep's
+        checkpoints share it, and its compiles)."""
+        return _compiled_step(self.module, self.mesh, self.options, self.specs, self.centered)
+
+
+def signature(params, acc, mesh, rows: int, row_len: int, centers_SxD) -> tuple:
+    """The step's arguments as ShapeDtypeStructs: params and acc (abstract trees), a batch of
+    rows x row_len split by rows (device/mesh.py global_rows), the group, the centers."""
+    batch = jax.ShapeDtypeStruct((rows, row_len), np.int32, sharding=parallel.rows(mesh))
+    return params, acc, batch, batch, batch, batch, jax.ShapeDtypeStruct((), np.int32), centers_SxD
+
+
 class Runner:
     """Params, accumulators and the compiled step of one model on one mesh."""
 
@@ -76,33 +119,31 @@ class Runner:
         cfg = module.cfg
         self.module, self.cfg = module, cfg
         self.mesh = mesh if mesh is not None else parallel.make_mesh()
-        self.num_devices = n = self.mesh.size
-        options = options or StatsOptions()
-        self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
-        rows = gram_rows(cfg.hidden_size, self.mesh.shape["model"])
-        if rows:
-            self.options = dataclasses.replace(self.options, gram_shards=self.mesh.shape["model"], gram_axis="model")
-        self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
+        self.num_devices = self.mesh.size
         self.centered = centers_SxD is not None
+        layout = Layout(module, self.mesh, token_stats=token_stats, num_groups=num_groups, centered=self.centered,
+                        options=options, sample_size=sample_size)
+        self.options, self.init_kwargs, self.vocab_rows = layout.options, layout.init_kwargs, layout.vocab_rows
+        self.specs, self.shardings, self.abstract = layout.specs, layout.shardings, layout.abstract
+        self._init_global = layout.init_global
+        self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
         self.centers_SxD = jax.device_put(
             np.asarray(centers_SxD, np.float32) if self.centered else np.zeros((cfg.num_states, 0), np.float32),
             parallel.replicated(self.mesh))
-        # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
-        self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=self.centered,
-                                group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
-                                sample_dtype=module.dtype, gram_rows=rows)
-        self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
-        shapes = jax.eval_shape(self._init_global)
-        self.specs = accumulator_specs(shapes)
-        self.shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs)
-        self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                     shapes, self.shardings)
         self.acc = self.fresh_accumulators()
-        self._step = _compiled_step(module, self.mesh, self.options, self.specs, self.centered)
+        self._step = layout.step()
+        self._executable = None  # use_compiled
 
-    def _init_global(self) -> stats.Accumulators:
-        acc = stats.init_accumulators(self.cfg.num_states, self.cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
-        return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (self.num_devices, *x.shape)))
+    def use_compiled(self, executable) -> None:
+        """Run the step with `executable`, compiled ahead for step_signature at the batches' shape
+        (device/ahead.py): no compile at the first batch."""
+        self._executable = executable
+
+    def step_signature(self, rows: int, row_len: int) -> tuple:
+        """The step's arguments for batches of rows x row_len, as shapes (what device/ahead.py compiles)."""
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return signature(jax.tree.map(abstract, self.params), self.abstract, self.mesh, rows, row_len,
+                         abstract(self.centers_SxD))
 
     def fresh_accumulators(self) -> stats.Accumulators:
         return jax.jit(self._init_global, out_shardings=self.shardings)()
@@ -124,7 +165,8 @@ class Runner:
             sequences_BxT = np.zeros_like(tokens_BxT)
         rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
                 for a in (tokens_BxT, segment_ids_BxT, positions_BxT, sequences_BxT)]
-        self.acc, finished = self._step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
+        step = self._executable or self._step
+        self.acc, finished = step(self.params, self.acc, *rows, jnp.int32(group), self.centers_SxD)
         return finished
 
     def merged_layers(self) -> stats.Accumulators:
@@ -247,6 +289,7 @@ def _stacked(acc):
     return _map_fields(acc, PER_DEVICE, lambda x: x[None])
 
 
+@functools.cache
 def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered: bool):
     d, n = module.cfg.hidden_size, mesh.size
 

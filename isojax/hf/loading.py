@@ -64,9 +64,7 @@ class LoadedModel:
 
     @property
     def module(self):
-        dt = DTYPES[self.dtype]
-        options = ForwardOptions(attention=self.attention_impl, mlp_kernel=self.mlp_impl, norm_kernel=self.norm_impl)
-        return model_class(self.config)(self.config, dtype=dt, param_dtype=dt, options=options)
+        return build_module(self.config, self.dtype, self.attention_impl, self.mlp_impl, self.norm_impl)
 
     def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
         """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]. Segment ids: 0 for
@@ -99,20 +97,40 @@ def _forward_states(module, params, tokens, seg, pos, buf):
     return module.apply({"params": params}, tokens, seg, pos, buf, collect_states)
 
 
-def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, mesh=None) -> dict:
-    """Random weights of the config's shapes (normal(0.02), LayerNorms at 1/0), initialized on
-    device in float32 and then cast, so every dtype of `random:<preset>` holds the same weights.
-    With a mesh they are created where parallel.param_shardings puts them."""
+def build_module(cfg: ModelConfig, dtype: str, attention: str = "xla", mlp: str = "xla", norm: str = "xla"):
+    """The model's module computing in `dtype` with these kernels (ForwardOptions)."""
+    dt = DTYPES[dtype]
+    options = ForwardOptions(attention=attention, mlp_kernel=mlp, norm_kernel=norm)
+    return model_class(cfg)(cfg, dtype=dt, param_dtype=dt, options=options)
+
+
+def _init_params(cfg: ModelConfig, dtype: str):
+    """key -> the parameter tree of the config's shapes (normal(0.02), LayerNorms at 1/0) in `dtype`."""
     module = model_class(cfg)(cfg)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))
-    make = lambda key: jax.tree.map(lambda p: p.astype(DTYPES[dtype]),
+    return lambda key: jax.tree.map(lambda p: p.astype(DTYPES[dtype]),
                                     module.init(key, tokens, seg, pos, None, lambda obs, s, x: obs)["params"])
-    key = jax.random.PRNGKey(seed)
+
+
+def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, mesh=None) -> dict:
+    """Random weights of the config's shapes, initialized on device in float32 and then cast, so
+    every dtype of `random:<preset>` holds the same weights. With a mesh they are created where
+    parallel.param_shardings puts them."""
+    make, key = _init_params(cfg, dtype), jax.random.PRNGKey(seed)
     shardings = None
     if mesh is not None:
         from isojax.device.mesh import param_shardings
         shardings = param_shardings(jax.eval_shape(make, key), mesh)
     return jax.jit(make, out_shardings=shardings)(key)
+
+
+def abstract_params(cfg: ModelConfig, dtype: str, mesh) -> dict:
+    """The parameters any checkpoint of this config loads as, on the mesh, as ShapeDtypeStructs
+    (what the step compiles for before the weights arrive)."""
+    from isojax.device.mesh import param_shardings
+    shapes = jax.eval_shape(_init_params(cfg, dtype), jax.ShapeDtypeStruct((2,), np.uint32))  # a PRNGKey's
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                        param_shardings(shapes, mesh))
 
 
 def place(params, dtype: str, mesh=None, build=None) -> dict:

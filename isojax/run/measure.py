@@ -22,11 +22,12 @@ import numpy as np
 
 from isojax.errors import UserError
 from isojax.stats.finalize import sample_metrics
-from isojax.device.memory import check_fits, choose_mesh, defaults_platform, device_batch_tokens
-from isojax.kernels.select import check_mlp_kernel, check_norm_kernel, choose_attention, choose_mlp_kernel, choose_norm_kernel
+from isojax.device.memory import check_fits, choose_mesh, defaults_platform
+from isojax.kernels.select import check_mlp_kernel, check_norm_kernel
 from isojax.log import log
 from isojax.run.config import KernelConfig, MeasureConfig
 from isojax.run.loop import consume, resume
+from isojax.run.plan import StepPlan, plan_in_background
 from isojax.run.timings import Timings, in_background
 
 DEFAULT_MODEL = "pythia-70m"
@@ -146,15 +147,19 @@ def load(model, revision, dtype: str, attention: str, mesh):
         return load_model(f"random:{DEFAULT_MODEL}", dtype=dtype, attention_impl=attention, mesh=mesh)
 
 
+def step_module(module, mesh):
+    """The module as the step runs it: activations split by rows over every device."""
+    from isojax.device import mesh as parallel
+    if mesh.size == 1:
+        return module
+    return module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
+
+
 def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None, sample_size: int = 0):
     """A Runner whose activations stay split by rows over every device."""
-    from isojax.device import mesh as parallel
     from isojax.device.runner import Runner
-    module = model.module
-    if mesh.size > 1:
-        module = module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
-    return Runner(module, model.params, mesh, token_stats=token_stats, num_groups=num_groups, centers_SxD=centers_SxD,
-                  sample_size=sample_size)
+    return Runner(step_module(model.module, mesh), model.params, mesh, token_stats=token_stats, num_groups=num_groups,
+                  centers_SxD=centers_SxD, sample_size=sample_size)
 
 
 def default_sample_size(cfg, dtype: str) -> int:
@@ -255,11 +260,15 @@ def measure(model=None, data=None, **kwargs) -> Results:
         early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
         mesh = choose_mesh(early, token_stats, dtype, mesh, batch_tokens)  # refuses what cannot fit before allocating
         found = tokenizer_without_weights(model, early)
-    tokens = None
+    tokens, planned = None, None
+    plan_for = lambda cfg, row_len: plan_in_background(cfg, config, dtype=dtype, attention=attention,
+                                                       auto_attention=auto_attention, mesh=mesh, row_len=row_len,
+                                                       corpus=corpus, tokens=tokens)
     try:
-        if found is not None:  # tokenizing starts now, while the weights load
+        if found is not None:  # tokenizing starts now, and the step's compile, while the weights load
             with timings("tokenize"):
                 tokens = open_tokens(corpus, found[0], row_length(early, unit, seq_len), progress)
+            planned = plan_for(early, row_length(early, unit, seq_len))
         with timings("load"):
             loaded = load(model, revision, dtype, attention, mesh)
         if found is not None:
@@ -268,17 +277,24 @@ def measure(model=None, data=None, **kwargs) -> Results:
         if tokens is None:
             with timings("tokenize"):
                 tokens = open_tokens(corpus, loaded.tokenizer, row_len, progress)
-        return _measure(loaded, corpus, tokens, timings, config, row_len=row_len, mesh=mesh,
-                        auto_attention=auto_attention)
+        with timings("compile"):  # what is left of the plan: the part that did not overlap the load
+            waited = time.time()
+            plan = planned.result() if planned is not None else None
+            # not known before the weights (hub ids), or not these shapes (peek_config leaves the name out)
+            if plan is None or dataclasses.replace(plan.cfg, name=loaded.config.name) != loaded.config:
+                plan = plan_for(loaded.config, row_len).result()
+            plan.seconds["waited"] = time.time() - waited
+        return _measure(loaded, corpus, tokens, timings, config, plan, row_len=row_len, mesh=mesh)
     finally:
         if isinstance(tokens, TokenStream):  # nothing once finished; after an error, stops the build
             tokens.cancel()
 
 
-def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, *, row_len, mesh, auto_attention) -> Results:
-    """measure() once the weights are loaded and the tokens are cached or streaming."""
+def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh) -> Results:
+    """measure() once the weights are loaded, the tokens cached or streaming and the step planned."""
     import jax
 
+    from isojax.device import ahead
     from isojax.device import checkpoints as checkpointing
     from isojax.device import mesh as parallel
     from isojax.data import TokenStream, pack_batches, plan_stats
@@ -286,14 +302,13 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, *, row_len,
     from isojax.stats.finalize import finalize
     from isojax.run.manifest import build_manifest, build_metrics
 
-    data, unit, sources = config.data.data, config.data.unit, config.data.sources
-    batch_tokens, max_tokens = config.data.batch_tokens, config.data.max_tokens
+    unit, sources = config.data.unit, config.data.sources
     token_stats, centered = config.stats.token_stats, config.stats.centered
-    save_token_sums, sample_states, intrinsic_k = config.stats.save_token_sums, config.stats.sample_states, config.stats.intrinsic_k
-    mlp_kernel, norm_kernel = config.kernels.mlp, config.kernels.norm
+    save_token_sums, intrinsic_k = config.stats.save_token_sums, config.stats.intrinsic_k
+    intrinsic = bool(config.stats.sample_states)
+    rows, labels, max_tokens, sample_states = step.rows, step.labels, step.max_tokens, step.sample_states
     checkpoint_dir, checkpoint_every_tokens = config.checkpoint.directory, config.checkpoint.every_tokens
     resume_run, progress = config.checkpoint.resume, config.progress
-    on_accel = defaults_platform() != "cpu"
     cfg, dtype = loaded.config, loaded.dtype
     n_dev = mesh.size
     # a local directory may hold trained or random weights: only a hub checkpoint is known to be pretrained
@@ -301,21 +316,12 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, *, row_len,
         and Path(str(loaded.source["name"])).expanduser().is_dir() else f"{loaded.weights} weights"
     log(f"model {loaded.source['name']} ({weights}, {cfg.num_layers} layers, d={cfg.hidden_size}), "
         f"{dtype}, devices: {n_dev} x {mesh.devices.flat[0].device_kind}, processes: {jax.process_count()}")
-    with timings("compile"):  # the packed kernel's check compiles it once
-        loaded.attention_impl = choose_attention(loaded.attention_impl, auto_attention, cfg, dtype, row_len)
-    batch_tokens = batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)
-    rows = -(-max(1, batch_tokens // row_len) // n_dev) * n_dev
-    with timings("compile"):  # on Hopper GPUs: the fused MLP kernel's check compiles it once
-        loaded.mlp_impl = choose_mlp_kernel(mlp_kernel, cfg, dtype, rows // n_dev * row_len)
-        loaded.norm_impl = choose_norm_kernel(norm_kernel, cfg, dtype, rows // n_dev * row_len)
-    # chosen once, here: the step receives these, and Results.config records them
+    loaded.attention_impl, loaded.mlp_impl, loaded.norm_impl = step.attention, step.mlp, step.norm
+    # chosen once, by the step's plan: the step receives these, and Results.config records them
     config = config.replace(model={"dtype": dtype}, devices={"mesh": dict(mesh.shape)},
                             kernels=KernelConfig(loaded.attention_impl, loaded.mlp_impl, loaded.norm_impl))
     streamed = isinstance(tokens, TokenStream)
     finished = lambda: tokens.result() if streamed else tokens
-    with timings("tokenize"):
-        labels = corpus.labels() if streamed else tokens.source_names
-        labels = labels or finished().source_names  # no record at all: the build ends with the corpus's error
     # the padding fraction, from the plan of the finished cache, computed while the devices work
     plan = in_background(lambda: plan_stats(finished(), rows=rows, row_len=row_len))
     size = "tokenizing while the devices measure (first run)" if streamed else \
@@ -323,23 +329,16 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, *, row_len,
     log(f"corpus {corpus.describe()}: {size}, sources: {', '.join(labels)}; rows {rows} x {row_len}, "
         f"attention {loaded.attention_impl}, MLP {loaded.mlp_impl}, LayerNorms {loaded.norm_impl}")
     num_groups = len(labels)
-    if max_tokens is None and data is None and not on_accel:
-        max_tokens = CPU_DEFAULT_MAX_TOKENS
-        log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (--max-tokens to change)")
-    intrinsic = bool(sample_states)
-    wanted = default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
-    with timings("tokenize"):  # a first run waits for as many tokens as the sample wants, or the end
-        seen = tokens.tokens_at_least(wanted) if streamed else tokens.n_tokens
-    available = min(seen, max_tokens or seen)
-    if sample_states is None:  # on accelerators: the batch anisotropy costs ~0.1 s; on 2 CPU cores, seconds
-        sample_states = min(wanted, available)
-    elif sample_states > available:
-        raise UserError(f"sample_states {sample_states:,} is more than the {available:,} tokens this run sees")
-    elif intrinsic and sample_states <= intrinsic_k + 1:
-        raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
     check_fits(cfg, token_stats, dtype, num_groups, mesh, rows * row_len // n_dev, verbose=True,
                sample_size=sample_states)
     runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
+    if ahead.matches(runner.step_signature(rows, row_len), step.signature):
+        runner.use_compiled(step.executable)
+    else:  # e.g. a checkpoint whose parameter tree is not its config's: the step compiles at its first batch
+        log("the step compiled ahead does not take these parameters: compiling it again")
+    s = step.seconds
+    log(f"step planned beside the load in {s['total']:.1f} s (compile {s['compile']:.1f} s, kernels "
+        f"{s['kernels']:.1f} s, sample's tokens {s['tokens']:.1f} s), {s['waited']:.1f} s of it waited for")
     settings = {"model_checksum": loaded.source["checksum"], "corpus": tokens.fingerprint, "rows": rows,
                 "row_len": row_len, "dtype": dtype, "token_stats": token_stats, "max_tokens": max_tokens,
                 "devices": n_dev, "processes": jax.process_count(), "mesh": dict(mesh.shape),
@@ -415,6 +414,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, *, row_len,
     loop_s = timings["loop"] + timings["compile"]
     manifest = build_manifest(loaded, cache, corpus, done, plan, loop_s, time.time() - timings.start, settings)
     manifest["from_cache"] = not streamed and tokens.from_cache
+    manifest["step_plan_s"] = step.seconds  # made beside the load; "waited": its part in timings' compile
     manifest["tokens_per_second"] = loop_rate  # the rate the last log line gives
     manifest["bad_records_skipped"] = cache.meta["bad_records"]  # a cached run reads no records
     sums = runner.token_sums if save_token_sums and token_stats else None

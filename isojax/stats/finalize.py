@@ -219,6 +219,7 @@ def _gather_state(mesh):
     return jax.jit(take, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+@functools.cache  # once per shape in a process: a sweep's later checkpoints find them in jit's own cache
 def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, device) -> None:
     """Compile the float64 read-outs that finalize and sample_metrics run on accelerators, for
     second moments of [H, S, D, D] and num_groups groups read out on `device`, from shapes alone:

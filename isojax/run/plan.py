@@ -1,0 +1,92 @@
+"""The step's plan, made while the weights load: kernels, batch rows, sources, sample size, and the
+step compiled from their shapes (device/ahead.py). Everything it needs is known before the
+weights arrive (the model's config, mesh, dtype, corpus and token stream), so measure() starts it
+on a thread first; its errors (a UserError included) are raised where measure() takes the plan."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+
+from isojax.errors import UserError
+from isojax.log import log
+
+
+@dataclasses.dataclass
+class StepPlan:
+    cfg: object  # the ModelConfig it was made for
+    attention: str
+    mlp: str
+    norm: str
+    rows: int  # rows per batch, a multiple of the device count
+    labels: list[str]  # the corpus's sources
+    max_tokens: int | None
+    sample_states: int
+    executable: object  # the compiled step (jax.stages.Compiled)
+    signature: tuple  # its arguments' shapes (device/runner.py signature)
+    seconds: dict  # kernels, tokens (waiting for the sample's), compile, total (measure() adds waited)
+
+
+def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, mesh, row_len: int, corpus,
+              tokens) -> StepPlan:
+    """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are)."""
+    from isojax.data import TokenStream
+    from isojax.device import ahead
+    from isojax.device.memory import defaults_platform, device_batch_tokens
+    from isojax.device.runner import Layout
+    from isojax.hf.loading import abstract_params, build_module
+    from isojax.kernels.select import choose_attention, choose_mlp_kernel, choose_norm_kernel
+    from isojax.run.measure import CPU_DEFAULT_MAX_TOKENS, default_sample_size, step_module
+
+    start, seconds = time.time(), {}
+    on_accel = defaults_platform() != "cpu"
+    n_dev = mesh.size
+    t = time.time()
+    attention = choose_attention(attention, auto_attention, cfg, dtype, row_len)  # packed: its check compiles it
+    rows = -(-max(1, (config.data.batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)) // row_len) // n_dev) * n_dev
+    mlp = choose_mlp_kernel(config.kernels.mlp, cfg, dtype, rows // n_dev * row_len)  # Hopper: its check compiles it
+    norm = choose_norm_kernel(config.kernels.norm, cfg, dtype, rows // n_dev * row_len)
+    seconds["kernels"] = time.time() - t
+    t = time.time()
+    streamed = isinstance(tokens, TokenStream)
+    labels = corpus.labels() if streamed else tokens.source_names
+    labels = labels or (tokens.result() if streamed else tokens).source_names  # none: the build ends with its error
+    max_tokens, sample_states, intrinsic_k = config.data.max_tokens, config.stats.sample_states, config.stats.intrinsic_k
+    if max_tokens is None and config.data.data is None and not on_accel:
+        max_tokens = CPU_DEFAULT_MAX_TOKENS
+        log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (--max-tokens to change)")
+    wanted = default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
+    seen = tokens.tokens_at_least(wanted) if streamed else tokens.n_tokens  # a first run: as many as the sample wants
+    available = min(seen, max_tokens or seen)
+    if sample_states is None:  # on accelerators: the batch anisotropy costs ~0.1 s; on 2 CPU cores, seconds
+        sample_states = min(wanted, available)
+    elif sample_states > available:
+        raise UserError(f"sample_states {sample_states:,} is more than the {available:,} tokens this run sees")
+    elif sample_states and sample_states <= intrinsic_k + 1:
+        raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
+    seconds["tokens"] = time.time() - t
+    t = time.time()
+    module = step_module(build_module(cfg, dtype, attention, mlp, norm), mesh)
+    layout = Layout(module, mesh, token_stats=config.stats.token_stats, num_groups=len(labels),
+                    sample_size=sample_states)
+    executable, signature = ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), rows, row_len)
+    seconds["compile"] = time.time() - t
+    seconds["total"] = time.time() - start
+    return StepPlan(cfg, attention, mlp, norm, rows, labels, max_tokens, sample_states, executable, signature, seconds)
+
+
+def plan_in_background(*args, **kwargs) -> concurrent.futures.Future:
+    """make_plan on a daemon thread (one blocked on the token stream or in a compile never holds
+    the process at exit); its result, or its error, comes from the Future."""
+    future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(make_plan(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 -- handed to the thread that takes the plan
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="isojax-plan").start()
+    return future
