@@ -41,7 +41,7 @@ def fitting_model_axis(cfg, k: int, token_stats: bool, tokens_per_device: int) -
     """The smallest 'model' axis dividing k at which weights, accumulators and the step fit, as
     isojax.device.memory.choose_mesh picks it for extract."""
     from isojax.device import memory
-    from isojax.device.runner import device_memory_bytes, host_memory_bytes
+    from isojax.device.memory import device_memory_bytes, host_memory_bytes
     limit = memory.FIT * (device_memory_bytes() or host_memory_bytes())
     for m in (m for m in range(1, k + 1) if k % m == 0):
         if sum(memory.memory_per_device(cfg, token_stats, "bfloat16", 1, k, m)) + \

@@ -13,7 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from isojax.run.measure import CPU_DEFAULT_MAX_TOKENS, DEFAULT_MODEL
+from isojax.run.measure import DEFAULT_MODEL
+from isojax.run.plan import CPU_DEFAULT_MAX_TOKENS
 from isojax.errors import UserError, run_command
 
 
@@ -134,7 +135,8 @@ def check_free_space(out: Path, args) -> None:
     --out's disk; where the model's shapes are not known without loading it, the write itself
     reports a full disk."""
     from isojax.device.memory import defaults_platform
-    from isojax.run.measure import default_sample_size, peek_config
+    from isojax.run.measure import peek_config
+    from isojax.run.plan import default_sample_size
     from isojax.run.results import output_bytes
     cfg = peek_config((args.model or [DEFAULT_MODEL])[0])
     if cfg is None:

@@ -28,7 +28,7 @@ def test_ahead_equals_lazy_on_one_and_two_devices_in_float32_and_bfloat16(tmp_pa
         from isojax.device.runner import Layout
         from isojax.hf.loading import abstract_params, build_module, random_params
         from isojax.model.config import preset
-        from isojax.run.measure import step_module
+        from isojax.run.plan import step_module
         from isojax.device.runner import Runner
         cfg = dataclasses.replace(preset("pythia-70m"), hidden_size=32, intermediate_size=64, num_layers=2,
                                   num_heads=2, vocab_size=96)
@@ -41,7 +41,7 @@ def test_ahead_equals_lazy_on_one_and_two_devices_in_float32_and_bfloat16(tmp_pa
                 kw = dict(token_stats=True, num_groups=2, sample_size=8)
                 executable, sig = ahead.compile_step(Layout(module, mesh, **kw), abstract_params(cfg, dtype, mesh), 4, 16)
                 runners = [Runner(module, random_params(cfg, dtype, mesh=mesh), mesh, **kw) for _ in range(2)]
-                assert ahead.matches(runners[0].step_signature(4, 16), sig)
+                assert ahead.matches(ahead.runner_signature(runners[0], 4, 16), sig)
                 runners[0].use_compiled(executable)
                 for runner in runners:
                     for i, tokens in enumerate(batches):

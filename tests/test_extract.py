@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import ACCELERATOR_ENV, ACCELERATOR_FLAGS, TOKENIZER_JSON, build_hf_checkpoint, hf_states
-from isojax.run.measure import CPU_DEFAULT_MAX_TOKENS
+from isojax.run.plan import CPU_DEFAULT_MAX_TOKENS
 from isojax.extract import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -39,3 +39,10 @@ def compile_step(layout: Layout, params, rows: int, row_len: int) -> tuple:
         if k not in _executables:
             _executables[k] = step.lower(*sig).compile()
         return _executables[k], sig
+
+
+def runner_signature(runner, rows: int, row_len: int) -> tuple:
+    """A Runner's step arguments for batches of rows x row_len, as shapes (what compile_step compiles)."""
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return signature(jax.tree.map(abstract, runner.params), runner.abstract, runner.mesh, rows, row_len,
+                     abstract(runner.centers_SxD))

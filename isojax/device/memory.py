@@ -65,7 +65,6 @@ def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: in
 def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
                verbose: bool = False, sample_size: int = 0) -> None:
     """Refuse (a short message) what cannot fit the devices; log the per-device figure."""
-    from isojax.device.runner import device_memory_bytes, host_memory_bytes
     limit = device_memory_bytes() or host_memory_bytes()
     need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
                                       sample_size)
@@ -89,7 +88,6 @@ def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None, b
     import jax
 
     from isojax.device import mesh as parallel
-    from isojax.device.runner import device_memory_bytes, host_memory_bytes
     sizes = dict(sizes or {})
     n = jax.device_count()
     on_accel = defaults_platform() != "cpu"
@@ -103,3 +101,17 @@ def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None, b
     if cfg is not None:
         check_fits(cfg, token_stats, dtype, 1, mesh, per_device(mesh.size))
     return mesh
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of one local device (None where the backend does not say, e.g. CPU)."""
+    import jax
+    try:
+        stats_ = jax.local_devices()[0].memory_stats()
+        return int(stats_["bytes_limit"]) if stats_ and "bytes_limit" in stats_ else None
+    except Exception:
+        return None
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -135,15 +135,9 @@ class Runner:
         self._executable = None  # use_compiled
 
     def use_compiled(self, executable) -> None:
-        """Run the step with `executable`, compiled ahead for step_signature at the batches' shape
+        """Run the step with `executable`, compiled ahead for its arguments at the batches' shape (device/ahead.py runner_signature)
         (device/ahead.py): no compile at the first batch."""
         self._executable = executable
-
-    def step_signature(self, rows: int, row_len: int) -> tuple:
-        """The step's arguments for batches of rows x row_len, as shapes (what device/ahead.py compiles)."""
-        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return signature(jax.tree.map(abstract, self.params), self.abstract, self.mesh, rows, row_len,
-                         abstract(self.centers_SxD))
 
     def fresh_accumulators(self) -> stats.Accumulators:
         return jax.jit(self._init_global, out_shardings=self.shardings)()
@@ -404,17 +398,3 @@ def _compiled_readout(mesh, rows: int):
 
     tok_spec = stats.DF(P(None, ALL, None), P(None, ALL, None))
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, ALL), tok_spec), out_specs=P(None, ALL)))
-
-
-def device_memory_bytes() -> int | None:
-    """Memory of one local device (None where the backend does not say, e.g. CPU)."""
-    try:
-        stats_ = jax.local_devices()[0].memory_stats()
-        return int(stats_["bytes_limit"]) if stats_ and "bytes_limit" in stats_ else None
-    except Exception:
-        return None
-
-
-def host_memory_bytes() -> int:
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -27,12 +27,10 @@ from isojax.kernels.select import check_mlp_kernel, check_norm_kernel
 from isojax.log import log
 from isojax.run.config import KernelConfig, MeasureConfig
 from isojax.run.loop import consume, resume
-from isojax.run.plan import StepPlan, plan_in_background
+from isojax.run.plan import StepPlan, plan_in_background, step_module
 from isojax.run.timings import Timings, in_background
 
 DEFAULT_MODEL = "pythia-70m"
-CPU_DEFAULT_MAX_TOKENS = 16_384  # the offline demo on 2 CPU cores: well under 30 s end to end
-SAMPLE_BYTES = 2e9  # the default sample (batch anisotropy) takes at most this much per device
 
 
 @dataclasses.dataclass
@@ -147,27 +145,11 @@ def load(model, revision, dtype: str, attention: str, mesh):
         return load_model(f"random:{DEFAULT_MODEL}", dtype=dtype, attention_impl=attention, mesh=mesh)
 
 
-def step_module(module, mesh):
-    """The module as the step runs it: activations split by rows over every device."""
-    from isojax.device import mesh as parallel
-    if mesh.size == 1:
-        return module
-    return module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
-
-
 def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None, sample_size: int = 0):
     """A Runner whose activations stay split by rows over every device."""
     from isojax.device.runner import Runner
     return Runner(step_module(model.module, mesh), model.params, mesh, token_stats=token_stats, num_groups=num_groups,
                   centers_SxD=centers_SxD, sample_size=sample_size)
-
-
-def default_sample_size(cfg, dtype: str) -> int:
-    """16,384 tokens (4 batches of 4096), fewer for models whose states would take more than
-    SAMPLE_BYTES per device; a multiple of 4096, at least 4096."""
-    from isojax.stats.finalize import BATCH
-    per_token = cfg.num_states * cfg.hidden_size * (2 if dtype == "bfloat16" else 4)
-    return max(BATCH, min(4 * BATCH, int(SAMPLE_BYTES / per_token) // BATCH * BATCH))
 
 
 def tokenizer_without_weights(model, cfg):
@@ -332,7 +314,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     check_fits(cfg, token_stats, dtype, num_groups, mesh, rows * row_len // n_dev, verbose=True,
                sample_size=sample_states)
     runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
-    if ahead.matches(runner.step_signature(rows, row_len), step.signature):
+    if ahead.matches(ahead.runner_signature(runner, rows, row_len), step.signature):
         runner.use_compiled(step.executable)
     else:  # e.g. a checkpoint whose parameter tree is not its config's: the step compiles at its first batch
         log("the step compiled ahead does not take these parameters: compiling it again")

@@ -13,6 +13,9 @@ import time
 from isojax.errors import UserError
 from isojax.log import log
 
+CPU_DEFAULT_MAX_TOKENS = 16_384  # the offline demo on 2 CPU cores: well under 30 s end to end
+SAMPLE_BYTES = 2e9  # the default sample (batch anisotropy) takes at most this much per device
+
 
 @dataclasses.dataclass
 class StepPlan:
@@ -29,6 +32,22 @@ class StepPlan:
     seconds: dict  # kernels, tokens (waiting for the sample's), compile, total (measure() adds waited)
 
 
+def step_module(module, mesh):
+    """The module as the step runs it: activations split by rows over every device."""
+    from isojax.device import mesh as parallel
+    if mesh.size == 1:
+        return module
+    return module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
+
+
+def default_sample_size(cfg, dtype: str) -> int:
+    """16,384 tokens (4 batches of 4096), fewer for models whose states would take more than
+    SAMPLE_BYTES per device; a multiple of 4096, at least 4096."""
+    from isojax.stats.finalize import BATCH
+    per_token = cfg.num_states * cfg.hidden_size * (2 if dtype == "bfloat16" else 4)
+    return max(BATCH, min(4 * BATCH, int(SAMPLE_BYTES / per_token) // BATCH * BATCH))
+
+
 def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, mesh, row_len: int, corpus,
               tokens) -> StepPlan:
     """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are)."""
@@ -38,16 +57,17 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     from isojax.device.runner import Layout
     from isojax.hf.loading import abstract_params, build_module
     from isojax.kernels.select import choose_attention, choose_mlp_kernel, choose_norm_kernel
-    from isojax.run.measure import CPU_DEFAULT_MAX_TOKENS, default_sample_size, step_module
 
     start, seconds = time.time(), {}
     on_accel = defaults_platform() != "cpu"
     n_dev = mesh.size
     t = time.time()
-    attention = choose_attention(attention, auto_attention, cfg, dtype, row_len)  # packed: its check compiles it
     rows = -(-max(1, (config.data.batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)) // row_len) // n_dev) * n_dev
-    mlp = choose_mlp_kernel(config.kernels.mlp, cfg, dtype, rows // n_dev * row_len)  # Hopper: its check compiles it
-    norm = choose_norm_kernel(config.kernels.norm, cfg, dtype, rows // n_dev * row_len)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each kernel's check compiles and runs it: at once
+        checks = [pool.submit(choose_attention, attention, auto_attention, cfg, dtype, row_len),
+                  pool.submit(choose_mlp_kernel, config.kernels.mlp, cfg, dtype, rows // n_dev * row_len),
+                  pool.submit(choose_norm_kernel, config.kernels.norm, cfg, dtype, rows // n_dev * row_len)]
+        attention, mlp, norm = (check.result() for check in checks)
     seconds["kernels"] = time.time() - t
     t = time.time()
     streamed = isinstance(tokens, TokenStream)
