@@ -10,40 +10,35 @@ of P rows, in G groups of g columns; K = k + SPARE candidates per row.
 Neighbours (`knn_distances`): the k nearest other points of every point, by index (the point
 itself is left out, an exact duplicate of it counts at distance 0), sorted, as skdim's
 `get_nn` (sklearn `kneighbors()` with no query) and TwoNN's sorted distance rows give them.
-A distance is always the float32 ||x_i - x_j|| of the raw points (no cancellation: a duplicate
-gives exactly 0); the search runs on the accelerator, never holds an N x N matrix, and proves
-for every row that no point outside its candidates is nearer, else searches that row again:
-  1. the points are centred and scaled by a power of two (max |entry| < 1; exact but for the
-     centring's rounding); squared distances of a B x P block are |q|^2 + |p|^2 - 2 q.p from one
-     matmul at a cheap precision (TF32 on GPU, float32 elsewhere), less the error bound's |p|^2
-     part (below), so that the value ranks points by a lower bound of their distance;
-  2. exact selection of the K = k + SPARE smallest of the block without sorting it: the minimum
-     of each group of g columns, the K groups with the smallest minima (every one of the K
-     smallest values lies in one of them), then the K smallest of those K*g values; merged with
-     the K best of the earlier point blocks;
-  3. the K candidates measured again from the raw points; the k smallest are kept;
-  4. certificate: every point left out has a true squared distance >= floor = (K-th selected
-     value) - C |q|^2 - 2^-100; the row is exact if its k-th measured value, raised by the
-     measurement's own error, is <= floor. Else it is searched again at precision HIGHEST with
-     K = k + 4 SPARE, and if that fails too, exhaustively by measured ||x_i - x_j|| (exact by
-     definition). `knn_distances(..., fallback=list)` receives the two row counts.
-The bound C (`_bound`). Centred, scaled points q, p (|entries| < 1), Q = |q|^2, P = |p|^2,
-u = 2^-24. The computed value differs from the true |q - p|^2 of the raw points by at most
-C0 (Q + P), C0 = sum of:
-  - the product: inputs rounded with relative error u_in (TF32 truncated: 2^-10; float32:
-    2^-24), D products and D - 1 additions each with relative error <= u_acc = 2^-22 (four
-    times float32's, so truncating tensor-core adders and any summation order are covered):
-    |err q.p| <= (2 u_in + u_in^2 + (1 + u_in)^2 D u_acc) |q| |p|, and 2 |q| |p| <= Q + P;
-  - |q|^2 and |p|^2 in float32: D u (Q + P);
-  - the centring's rounding moves each point by <= u |x - mean|: 4 u (Q + P) on the square;
-  - the handful of float32 additions and scalings after the product: 16 u (Q + P);
-and C = 2 C0 (for D = 2048: 5.1e-3 with TF32, 7.3e-4 at HIGHEST). Subnormal flushes cost at most
-D 2^-125 absolute, inside the 2^-100. The measured ||x_i - x_j||^2 has relative error
-<= delta = (D + 4) 2^-24 (a rounded difference, a rounded square, D - 1 rounded additions);
-the k-th is raised by 1 + 2 (D + 4) 2^-23 >= (1 + delta) / (1 - delta) before the test, so a
-certified row's k smallest measured values are those of an exhaustive search. Centring makes
-Q and P small where the points share an offset; points far from the mean relative to their
-neighbour distances (two distant tight clusters) fail and take the exhaustive path.
+A distance is the float32 ||x_i - x_j|| of the raw points (a duplicate gives exactly 0). The
+search runs on the accelerator, never holds an N x N matrix, and proves each row exact:
+  1. on points centred and scaled by a power of two (max |entry| < 1), the B x P block
+     |q|^2 + |p|^2 - 2 q.p from one matmul at a cheap precision (TF32 on GPU, float32
+     elsewhere), less C |p|^2 (below): it ranks points by a lower bound of their distance;
+  2. exact selection of the K smallest of the block without sorting it: the minimum of each
+     group of g columns, the K groups with the smallest minima (every one of the K smallest
+     values lies in one of them), then the K smallest of those K*g values; merged with the K
+     best of the earlier point blocks;
+  3. the K candidates measured from the raw points; the k smallest are kept;
+  4. certificate: every point left out is at squared distance >= floor = (K-th value) - C |q|^2
+     - 2^-100; a row whose k-th measured value, raised by 1 + 2 (D + 4) 2^-23, is <= floor is
+     exact. The others are searched again at HIGHEST with K = k + 4 SPARE, and those that fail
+     again exhaustively (measured ||x_i - x_j|| to every point): `knn_distances(fallback=[])`.
+The bound C (`_bound`): with q, p the centred, scaled points, Q = |q|^2, P = |p|^2, u = 2^-24,
+the value of step 1 without its shift is within C0 (Q + P) of the raw points' squared
+distance (scaled), C0 the sum of
+  - the product: inputs rounded by <= u_in (TF32 truncated: 2^-10; float32: 2^-24), D products
+    and D - 1 additions each off by <= u_acc = 2^-22 (4 u: truncating tensor-core adders, any
+    order): |err q.p| <= (2 u_in + u_in^2 + (1 + u_in)^2 D u_acc) |q| |p|, 2 |q| |p| <= Q + P;
+  - Q and P in float32: D u (Q + P); the centring's rounding (each point moves by
+    <= u |x - mean|): 4 u (Q + P); the few float32 additions after the product: 16 u (Q + P);
+and C = 2 C0 (D = 2048: 5.1e-3 with TF32, 1.2e-3 in float32). So a point's true value is >=
+its step-1 value - C0 Q + (C - C0) P >= it - C |q|^2; subnormal flushes cost < D 2^-125, in
+the 2^-100. A measured squared distance is off by <= delta = (D + 4) u (a rounded difference,
+square, D - 1 additions); the factor of step 4 exceeds (1 + delta) / (1 - delta) by more than
+the test's own rounding, so a certified row's k smallest measured values are an exhaustive
+search's. Points far from the mean relative to their neighbour distances (two distant tight
+clusters) fail and take the exhaustive path; bench/bench_intrinsic.py counts such rows.
 
 Estimators (float64 numpy on the N x k distances; the O(N k) arithmetic is negligible):
   TwoNN: mu = r2/r1; the int(N (1 - discard_fraction)) smallest mu are kept; slope of the
@@ -146,7 +141,7 @@ def _prepare(x_NxD):
     """Centred points scaled by 2^-e (max |entry| < 1, exact), their squared norms, 2^-2e."""
     xc_NxD = x_NxD - jnp.mean(x_NxD, axis=0)  # distances are shift-invariant; small norms, small error
     _, e = jnp.frexp(jnp.max(jnp.abs(xc_NxD)))
-    scale = jnp.ldexp(jnp.float32(1), -e)
+    scale = jnp.ldexp(jnp.float32(1), -jnp.maximum(e, -60))  # 2^-e; its square stays finite
     xs_NxD = xc_NxD * scale
     return xs_NxD, jnp.sum(xs_NxD * xs_NxD, axis=1), scale * scale
 
