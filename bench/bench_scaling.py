@@ -66,7 +66,7 @@ def kernels(cfg, attention: str, mlp_kernel: str, norm_kernel: str, device_rows:
 def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 512, model_axis: int | str = 1,
         batch_per_device: int | None = None, token_stats: bool = True, profile: str | None = None,
         reserve: bool = True, mlp_kernel: str = "xla", attention: str | None = None, norm_kernel: str = "xla",
-        matmul_rate: float | None = None) -> dict:
+        matmul_rate: float | None = None, exchange_rows: int | None = None) -> dict:
     import jax.numpy as jnp
 
     from isojax.device import checkpoints as checkpointing
@@ -91,7 +91,9 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     options = ForwardOptions(attention=attention, mlp_kernel=mlp_kernel, norm_kernel=norm_kernel,
                              activation_sharding=parallel.rows(mesh) if k > 1 else None)
     module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options)
-    runner = Runner(module, random_params(cfg, "bfloat16", mesh=mesh), mesh, token_stats=token_stats)
+    from isojax.stats.options import StatsOptions
+    runner = Runner(module, random_params(cfg, "bfloat16", mesh=mesh), mesh, token_stats=token_stats,
+                    options=StatsOptions(exchange_rows=exchange_rows))
     t0 = time.perf_counter()
     for tok, seg, pos, _ in batches[:2]:
         runner.step(tok, seg, pos, 0)
@@ -168,6 +170,8 @@ def main() -> int:
     ap.add_argument("--norm-kernel", default="xla", choices=["xla", "pallas", "auto"], help="ForwardOptions.norm_kernel")
     ap.add_argument("--attention", default=None, choices=["xla", "cudnn", "packed", "auto"],
                     help="ForwardOptions.attention (default: cudnn on GPUs, else xla; auto: packed where it applies)")
+    ap.add_argument("--exchange-rows", type=int, default=None,
+                    help="StatsOptions.exchange_rows (default: accumulators.exchange_cap's)")
     ap.add_argument("--mfu", action="store_true", help="measure the card's bf16 matrix rate and give each run's MFU")
     ap.add_argument("--no-reserve", action="store_true",
                     help="do not grow the page-locked pool before the first checkpoint (Checkpointer.reserve)")
@@ -187,7 +191,7 @@ def main() -> int:
                           model_axis=args.model_axis, batch_per_device=args.batch_per_device,
                           token_stats=token_stats, profile=args.profile if last else None,
                           reserve=not args.no_reserve, mlp_kernel=args.mlp_kernel, attention=args.attention,
-                          norm_kernel=args.norm_kernel, matmul_rate=rate)
+                          norm_kernel=args.norm_kernel, matmul_rate=rate, exchange_rows=args.exchange_rows)
                 results.append(res)
                 print(json.dumps(res), file=sys.stderr, flush=True)
     base = {(r["model"], r["token_stats"]): r["tokens_per_s"] for r in results if r["devices"] == 1}

@@ -60,6 +60,7 @@ def test_ahead_equals_lazy_on_one_and_two_devices_in_float32_and_bfloat16(tmp_pa
     assert proc.stdout.split()[-1] == "same"
 
 
+@pytest.mark.slow
 def test_a_sweep_compiles_the_step_once(tmp_path):
     """Three checkpoints of one shape in one extract process: the step compiles (or is read from
     the persistent cache) once, the later checkpoints run the same executable."""
@@ -92,3 +93,21 @@ def test_an_error_in_the_plan_is_raised_as_before(tmp_path, monkeypatch):
         isojax.measure(str(tmp_path / "ckpt"), [str(tmp_path / "pile.jsonl")], unit="document", seq_len=64,
                        batch_tokens=512, sample_states=10**6, progress=False)
     assert not [t for t in threading.enumerate() if t.name == "isojax-plan"]
+
+
+@pytest.mark.slow
+def test_a_kernel_whose_check_fails_gets_the_step_compiled_again(tmp_path, monkeypatch, capfd):
+    """The plan compiles the step for the kernels expected to pass their checks while the checks
+    run; where a check chooses otherwise (here the LayerNorm kernel, whose compile also fails on
+    CPU), the step compiles for what the checks chose, and the run measures with it."""
+    import isojax
+    from isojax.kernels import select
+    build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
+    write_pile_jsonl(tmp_path / "pile.jsonl", 5, seed=1)
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(select, "choose_norm_kernel", lambda kind, cfg, dtype, rows, check=True: "xla" if check else "pallas")
+    results = isojax.measure(str(tmp_path / "ckpt"), [str(tmp_path / "pile.jsonl")], unit="document", seq_len=64,
+                             batch_tokens=512, progress=False)
+    assert results.config.kernels.norm == "xla"
+    assert "kernel checks chose xla/xla/xla: compiling the step for them" in capfd.readouterr().err
+    assert results.layers and all(0 < layer["inter_sim"] <= 1 for layer in results.layers)

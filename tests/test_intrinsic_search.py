@@ -31,7 +31,7 @@ def _orthonormal(rng, d, big_d):
 
 
 @pytest.mark.parametrize("n, d, k, query_block, point_block", [
-    (1000, 64, 20, 256, 300),  # many query and point blocks, N a multiple of neither
+    pytest.param(1000, 64, 20, 256, 300, marks=pytest.mark.slow),  # many blocks, N a multiple of neither
     (777, 33, 5, 128, 200),
     (301, 3, 2, 2048, 16384),  # one block of each, padded
     (50, 8, 49, 2048, 16384),  # k = N - 1: every other point is a candidate
@@ -42,6 +42,7 @@ def test_random_points(n, d, k, query_block, point_block):
     assert _search(x32, k, query_block=query_block, point_block=point_block) == (0, 0)
 
 
+@pytest.mark.slow
 def test_duplicates_and_ties():
     rng = np.random.default_rng(1)
     # a 10 x 10 x 10 integer grid turned into 32 dims: each point has up to 6 neighbours at
@@ -55,6 +56,7 @@ def test_duplicates_and_ties():
     assert np.all(got[:80, 0] == 0) and np.all(got[99:110, :10] == 0)
 
 
+@pytest.mark.slow
 def test_tight_group_is_searched_again():
     """60 near-copies (1e-4 apart) inside a Gaussian cloud: their k + SPARE candidates are all
     in the group, closer together than the certificate can resolve; k + 4 SPARE reach outside."""
@@ -65,6 +67,7 @@ def test_tight_group_is_searched_again():
     assert again >= 60 and exhaustive == 0
 
 
+@pytest.mark.slow
 def test_far_tight_clusters_are_searched_exhaustively():
     """Two clusters 2,000 apart, each 1e-3 wide: after centring every norm is ~1e3 and every
     neighbour distance ~1e-3, past any float32 Gram product; every row takes the exhaustive

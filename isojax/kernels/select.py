@@ -23,10 +23,11 @@ def check_mlp_kernel(mlp_kernel: str, dtype: str) -> None:
             raise UserError(f"mlp kernel mosaic does not run here: {why}")
 
 
-def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int) -> str:
+def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True) -> str:
     """auto: the Mosaic kernel (isojax.kernels.mlp) where it applies (bfloat16, Hopper GPUs, a
     device's rows and the model's widths tile) and works, else XLA's path; mosaic where it does not
-    apply: an error."""
+    apply: an error. check=False: what it chooses if the kernel works, without trying it or saying
+    anything (run/plan.py compiles the step for that while the check runs)."""
     from isojax.kernels import mlp as kernels
     if mlp_kernel == "xla":
         return "xla"
@@ -36,11 +37,11 @@ def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int) -> str
         raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of "
                         f"[{cfg.hidden_size}] x [{cfg.hidden_size}, {cfg.intermediate_size}] ({cfg.hidden_act}"
                         f"{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'})")
-    if not exact_gelu_with_bias(cfg):
+    if not exact_gelu_with_bias(cfg) and check:
         log(f"the fused MLP kernel does not apply to this {cfg.family} MLP ({cfg.hidden_act}"
             f"{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'}, {device_rows} rows per "
             "device): XLA's path")
-    if fits and (why := kernels.works()) is not None:
+    if fits and check and (why := kernels.works()) is not None:
         log(f"the fused MLP kernel does not run here ({why}): XLA's path instead")
         return "xla"
     return "mosaic" if fits else "xla"
@@ -66,10 +67,10 @@ def check_norm_kernel(norm_kernel: str, dtype: str) -> None:
         raise UserError("norm kernel pallas is a GPU kernel for bfloat16 runs")
 
 
-def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> str:
+def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True) -> str:
     """auto: one Pallas kernel for a parallel-residual block's two LayerNorms (isojax.kernels.norm)
     where it applies (bfloat16 on a GPU, a power-of-two width) and works, else XLA's; pallas where
-    it does not apply: an error."""
+    it does not apply: an error. check=False: as choose_mlp_kernel's."""
     import jax
 
     from isojax.kernels import norm as kernel
@@ -79,7 +80,7 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> s
     if norm_kernel == "xla":
         return "xla"
     if not layer_norm_pair(cfg):
-        if cfg.family != "gpt_neox":  # GPT-NeoX's sequential blocks are told apart by their config already
+        if cfg.family != "gpt_neox" and check:  # GPT-NeoX's sequential blocks are told apart by their config already
             log(f"the LayerNorm-pair kernel does not apply to this {cfg.family} block: XLA's norms")
         return "xla"
     d = cfg.hidden_size
@@ -87,7 +88,7 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> s
         and device_rows % kernel.rows_per_block(d) == 0
     if norm_kernel == "pallas" and not fits:
         raise UserError(f"norm kernel pallas does not apply to {device_rows} rows per device of width {d}")
-    why = kernel.works(d) if fits else None
+    why = kernel.works(d) if fits and check else None
     if why is not None:
         if norm_kernel == "pallas":
             raise UserError(f"norm kernel pallas does not run here: {why}")
@@ -95,12 +96,13 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int) -> s
     return "pallas" if fits and why is None else "xla"
 
 
-def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int) -> str:
+def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int, check: bool = True) -> str:
     """The attention kernel for these rows. packed (isojax.kernels.packed_attention) where it applies
     (rotary positions without q/k norms or clipping, powers-of-two head and rotary dims, rows of a
     multiple of 64; any number of key/value heads) and works here, else, under
     auto, cuDNN; cuDNN and Pallas's TPU kernel need rows of a multiple of 64 and 128, else, under
-    auto, plain XLA. An explicit choice that cannot run is an error."""
+    auto, plain XLA. An explicit choice that cannot run is an error. check=False: as
+    choose_mlp_kernel's."""
     from isojax.kernels import packed_attention
     why = None
     if attention == "packed":
@@ -110,13 +112,14 @@ def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int) 
         elif not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, DTYPES[dtype]):
             why = (f"needs head and rotary dims that are powers of two >= 16 (here {cfg.head_dim} and "
                    f"{cfg.rotary_dims}) and rows of a multiple of 64 tokens (seq_len {row_len})")
-        else:
+        elif check:
             why = packed_attention.works(cfg.head_dim, cfg.rotary_dims)
         if why is None:
             return "packed"
         if not auto:
             raise UserError(f"attention packed {why}")
-        log(f"packed attention does not run here ({why}): cuDNN's instead")
+        if check:
+            log(f"packed attention does not run here ({why}): cuDNN's instead")
         attention = "cudnn"
     multiple = {"cudnn": 64, "pallas": 128}.get(attention, 1)
     if row_len % multiple:

@@ -29,7 +29,7 @@ class StepPlan:
     sample_states: int
     executable: object  # the compiled step (jax.stages.Compiled)
     signature: tuple  # its arguments' shapes (device/runner.py signature)
-    seconds: dict  # kernels, tokens (waiting for the sample's), compile, total (measure() adds waited)
+    seconds: dict  # kernels (until the checks end), tokens (waiting for the sample's), compile, total; measure() adds waited
 
 
 def step_module(module, mesh):
@@ -61,14 +61,20 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     start, seconds = time.time(), {}
     on_accel = defaults_platform() != "cpu"
     n_dev = mesh.size
-    t = time.time()
     rows = -(-max(1, (config.data.batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)) // row_len) // n_dev) * n_dev
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each kernel's check compiles and runs it: at once
-        checks = [pool.submit(choose_attention, attention, auto_attention, cfg, dtype, row_len),
-                  pool.submit(choose_mlp_kernel, config.kernels.mlp, cfg, dtype, rows // n_dev * row_len),
-                  pool.submit(choose_norm_kernel, config.kernels.norm, cfg, dtype, rows // n_dev * row_len)]
-        attention, mlp, norm = (check.result() for check in checks)
-    seconds["kernels"] = time.time() - t
+    device_rows = rows // n_dev * row_len
+    choose = lambda check: (lambda: choose_attention(attention, auto_attention, cfg, dtype, row_len, check),
+                            lambda: choose_mlp_kernel(config.kernels.mlp, cfg, dtype, device_rows, check),
+                            lambda: choose_norm_kernel(config.kernels.norm, cfg, dtype, device_rows, check))
+    # Each kernel's check compiles and runs it (seconds): the three at once, beside the step's
+    # compile for the kernels they are expected to choose (compiled again where a check fails).
+    pool = concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="isojax-check")
+    checks = [pool.submit(f) for f in choose(True)]
+    pool.shutdown(wait=False)
+    try:
+        expected = tuple(f() for f in choose(False))
+    except UserError:  # an explicit kernel that cannot run: its check says so
+        expected = None
     t = time.time()
     streamed = isinstance(tokens, TokenStream)
     labels = corpus.labels() if streamed else tokens.source_names
@@ -87,11 +93,25 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     elif sample_states and sample_states <= intrinsic_k + 1:
         raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
     seconds["tokens"] = time.time() - t
+
+    def compiled(kernels):
+        module = step_module(build_module(cfg, dtype, *kernels), mesh)
+        layout = Layout(module, mesh, token_stats=config.stats.token_stats, num_groups=len(labels),
+                        sample_size=sample_states)
+        return ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), rows, row_len)
+
     t = time.time()
-    module = step_module(build_module(cfg, dtype, attention, mlp, norm), mesh)
-    layout = Layout(module, mesh, token_stats=config.stats.token_stats, num_groups=len(labels),
-                    sample_size=sample_states)
-    executable, signature = ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), rows, row_len)
+    try:
+        step = compiled(expected) if expected is not None else None
+    except Exception:  # noqa: BLE001 -- e.g. a kernel that does not run here: its check says so below
+        step = None
+    chosen = tuple(check.result() for check in checks)
+    seconds["kernels"] = time.time() - start
+    if chosen != expected or step is None:
+        log(f"kernel checks chose {'/'.join(chosen)}: compiling the step for them")
+        step = compiled(chosen)
+    executable, signature = step
+    attention, mlp, norm = chosen
     seconds["compile"] = time.time() - t
     seconds["total"] = time.time() - start
     return StepPlan(cfg, attention, mlp, norm, rows, labels, max_tokens, sample_states, executable, signature, seconds)
