@@ -64,3 +64,19 @@ def run_command(body, args) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def exit_with(code: int) -> None:
+    """Leave a command-line process with `code`. After an error a background thread may still be
+    compiling (the step's plan, run/plan.py, starts before the weights load); finalizing the
+    interpreter under it aborts inside XLA ("terminate called ...", SIGABRT instead of the error's
+    status), so an error exit skips finalization once stdout and stderr are flushed. Nothing is
+    lost: every file isojax writes is complete or absent at any moment."""
+    import os
+    import sys
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+

@@ -10,12 +10,11 @@ import argparse
 import contextlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from isojax.run.measure import DEFAULT_MODEL
 from isojax.run.plan import CPU_DEFAULT_MAX_TOKENS
-from isojax.errors import UserError, run_command
+from isojax.errors import UserError, exit_with, run_command
 
 
 def positive_int(text: str) -> int:
@@ -233,4 +232,4 @@ def use_cuda_graphs_for_loops() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

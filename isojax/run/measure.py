@@ -313,7 +313,8 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     num_groups = len(labels)
     check_fits(cfg, token_stats, dtype, num_groups, mesh, rows * row_len // n_dev, verbose=True,
                sample_size=sample_states)
-    runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
+    with timings("compile"):  # the step's setup: parameters placed, accumulators allocated (their init compiles)
+        runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
     if ahead.matches(ahead.runner_signature(runner, rows, row_len), step.signature):
         runner.use_compiled(step.executable)
     else:  # e.g. a checkpoint whose parameter tree is not its config's: the step compiles at its first batch
