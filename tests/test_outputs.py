@@ -42,14 +42,20 @@ def _user_files(out: Path) -> None:
     (out / "notes.txt").write_text("mine")
 
 
+USER_FILES = {"plots/mine.png", "notes.txt", "tokens.zarr/user.txt"}
+
+
 def _whole(out: Path) -> int:
-    """The tokens of the results in `out`, after checking every recorded file's sha256."""
+    """The tokens of the results in `out`, after checking every recorded file's sha256; every other
+    file is the user's, and no folder is left empty."""
     outdir.check_results(out)
     record = outdir.read_record(out)
     for rel, (size, sha) in record["files"].items():
         assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == sha, rel
-    names = {p.name for p in out.iterdir() if not _staging(p)}
-    assert names - {"plots", "notes.txt"} == set(record["names"]) | {outdir.RECORD}  # nothing stale
+    entries = [p for p in out.rglob("*") if not any(_staging(q) for q in [p, *p.relative_to(out).parents])]
+    found = {p.relative_to(out).as_posix() for p in entries if not p.is_dir()}
+    assert found - USER_FILES == set(record["files"]) | {outdir.RECORD}  # nothing stale
+    assert not [p for p in entries if p.is_dir() and not any(p.iterdir())]
     tokens = json.loads((out / "metrics.json").read_text())["tokens"]
     assert np.load(out / "spectra.npz")["centered"][0, 0] == tokens
     return tokens
@@ -83,10 +89,11 @@ def test_commit_killed_at_every_rename_and_delete(tmp_path, monkeypatch):
     """Earlier results (with tokens.zarr) replaced by new ones (without): a kill at the k-th
     rename/delete, for every k, leaves the earlier results whole, the new ones whole, or a journal
     that readers refuse and the next run undoes, giving the earlier results back whole. The
-    user's plots/ and notes.txt are never touched."""
+    user's plots/, notes.txt and the file the user put into isojax's tokens.zarr/ are never touched."""
     template = tmp_path / "template"
     _user_files(template)
     _write(template, 100)
+    (template / "tokens.zarr" / "user.txt").write_text("user's note in isojax's folder")
     seen, k = set(), 0
     while True:
         out = tmp_path / f"out{k}"
@@ -121,7 +128,8 @@ def test_commit_killed_at_every_rename_and_delete(tmp_path, monkeypatch):
         tokens = _whole(out)
         seen.add(tokens)
         assert (out / "plots" / "mine.png").read_bytes() == b"user's figure"
-        assert (out / "tokens.zarr").exists() == (tokens == 100)
+        assert (out / "tokens.zarr" / "user.txt").read_text() == "user's note in isojax's folder"
+        assert [p.name for p in (out / "tokens.zarr").iterdir()] == ["user.txt"] or tokens == 100
         with outdir.claim(out, overwrite=True):  # stale staging folders of the killed run go
             pass
         assert not [p for p in out.iterdir() if _staging(p)]

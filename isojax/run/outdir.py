@@ -2,23 +2,32 @@
 made before any work. The one place for these rules; extract, sweeps, weights, report and
 correlate all use it.
 
-Ownership. OUT/.isojax-results.json (the record) names every top-level entry isojax wrote in OUT
-and every file under them with its size and sha256. isojax replaces or removes only what the
-record names; any other file in OUT is the user's and is never touched, with or without
---overwrite (a result of the same name is an error instead).
+Ownership. OUT/.isojax-results.json (the record) names every file isojax wrote in OUT (its path
+relative to OUT, folders' files included: plots/similarity.png) with its size and sha256. isojax
+replaces or removes only the files the record names; any other file in OUT is the user's and is
+never touched, with or without --overwrite, also inside a folder isojax wrote (OUT/plots/mine.png):
+such a folder stays, and a log line says so; isojax removes a folder only once it is empty. A
+result file of the same path as a user's file is an error instead. The record's "names" (the
+top-level names of its files) are kept for earlier versions of isojax, which read them.
+
+Records of earlier versions (version 1) name top-level entries, folders included, in "names", and
+every file under them in "files", as now: they are read by their "files" alone, so a folder such a
+record names is owned file by file (a file the user put into it later stays), and a recorded
+name without a recorded file (an empty folder) is not owned.
 
 Commit. A run writes its results into OUT/.partial-PID-RANDOM/new/ (the record too, computed
 there), fsyncs them, then:
-  1. writes the journal OUT/.isojax-commit.json (stage, old names, new names)
-  2. moves the earlier results (the names of the earlier record, and the record) to the stage's old/
-  3. moves the new results in, the record last
+  1. writes the journal OUT/.isojax-commit.json (stage, old files, new files, folders it creates)
+  2. moves the earlier results (the files of the earlier record, and the record) to the stage's
+     old/, and removes the folders that leaves empty
+  3. moves the new results in, file by file, the record last
   4. removes the journal.
-Each step is a rename. Readers refuse a folder while its journal is there. A run that fails in
-steps 1-4 puts the earlier results back at once; one killed there leaves the journal, and the next
-isojax command that writes to OUT first puts the earlier results back (recover; every step of it
-can be repeated, so a kill during recovery is recovered the same way). So at any instant OUT holds
-the earlier results, whole, or the new ones, whole, or a journal that readers refuse and the next
-run undoes.
+Each step is a rename (or an rmdir of an empty folder). Readers refuse a folder while its journal
+is there. A run that fails in steps 1-4 puts the earlier results back at once; one killed there
+leaves the journal, and the next isojax command that writes to OUT first puts the earlier results
+back (recover; every step of it can be repeated, so a kill during recovery is recovered the same
+way). So at any instant OUT holds the earlier results, whole, or the new ones, whole, or a journal
+that readers refuse and the next run undoes.
 
 Lock. OUT/.isojax.lock is held with flock while a command works on OUT (the kernel frees it when
 the process dies, so a killed run's lock never blocks); a second run is refused with the first's
@@ -40,6 +49,7 @@ from pathlib import Path
 
 from isojax.atomic import fsync_dir, write_atomic
 from isojax.errors import UserError
+from isojax.log import log
 
 RECORD = ".isojax-results.json"
 JOURNAL = ".isojax-commit.json"
@@ -56,7 +66,7 @@ def read_record(out: Path) -> dict | None:
     path = Path(out) / RECORD
     try:
         doc = json.loads(path.read_text())
-        if isinstance(doc, dict) and isinstance(doc.get("names"), list) and isinstance(doc.get("files"), dict):
+        if isinstance(doc, dict) and isinstance(doc.get("files"), dict):
             return doc
     except FileNotFoundError:
         return None
@@ -67,9 +77,13 @@ def read_record(out: Path) -> dict | None:
 
 
 def owned(out: Path) -> list[str]:
-    """Top-level names of isojax's results in OUT, from the record."""
+    """Top-level names of isojax's results in OUT: those of the files its record names."""
     record = read_record(out)
-    return [] if record is None else list(record["names"])
+    return [] if record is None else sorted({_top(rel) for rel in record["files"]})
+
+
+def _top(rel: str) -> str:
+    return rel.split("/", 1)[0]
 
 
 def check_results(folder: Path, reads=()) -> None:
@@ -96,7 +110,10 @@ def check_results(folder: Path, reads=()) -> None:
 
 def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
     """--out can be written (not a file where a folder is wanted, its nearest existing folder
-    writable) and is not, and does not contain, an input of the same command (paths that exist)."""
+    writable) and is not an input of the same command (paths that exist), does not contain one,
+    and is not anywhere inside an input that is a folder (RUNS/step1/metrics.json as correlate's
+    --out, RUNS/report as the report's, would write among the results it reads). Beside an input
+    file is fine (d/out for --data d/corpus.txt)."""
     out = Path(out).expanduser()
     if folder and out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
@@ -110,8 +127,14 @@ def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
     target = out.resolve()
     for given in filter(None, inputs):
         p = Path(given).expanduser()
-        if p.exists() and (p.resolve() == target or target in p.resolve().parents):
+        if not p.exists():
+            continue
+        source = p.resolve()
+        if source == target or target in source.parents:
             raise UserError(f"--out {out} is or holds an input of this command ({given}); choose another --out")
+        if source.is_dir() and source in target.parents:
+            raise UserError(f"--out {out} is inside {given}, an input folder of this command; choose an --out "
+                            "outside it")
 
 
 def _check_names(out: Path, names) -> None:
@@ -276,37 +299,92 @@ def _sha256(path: Path, sync: bool = False) -> str:
 def _commit(out: Path, stage: Path, replace_all: bool) -> None:
     new = stage / "new"
     names = sorted(p.name for p in new.iterdir())
-    record = read_record(out) or {"names": [], "files": {}}
+    ours = (read_record(out) or {"files": {}})["files"]
     _check_names(out, names)
     files = _checksums(new, names)
-    keep = [] if replace_all else [n for n in record["names"] if n not in names]
-    files.update({k: v for k, v in record["files"].items() if k.split("/")[0] in keep})
-    (new / RECORD).write_text(json.dumps({"version": 1, "names": sorted(names + keep), "files": files}, indent=1))
+    keep = {} if replace_all else {rel: v for rel, v in ours.items() if _top(rel) not in names}
+    _check_files(out, files, ours)
+    files.update(keep)
+    (new / RECORD).write_text(json.dumps({"version": 2, "names": sorted({_top(rel) for rel in files}),
+                                          "files": files}, indent=1))
     _checksums(new, [RECORD])
-    old = [n for n in record["names"] if n not in keep and os.path.lexists(out / n)]
+    moving = sorted(set(files) - set(keep))
+    old = [rel for rel in sorted(ours) if rel not in keep and os.path.lexists(out / rel)]
     old += [RECORD] if os.path.lexists(out / RECORD) else []
+    old_dirs, new_dirs = _folders(old), _folders(moving)
+    created = [d for d in new_dirs if not os.path.lexists(out / d)]
     (stage / "old").mkdir()
     fsync_dir(new)
     fsync_dir(stage)
-    write_atomic(out / JOURNAL, json.dumps({"stage": stage.name, "old": old, "new": names + [RECORD]}))
+    write_atomic(out / JOURNAL, json.dumps({"stage": stage.name, "old": old, "new": moving + [RECORD],
+                                            "created": created}))
     try:
-        for name in old:
-            os.replace(out / name, stage / "old" / name)
-        for name in names + [RECORD]:
-            os.replace(new / name, out / name)
-        fsync_dir(out)
+        for rel in old:
+            _move(out / rel, stage / "old" / rel)
+        for d in old_dirs:  # deepest first: folders the earlier results leave empty go; a user's file keeps its
+            if d not in new_dirs:
+                _remove_empty(out / d)
+        for rel in moving + [RECORD]:
+            _move(new / rel, out / rel)
+        for d in [*new_dirs, *old_dirs, ""]:
+            if (out / d).is_dir():
+                fsync_dir(out / d)
         os.unlink(out / JOURNAL)
         fsync_dir(out)
     except Exception:
         _recover(out)  # failed here, in this process: the earlier results go back now
         raise
+    left = [d for d in old_dirs if d not in new_dirs and (out / d).is_dir()]
+    for d in left:
+        if not any(parent in left for parent in _parents(d)):
+            foreign = sum(1 for p in (out / d).rglob("*") if not p.is_dir())
+            log(f"{out / d}: left in place, it holds {foreign} file(s) isojax did not write")
     shutil.rmtree(stage, ignore_errors=True)
 
 
+def _check_files(out: Path, files: dict, ours: dict) -> None:
+    """A new result file may replace only a file of isojax's record, and its folders must be folders."""
+    for rel in files:
+        for d in _parents(rel):
+            if os.path.lexists(out / d) and (not (out / d).is_dir() or (out / d).is_symlink()):
+                raise UserError(f"{out / d} exists and is not a folder isojax wrote; move it away or choose "
+                                "another --out")
+        if rel not in ours and os.path.lexists(out / rel):
+            raise UserError(f"{out / rel} exists and isojax did not write it (it is not in {out / RECORD}); "
+                            "move it away or choose another --out")
+
+
+def _parents(rel: str) -> list[str]:
+    """The folders of a relative path inside OUT, outermost first ('a/b/c' -> ['a', 'a/b'])."""
+    parts = rel.split("/")[:-1]
+    return ["/".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def _folders(rels) -> list[str]:
+    """Every folder holding one of `rels`, deepest first."""
+    return sorted({d for rel in rels for d in _parents(rel)}, key=lambda d: (-d.count("/"), d))
+
+
+def _move(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(src, dst)
+
+
+def _remove_empty(folder: Path) -> None:
+    try:
+        os.rmdir(folder)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+
+
 def _recover(out: Path) -> None:
-    """Undo a commit left half done (its journal is there): the new names that were moved in go to
-    the stage's trash/, the earlier results come back from its old/. Decided per name from where
-    its files are, so running it again after a kill during it is safe."""
+    """Undo a commit left half done (its journal is there): the new files that were moved in go to
+    the stage's trash/, the earlier results come back from its old/, the folders the commit made are
+    removed again if empty. Decided per file from where it is, so running it again after a kill
+    during it is safe. (Journals of earlier versions name top-level files and folders: the same.)"""
     try:
         journal = json.loads((out / JOURNAL).read_text())
     except FileNotFoundError:
@@ -315,16 +393,19 @@ def _recover(out: Path) -> None:
         raise UserError(f"{out / JOURNAL}: unreadable; delete it by hand") from None
     stage = out / journal["stage"]
     old, trash = stage / "old", stage / "trash"
-    trash.mkdir(parents=True, exist_ok=True)
-    for name in journal["new"]:
-        moved_in = not os.path.lexists(stage / "new" / name)
-        pending = os.path.lexists(old / name) if name in journal["old"] else moved_in
-        if pending and os.path.lexists(out / name):
-            os.replace(out / name, trash / name)
-    for name in journal["old"]:
-        if os.path.lexists(old / name):
-            os.replace(old / name, out / name)
-    fsync_dir(out)
+    for rel in journal["new"]:
+        moved_in = not os.path.lexists(stage / "new" / rel)
+        pending = os.path.lexists(old / rel) if rel in journal["old"] else moved_in
+        if pending and os.path.lexists(out / rel):
+            _move(out / rel, trash / rel)
+    for rel in journal["old"]:
+        if os.path.lexists(old / rel):
+            _move(old / rel, out / rel)
+    for d in sorted(journal.get("created", []), key=lambda d: -d.count("/")):
+        _remove_empty(out / d)
+    for d in [*_folders(journal["old"]), ""]:
+        if (out / d).is_dir():
+            fsync_dir(out / d)
     os.unlink(out / JOURNAL)
     fsync_dir(out)
     shutil.rmtree(stage, ignore_errors=True)
