@@ -200,7 +200,10 @@ def test_out_checked_before_any_work(tmp_path, monkeypatch):
             outdir.check_path(out, [str(data)])
     with pytest.raises(UserError, match="is or holds an input"):  # a file --out (correlate's)
         outdir.check_path(data, [str(data)], folder=False)
-    outdir.check_path(tmp_path / "d" / "out", [str(data)])  # inside an input's folder: fine
+    outdir.check_path(tmp_path / "d" / "out", [str(data)])  # beside an input file: fine
+    for out, folder in ((tmp_path / "d" / "out", True), (tmp_path / "d" / "a" / "b.json", False)):
+        with pytest.raises(UserError, match=r"is inside .*, an input folder of this command"):
+            outdir.check_path(out, [str(tmp_path / "d")], folder=folder)
     monkeypatch.setattr(os, "access", lambda *a, **kw: False)  # as root, chmod cannot make it read-only
     with pytest.raises(UserError, match="is not writable"):
         outdir.check_path(tmp_path / "new")
@@ -278,6 +281,34 @@ def test_commands_refuse_out_paths(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before and (tmp_path / "m.npy").exists()
+    assert _whole(tmp_path / "run") == 1
+
+
+def test_no_out_inside_an_input_folder(tmp_path, capsys):
+    """correlate RUNS --out RUNS/step1/metrics.json --overwrite replaced a measured run's metrics;
+    now every command refuses an --out anywhere inside a folder it reads, before any work."""
+    from isojax.extract import main as extract_main
+    from isojax.report import build, correlate
+    from isojax.weights import command as weights
+    runs = tmp_path / "runs"
+    _write(runs / "step1", 1)
+    scores = tmp_path / "scores.csv"
+    scores.write_text("model,revision,task,score\nm,main,t,0.5\n")
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for main, args in [
+            (correlate.main, [runs, "--scores", scores, "--out", runs / "step1" / "metrics.json", "--overwrite"]),
+            (correlate.main, [runs, "--scores", scores, "--out", runs / "correlation.json"]),
+            (build.main, [runs, "--out", runs / "step1" / "report", "--overwrite"]),
+            (weights.main, ["--model", model, "--out", model / "w", "--overwrite"]),
+            (extract_main, ["--model", model, "--data", scores, "--out", model / "x", "--overwrite"])]:
+        assert main([str(a) for a in args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "an input folder of this command" in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert _whole(runs / "step1") == 1 and sorted(p.name for p in runs.iterdir()) == ["step1"]
+    assert sorted(p.name for p in model.iterdir()) == ["config.json"]
     correlate.write_json(tmp_path / "c.json", [{"pearson": {"r": float("nan"), "p": float("inf")}}], False)
     assert json.loads((tmp_path / "c.json").read_text()) == [{"pearson": {"r": None, "p": None}}]
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

@@ -54,7 +54,7 @@ def build(paths, out, overwrite: bool = False, scores=None, allow_missing: bool 
           include_step0: bool = False, title: str = TITLE) -> pathlib.Path:
     """Write DIR/report.html, DIR/report.md and DIR/figures/ from the results under `paths`."""
     out = pathlib.Path(out)
-    inputs = [*paths, *(scores or [])]  # --out may not be, or hold, the results it reads
+    inputs = [*paths, *(scores or [])]  # --out may not be, hold, or lie inside the results it reads
     outdir.check_path(out, inputs)
     res = collect.load(paths)
     entries, sources = _correlations(res, scores, allow_missing, include_step0)

@@ -397,7 +397,7 @@ def _split(values) -> list[str]:
 
 
 def run(args) -> None:
-    # before any work: --out a file name, writable, none of the inputs
+    # before any work: --out a file name, writable, none of the inputs nor inside an input folder
     outdir.check_path(pathlib.Path(args.out), [*args.results, *args.scores], folder=False)
     results = collect.load(args.results)
     if not results.runs:
