@@ -327,3 +327,107 @@ def test_constant_series_is_null(tmp_path):
 def test_help_speaks_to_users():
     text = correlate.build_parser().format_help()
     assert "DESIGN.md" not in text and "p_method" in text and "permutation" in text
+
+
+def test_only_finite_points_count(world, capsys):
+    """NaN and infinite scores leave their pairs out: n counts the finite pairs and the statistics
+    are scipy.stats' (p: the exact permutation p) on them; below 3 finite pairs every coefficient
+    and p is null together; each such series gets one log line naming it."""
+    root, truth = world
+    lines = (root / "scores.csv").read_text().splitlines()
+    bad = {("pythia-70m", "step3000"): "nan", ("pythia-70m", "step13000"): "inf",
+           ("pythia-410m", "step1000"): "nan", ("pythia-410m", "step3000"): "-inf", ("pythia-410m", "step13000"): "nan"}
+    for (model, rev), text in bad.items():
+        lines = [f"EleutherAI/{model},{rev},sciq/acc,{text}" if line.startswith(f"EleutherAI/{model},{rev},sciq/acc,")
+                 else line for line in lines]
+    (root / "scores.csv").write_text("\n".join(lines) + "\n")
+    out = root / "c.json"
+    assert correlate.main([str(root / "x"), "--scores", str(root / "scores.csv"), "--metric", "inter_sim",
+                           "--layer", "final_ln", "--task", "sciq/acc", "--out", str(out)]) == 0
+    entries = {e["group"]: e for e in json.loads(out.read_text())}
+    small, large = entries["EleutherAI/pythia-70m"], entries["EleutherAI/pythia-410m"]
+    revs = ["step1000", "step71000", "step143000"]
+    assert small["n"] == 3 and [p["revision"] for p in small["points"]] == revs
+    x = [truth["layers"]["pythia-70m", r][-1]["inter_sim"] for r in revs]
+    y = [truth["scores"]["pythia-70m", r, "sciq/acc"] for r in revs]
+    for key, coef, ref in (("pearson", "r", sps.pearsonr), ("spearman", "rho", sps.spearmanr),
+                           ("kendall", "tau", sps.kendalltau)):
+        assert small[key][coef] == pytest.approx(ref(x, y).statistic, abs=1e-12), key
+        assert small[key]["p"] == pytest.approx(_exact_p(lambda a, b: ref(a, b).statistic, np.array(x), np.array(y)),
+                                                abs=1e-12), key
+    assert large["n"] == 2 and large["p_method"] is None
+    assert large["pearson"] == {"r": None, "p": None} and large["spearman"] == {"rho": None, "p": None}
+    assert large["kendall"] == {"tau": None, "p": None}
+    err = [line for line in capsys.readouterr().err.splitlines() if "left out" in line]
+    assert err == [
+        "isojax: sciq/acc ~ inter_sim at final_ln (EleutherAI/pythia-70m): 2 of 5 points left out, their score or "
+        "metric is NaN or infinite",
+        "isojax: sciq/acc ~ inter_sim at final_ln (EleutherAI/pythia-410m): 3 of 5 points left out, their score or "
+        "metric is NaN or infinite; fewer than 3 finite points, so every coefficient and p is null"]
+    nan = float("nan")
+    assert correlate.statistics([1, 2, 3, 4], [0.1, nan, 0.3, float("inf")])["pearson"] == {"r": None, "p": None}
+    got = correlate.statistics([1, 2, 3, 4, 5], [0.1, nan, 0.3, 0.2, 0.5])
+    assert got["spearman"]["rho"] == pytest.approx(sps.spearmanr([1, 3, 4, 5], [0.1, 0.3, 0.2, 0.5]).statistic)
+
+
+def test_report_shows_no_p_without_its_coefficient():
+    """An earlier version's correlation.json (NaN scores: r null, p 0.0, n counting the NaN points)
+    is shown with neither, and n the finite points."""
+    from isojax.report import correlation
+    entry = {"metric": "inter_sim", "layer": "final_ln", "task": "sciq/acc", "by": "checkpoint", "group": "m", "n": 4,
+             "pearson": {"r": None, "p": 0.0}, "spearman": {"rho": None, "p": 0.0}, "kendall": {"tau": 0.5, "p": 0.3},
+             "points": [{"value": 0.1, "score": v} for v in (0.2, None, 0.4, 0.5)]}
+    sec = correlation.section([entry], ["c.json"])
+    full, pivot = sec.items[-1].table, sec.items[0].table
+    assert full.rows == [["checkpoint", "m", "sciq/acc", "inter_sim", "final_ln", 3, "–", "–", "–", "–", "0.500", "0.3"]]
+    assert pivot.rows == [["sciq/acc", "–", "–", "0.500"]]
+
+
+def test_smallest_p_of_each_statistic():
+    """The help and README state the smallest exact p: 1/n! for Pearson (one ordering can be the only
+    one that far from 0), 2/n! for Spearman and Kendall (the reversed ranks reach the same value)."""
+    import math
+    import pathlib
+    claim = "the smallest possible p\nis 1/n! for Pearson and 2/n! for Spearman and Kendall"
+    assert claim in correlate.build_parser().format_help()
+    readme = " ".join(pathlib.Path(correlate.__file__).parents[2].joinpath("README.md").read_text().split())
+    assert " ".join(claim.split()) + " (the reversed ranks reach the same |statistic|): at n = 3, 1/6 and 1/3" in readme
+    rng = np.random.default_rng()
+    for n in (3, 4, 5):
+        least = {"pearson": 1.0, "spearman": 1.0, "kendall": 1.0}
+        for x, y in [(np.exp(np.arange(n)), np.exp(np.arange(n)))] + [
+                (rng.normal(size=n), rng.normal(size=n)) for _ in range(200)]:
+            for key, p in correlate.permutation_p(x, y).items():
+                least[key] = min(least[key], p)
+        assert least["pearson"] == pytest.approx(1 / math.factorial(n))
+        assert least["spearman"] == pytest.approx(2 / math.factorial(n)) == least["kendall"]
+
+
+def test_lm_eval_of_a_local_checkpoint(tmp_path):
+    """lm-eval names a local checkpoint by its path (pretrained=/ckpts/tiny/step1000, revision main):
+    its scores meet the run `tiny @ step1000` that weights and extract name it."""
+    from isojax.run.names import checkpoint_name
+    rng = np.random.default_rng()
+    repo, scores, truth = tmp_path / "ckpts" / "tiny", tmp_path / "lm-eval-out", {}
+    revs = ["step1000", "step2000", "step3000", "step4000"]
+    for i, rev in enumerate(revs):
+        (repo / rev).mkdir(parents=True)
+        (repo / rev / "config.json").write_text("{}")
+        model, revision = checkpoint_name(str(repo), rev)  # as `weights --model DIR --revisions ...` names it
+        assert (model, revision) == ("tiny", rev)
+        truth[rev] = write_weights(tmp_path / "w" / rev, rng, model, revision)["embed_out"]["isotropy"]
+        folder = scores / str(repo / rev).strip("/").replace("/", "__")
+        folder.mkdir(parents=True)
+        (folder / "results_2026-11-26T10-00-00.json").write_text(json.dumps(
+            lm_eval_results(f"pretrained={repo / rev},dtype=float16", 0.5 + 0.1 * i)))
+    out = tmp_path / "c.json"
+    assert correlate.main([str(tmp_path / "w"), "--scores", str(scores), "--metric", "embed_out.isotropy",
+                           "--task", "sciq/acc", "--out", str(out)]) == 0
+    [entry] = json.loads(out.read_text())
+    assert entry["group"] == "tiny" and [p["revision"] for p in entry["points"]] == revs
+    _check(entry, [truth[r] for r in revs], [0.5 + 0.1 * i for i in range(4)])
+    # the same from a CSV that names the checkpoint by its path
+    (tmp_path / "s.csv").write_text("model,revision,task,score\n" + "".join(
+        f"{repo / r},,t,{i}\n" for i, r in enumerate(revs)))
+    assert {(s.model, s.revision) for s in correlate.load_scores([tmp_path / "s.csv"])} == {
+        ("tiny", r) for r in revs}

@@ -19,11 +19,14 @@ columns model,revision,task,score (revision empty = main). Results and scores me
 unless `--allow-missing`.
 
 Output: a list of entries {metric, layer, layer_name, task, by, group, n, pearson: {r, p},
-spearman: {rho, p}, kendall: {tau, p} (tau-b), p_method, points: [...]}, null where undefined
-(e.g. a constant series). p is two-sided. For n <= 8, p_method is "permutation": the exact
-p, the share of all n! orderings of the scores whose statistic is at least as far from 0 (at
-n = 3 no p is below 1/3). Above, "scipy": scipy.stats' values, asymptotic for Pearson and
-Spearman (rough below n ~ 10; Kendall's is exact without ties up to n = 33).
+spearman: {rho, p}, kendall: {tau, p} (tau-b), p_method, points: [...]}. Only points whose
+metric and score are both finite count (n; the log names a series that lost any); a coefficient
+and its p are null together where undefined (fewer than 3 finite points, a constant series).
+p is two-sided. For n <= 8, p_method is "permutation": the exact p, the share of all n!
+orderings of the scores whose statistic is at least as far from 0, so the smallest possible p
+is 1/n! for Pearson and 2/n! for Spearman and Kendall (the reversed ranks reach the same
+|statistic|): at n = 3, 1/6 and 1/3. Above, "scipy": scipy.stats' values, asymptotic for
+Pearson and Spearman (rough below n ~ 10; Kendall's is exact without ties up to n = 33).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from isojax.run import outdir
 from isojax.errors import UserError, run_command
 from isojax.report import collect
 from isojax.report.collect import Results, Run, model_key
+from isojax.run.names import checkpoint_name
 
 CSV_COLUMNS = ("model", "revision", "task", "score")
 DEFAULT_LAYERS = ("block_L", "final_ln")
@@ -83,6 +87,15 @@ def _model_args(args) -> dict:
     return out
 
 
+def _checkpoint(model, revision) -> tuple[str, str]:
+    """(model, revision) of a score as every command names the checkpoint (isojax.run.names), so a
+    local checkpoint's path (lm-eval's pretrained=/ckpts/tiny/step1000, where lm-eval says revision
+    main) meets the run `tiny @ step1000`, and a hub id or preset its run as before."""
+    revision = str(revision or "").strip()
+    name, revision = checkpoint_name(str(model).strip(), None if revision in ("", "main") else revision)
+    return name, collect.revision_name(revision)
+
+
 def parse_lm_eval(doc, source: str) -> list[Score]:
     """Scores of one lm-evaluation-harness results document (one model, one revision)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
@@ -92,7 +105,7 @@ def parse_lm_eval(doc, source: str) -> list[Score]:
     model = args.get("pretrained") or args.get("model") or args.get("path") or doc.get("model_name")
     if not model:
         raise UserError(f"{source}: no model name (config.model_args pretrained=..., or model_name)")
-    revision = collect.revision_name(args.get("revision") or config.get("model_revision"))
+    model, revision = _checkpoint(model, args.get("revision") or config.get("model_revision"))
     shots = doc.get("n-shot") if isinstance(doc.get("n-shot"), dict) else {}
     scores = {}
     for block in ("results", "groups"):
@@ -107,7 +120,7 @@ def parse_lm_eval(doc, source: str) -> list[Score]:
                 label = f"{task}/{name}" + (f"[{filt}]" if filt and filt != "none" else "")
                 if shots.get(task):
                     label += f"@{shots[task]}shot"
-                scores[label] = Score(str(model), revision, label, float(value), source)
+                scores[label] = Score(model, revision, label, float(value), source)
     return list(scores.values())
 
 
@@ -129,8 +142,7 @@ def parse_csv(path: pathlib.Path) -> list[Score]:
                     raise UserError(f"{where}: score {row['score']!r} is not a number") from None
                 if not (row["model"] or "").strip() or not (row["task"] or "").strip():
                     raise UserError(f"{where}: empty model or task")
-                out.append(Score(row["model"].strip(), collect.revision_name((row["revision"] or "").strip()),
-                                 row["task"].strip(), value, where))
+                out.append(Score(*_checkpoint(row["model"], row["revision"]), row["task"].strip(), value, where))
             return out
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise UserError(f"{path}: unreadable CSV ({e})") from None
@@ -268,8 +280,15 @@ def permutation_p(x, y) -> dict[str, float | None]:
 def statistics(x, y) -> dict:
     """Pearson r, Spearman rho, Kendall tau-b (scipy.stats), each with its two-sided p-value:
     exact (permutation_p, all n! orderings) for n <= EXACT_MAX_N, else scipy's, whose Pearson and
-    Spearman values are asymptotic (rough below n ~ 10); `p_method` says which."""
+    Spearman values are asymptotic (rough below n ~ 10); `p_method` says which. Only finite
+    pairs count: below _MIN_POINTS of them, or where a statistic is undefined (a constant
+    series), its coefficient and p are null together."""
     from scipy import stats
+    pairs = [(float(a), float(b)) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < _MIN_POINTS:
+        return {"pearson": {"r": None, "p": None}, "spearman": {"rho": None, "p": None},
+                "kendall": {"tau": None, "p": None}, "p_method": None}
+    x, y = (np.array(v) for v in zip(*pairs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a constant series gives NaN (null), which says enough
         pr, sr, kt = stats.pearsonr(x, y), stats.spearmanr(x, y), stats.kendalltau(x, y)
@@ -277,10 +296,11 @@ def statistics(x, y) -> dict:
     exact = len(x) <= EXACT_MAX_N
     if exact:
         p = {k: math.nan if v is None else v for k, v in permutation_p(x, y).items()}
-    return {"pearson": {"r": _num(pr.statistic), "p": _num(p["pearson"])},
-            "spearman": {"rho": _num(sr.statistic), "p": _num(p["spearman"])},
-            "kendall": {"tau": _num(kt.statistic), "p": _num(p["kendall"])},
-            "p_method": "permutation" if exact else "scipy"}
+    out = {"p_method": "permutation" if exact else "scipy"}
+    for name, coef, stat in (("pearson", "r", pr), ("spearman", "rho", sr), ("kendall", "tau", kt)):
+        c, pv = _num(stat.statistic), _num(p[name])
+        out[name] = {coef: c, "p": pv} if c is not None and pv is not None else {coef: None, "p": None}
+    return out
 
 
 def _task_selected(task: str, wanted) -> bool:
@@ -333,7 +353,8 @@ def _groups(runs: list[Run], by: str) -> list[tuple[str, list[Run]]]:
 
 def correlate(results: Results, scores: list[Score], wanted_specs: list[Spec], tasks=(), by: str = "checkpoint",
               allow_missing: bool = False, include_step0: bool = False) -> list[dict]:
-    """correlation.json entries: one per (spec, group, task) with at least 3 points."""
+    """correlation.json entries: one per (spec, group, task) with at least 3 scored points; n and
+    the statistics count the finite ones."""
     if by not in ("checkpoint", "model"):
         raise UserError(f"--by must be checkpoint or model, not {by!r}")
     kinds = {"weights" if s.layer is None else "extract" for s in wanted_specs}
@@ -345,12 +366,18 @@ def correlate(results: Results, scores: list[Score], wanted_specs: list[Spec], t
         kind = "weights" if spec.layer is None else "extract"
         for group, members in _groups([r for r in runs if r.kind == kind], by):
             for task in sorted(set().union(*(table.get(r.key, {}) for r in members))):
-                points = [(r, value(r, spec), table[r.key][task].value)
+                scored = [(r, value(r, spec), table[r.key][task].value)
                           for r in members if task in table.get(r.key, {})]
-                points = [p for p in points if math.isfinite(p[1])]  # e.g. intra_sim of --no-token-stats runs
-                if len(points) < _MIN_POINTS:
+                if len(scored) < _MIN_POINTS:
                     short += 1
                     continue
+                # only finite pairs count (a NaN score; intra_sim of --no-token-stats runs)
+                points = [p for p in scored if math.isfinite(p[1]) and math.isfinite(p[2])]
+                if len(points) < len(scored):
+                    what = spec.metric + (f" at {spec.layer}" if spec.layer else "")
+                    log(f"{task} ~ {what} ({group}): {len(scored) - len(points)} of {len(scored)} points left out, "
+                        "their score or metric is NaN or infinite" + ("" if len(points) >= _MIN_POINTS else
+                        f"; fewer than {_MIN_POINTS} finite points, so every coefficient and p is null"))
                 names = {collect.resolve_layer(collect.layer_names(r), spec.layer)
                          for r, _, _ in points} if spec.layer else set()
                 entries.append({"metric": spec.metric, "layer": spec.layer,

@@ -15,6 +15,22 @@ def _f(x, spec=".3f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _stat(e: dict, name: str) -> tuple:
+    """(coefficient, p) of one statistic of an entry, both null where either is: correlation.json
+    files of earlier versions gave p = 0 beside a null coefficient when a score was NaN."""
+    block = e.get(name) or {}
+    c, p = block.get({"pearson": "r", "spearman": "rho", "kendall": "tau"}[name]), block.get("p")
+    return (c, p) if c is not None and p is not None else (None, None)
+
+
+def _n(e: dict):
+    """The finite points of an entry (earlier versions' n counted NaN scores too, written as null)."""
+    points = e.get("points")
+    if not isinstance(points, list):
+        return e.get("n")
+    return sum(1 for pt in points if pt.get("value") is not None and pt.get("score") is not None)
+
+
 def _pivot(entries: list[dict]) -> Table:
     """Rows: tasks; columns: per group Pearson, Spearman, Kendall (the layout of Table 1)."""
     groups = list(dict.fromkeys(e["group"] for e in entries))
@@ -25,8 +41,7 @@ def _pivot(entries: list[dict]) -> Table:
         row = [task]
         for g in groups:
             e = cells.get((g, task))
-            row += ["", "", ""] if e is None else [_f(e["pearson"]["r"]), _f(e["spearman"]["rho"]),
-                                                   _f(e["kendall"]["tau"])]
+            row += ["", "", ""] if e is None else [_f(_stat(e, s)[0]) for s in ("pearson", "spearman", "kendall")]
         rows.append(row)
     columns = ["task"] + [f"{g} {s}" for g in groups for s in ("r", "ρ", "τ")]
     return Table(columns, rows)
@@ -34,8 +49,8 @@ def _pivot(entries: list[dict]) -> Table:
 
 def _full(entries: list[dict]) -> Table:
     rows = [[e.get("by"), e.get("group"), e.get("task"), e["metric"], e.get("layer_name") or e.get("layer") or "",
-             e.get("n"), _f(e["pearson"]["r"]), _f(e["pearson"]["p"], ".2g"), _f(e["spearman"]["rho"]),
-             _f(e["spearman"]["p"], ".2g"), _f(e["kendall"]["tau"]), _f(e["kendall"]["p"], ".2g")]
+             _n(e), *(text for s in ("pearson", "spearman", "kendall")
+                           for text in (_f(_stat(e, s)[0]), _f(_stat(e, s)[1], ".2g")))]
             for e in entries]
     return Table(["by", "group", "task", "metric", "layer", "n", "pearson r", "p", "spearman ρ", "p", "kendall τ",
                   "p"], rows)
