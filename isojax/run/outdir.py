@@ -3,23 +3,18 @@ made before any work. The one place for these rules; extract, sweeps, weights, r
 correlate all use it.
 
 Ownership. OUT/.isojax-results.json (the record) names every file isojax wrote in OUT (its path
-relative to OUT, folders' files included: plots/similarity.png) with its size and sha256. isojax
-replaces or removes only the files the record names; any other file in OUT is the user's and is
-never touched, with or without --overwrite, also inside a folder isojax wrote (OUT/plots/mine.png):
-such a folder stays, and a log line says so; isojax removes a folder only once it is empty. A
-result file of the same path as a user's file is an error instead. The record's "names" (the
-top-level names of its files) are kept for earlier versions of isojax, which read them.
-
-Records of earlier versions (version 1) name top-level entries, folders included, in "names", and
-every file under them in "files", as now: they are read by their "files" alone, so a folder such a
-record names is owned file by file (a file the user put into it later stays), and a recorded
-name without a recorded file (an empty folder) is not owned.
+in OUT: plots/similarity.png) with its size and sha256, and, for earlier versions of isojax,
+their top-level names. isojax replaces or removes only the files the record names; any other file
+is the user's and stays, with or without --overwrite, also inside a folder isojax wrote
+(OUT/plots/mine.png): that folder stays (a log line says so); emptied folders go. A result path
+taken by a user's file is an error. Records of earlier versions (version 1) named folders in
+"names" but every file under them in "files", as now: read by "files" alone, the same way.
 
 Commit. A run writes its results into OUT/.partial-PID-RANDOM/new/ (the record too, computed
 there), fsyncs them, then:
   1. writes the journal OUT/.isojax-commit.json (stage, old files, new files, folders it creates)
-  2. moves the earlier results (the files of the earlier record, and the record) to the stage's
-     old/, and removes the folders that leaves empty
+  2. moves the earlier results (the earlier record's files, and it) to the stage's old/, and
+     removes the folders that leaves empty
   3. moves the new results in, file by file, the record last
   4. removes the journal.
 Each step is a rename (or an rmdir of an empty folder). Readers refuse a folder while its journal
@@ -110,10 +105,8 @@ def check_results(folder: Path, reads=()) -> None:
 
 def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
     """--out can be written (not a file where a folder is wanted, its nearest existing folder
-    writable) and is not an input of the same command (paths that exist), does not contain one,
-    and is not anywhere inside an input that is a folder (RUNS/step1/metrics.json as correlate's
-    --out, RUNS/report as the report's, would write among the results it reads). Beside an input
-    file is fine (d/out for --data d/corpus.txt)."""
+    writable), is no input of the same command (paths that exist), holds none, and lies inside no
+    input folder (correlate's RUNS/step1/metrics.json, report's RUNS/report); beside a file is fine."""
     out = Path(out).expanduser()
     if folder and out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
@@ -309,11 +302,9 @@ def _commit(out: Path, stage: Path, replace_all: bool) -> None:
                                           "files": files}, indent=1))
     _checksums(new, [RECORD])
     moving = sorted(set(files) - set(keep))
-    old = [rel for rel in sorted(ours) if rel not in keep and os.path.lexists(out / rel)]
-    old += [RECORD] if os.path.lexists(out / RECORD) else []
+    old = [rel for rel in [*sorted(ours), RECORD] if rel not in keep and os.path.lexists(out / rel)]
     old_dirs, new_dirs = _folders(old), _folders(moving)
     created = [d for d in new_dirs if not os.path.lexists(out / d)]
-    (stage / "old").mkdir()
     fsync_dir(new)
     fsync_dir(stage)
     write_atomic(out / JOURNAL, json.dumps({"stage": stage.name, "old": old, "new": moving + [RECORD],
@@ -326,19 +317,16 @@ def _commit(out: Path, stage: Path, replace_all: bool) -> None:
                 _remove_empty(out / d)
         for rel in moving + [RECORD]:
             _move(new / rel, out / rel)
-        for d in [*new_dirs, *old_dirs, ""]:
-            if (out / d).is_dir():
-                fsync_dir(out / d)
+        _fsync_dirs(out, [*new_dirs, *old_dirs])
         os.unlink(out / JOURNAL)
         fsync_dir(out)
     except Exception:
         _recover(out)  # failed here, in this process: the earlier results go back now
         raise
     left = [d for d in old_dirs if d not in new_dirs and (out / d).is_dir()]
-    for d in left:
-        if not any(parent in left for parent in _parents(d)):
-            foreign = sum(1 for p in (out / d).rglob("*") if not p.is_dir())
-            log(f"{out / d}: left in place, it holds {foreign} file(s) isojax did not write")
+    for d in [d for d in left if not set(_parents(d)) & set(left)]:  # the outermost ones
+        log(f"{out / d}: left in place, it holds {sum(not p.is_dir() for p in (out / d).rglob('*'))} file(s) "
+            "isojax did not write")
     shutil.rmtree(stage, ignore_errors=True)
 
 
@@ -355,14 +343,19 @@ def _check_files(out: Path, files: dict, ours: dict) -> None:
 
 
 def _parents(rel: str) -> list[str]:
-    """The folders of a relative path inside OUT, outermost first ('a/b/c' -> ['a', 'a/b'])."""
-    parts = rel.split("/")[:-1]
-    return ["/".join(parts[:i + 1]) for i in range(len(parts))]
+    """The folders of a path in OUT, outermost first ('a/b/c' -> ['a', 'a/b'])."""
+    return [rel.rsplit("/", k)[0] for k in range(rel.count("/"), 0, -1)]
 
 
 def _folders(rels) -> list[str]:
     """Every folder holding one of `rels`, deepest first."""
     return sorted({d for rel in rels for d in _parents(rel)}, key=lambda d: (-d.count("/"), d))
+
+
+def _fsync_dirs(out: Path, folders) -> None:
+    for d in [*folders, ""]:  # the renames in them are durable before the journal goes
+        if (out / d).is_dir():
+            fsync_dir(out / d)
 
 
 def _move(src: Path, dst: Path) -> None:
@@ -373,18 +366,16 @@ def _move(src: Path, dst: Path) -> None:
 def _remove_empty(folder: Path) -> None:
     try:
         os.rmdir(folder)
-    except FileNotFoundError:
-        pass
     except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
             raise
 
 
 def _recover(out: Path) -> None:
-    """Undo a commit left half done (its journal is there): the new files that were moved in go to
-    the stage's trash/, the earlier results come back from its old/, the folders the commit made are
-    removed again if empty. Decided per file from where it is, so running it again after a kill
-    during it is safe. (Journals of earlier versions name top-level files and folders: the same.)"""
+    """Undo a commit left half done (its journal is there): the new files moved in go to the stage's
+    trash/, the earlier ones come back from its old/, the folders the commit made go if empty.
+    Decided per file from where it is, so running it again after a kill during it is safe.
+    (Journals of earlier versions name top-level files and folders: undone the same way.)"""
     try:
         journal = json.loads((out / JOURNAL).read_text())
     except FileNotFoundError:
@@ -392,20 +383,18 @@ def _recover(out: Path) -> None:
     except ValueError:  # written by one rename, so never half; a foreign file: leave it to the user
         raise UserError(f"{out / JOURNAL}: unreadable; delete it by hand") from None
     stage = out / journal["stage"]
-    old, trash = stage / "old", stage / "trash"
+    old, trash, earlier = stage / "old", stage / "trash", set(journal["old"])
     for rel in journal["new"]:
         moved_in = not os.path.lexists(stage / "new" / rel)
-        pending = os.path.lexists(old / rel) if rel in journal["old"] else moved_in
+        pending = os.path.lexists(old / rel) if rel in earlier else moved_in
         if pending and os.path.lexists(out / rel):
             _move(out / rel, trash / rel)
     for rel in journal["old"]:
         if os.path.lexists(old / rel):
             _move(old / rel, out / rel)
-    for d in sorted(journal.get("created", []), key=lambda d: -d.count("/")):
+    for d in journal.get("created", []):  # deepest first
         _remove_empty(out / d)
-    for d in [*_folders(journal["old"]), ""]:
-        if (out / d).is_dir():
-            fsync_dir(out / d)
+    _fsync_dirs(out, _folders(journal["old"]))
     os.unlink(out / JOURNAL)
     fsync_dir(out)
     shutil.rmtree(stage, ignore_errors=True)
