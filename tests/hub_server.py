@@ -5,6 +5,7 @@
     hub.add_model("org/tiny", {"main": dir_a, "step0": dir_b})   # one folder per branch
     hub.add_dataset("org/pile", {"main": data_dir})
     hub.fail("resolve/.*model.safetensors", status=503, times=2)  # faults, per test
+    hub.start_cdn()  # LFS files are redirected to a second server, as the Hub's are to its CDN
     os.environ["HF_ENDPOINT"] = hub.url
     ...
     hub.requests  # [(method, path, answered, status, arrived)] in the order answered (times: time.time())
@@ -18,6 +19,13 @@ Served (repo ids are `namespace/name`; revisions are branch names or the branch'
 - HEAD/GET /{repo}/resolve/{rev}/{path}, /datasets/{repo}/resolve/{rev}/{path}: the file, with
   X-Repo-Commit, ETag (git blob sha1 of a small file; sha256 of an "LFS" file, also as
   X-Linked-Etag / X-Linked-Size), Content-Length, Accept-Ranges and `Range: bytes=a-b` (206).
+  With `start_cdn()`, an LFS file's HEAD and GET answer 302 (with the same X-Linked-* headers)
+  to GET /lfs/{sha256} on a second server on 127.0.0.1 (another port: another origin, so the client
+  neither follows the HEAD's redirect nor sends its token there), which serves the bytes with
+  Content-Disposition naming the file; its requests go to `requests` too, and faults match its paths.
+Faults: a status, a delay, a connection cut after some bytes, or flipped bytes (`corrupt`: one byte
+of the body changed, the length kept); `Fault.hits` counts the requests a fault met (a stalled one
+included, which `requests` lists only once answered).
 Errors carry X-Error-Code as the Hub's do: RepoNotFound (401: the Hub does not say whether a repo
 it hides exists), RevisionNotFound and EntryNotFound (404), GatedRepo (401 without a token, 403
 with one not granted). Xet is never advertised, so the client downloads over plain HTTP.
@@ -75,6 +83,7 @@ class Fault:
     status: int | None = None  # answer this status instead
     drop_after: int | None = None  # send this many bytes of the body, then close the connection
     delay: float = 0.0  # wait this long before answering
+    corrupt: bool = False  # send the body with its middle byte flipped (GET only)
     methods: tuple = ("GET", "HEAD", "POST")
     hits: int = 0
 
@@ -85,8 +94,10 @@ class LoopbackHub:
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str, float, int, float]] = []
         self._hashes: dict[Path, tuple[str, str]] = {}
+        self._lfs: dict[str, Path] = {}  # sha256 -> file, for the CDN
         self._lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
+        self.cdn: ThreadingHTTPServer | None = None
 
     # --- repositories ---------------------------------------------------------------------
     def _add(self, kind: str, repo_id: str, branches: dict, gated: bool, tokens) -> Repo:
@@ -108,10 +119,11 @@ class LoopbackHub:
 
     # --- faults and records ---------------------------------------------------------------
     def fail(self, pattern: str, *, status: int | None = None, times: int = 1, drop_after: int | None = None,
-             delay: float = 0.0, methods=("GET", "HEAD", "POST")) -> Fault:
+             delay: float = 0.0, corrupt: bool = False, methods=("GET", "HEAD", "POST")) -> Fault:
         """The next `times` requests whose path matches `pattern` (re.search; -1: all of them)
-        answer `status`, or are cut after `drop_after` bytes of the body, or wait `delay` s."""
-        f = Fault(re.compile(pattern), times, status, drop_after, delay, tuple(methods))
+        answer `status`, or are cut after `drop_after` bytes of the body, or get it with a byte
+        flipped (`corrupt`), or wait `delay` s."""
+        f = Fault(re.compile(pattern), times, status, drop_after, delay, corrupt, tuple(methods))
         self.faults.append(f)
         return f
 
@@ -119,7 +131,7 @@ class LoopbackHub:
         with self._lock:
             for f in self.faults:
                 if f.times != 0 and method in f.methods and f.pattern.search(path):
-                    if f.drop_after is not None and method != "GET":
+                    if (f.drop_after is not None or f.corrupt) and method != "GET":
                         continue
                     f.times -= 1 if f.times > 0 else 0
                     f.hits += 1
@@ -144,21 +156,40 @@ class LoopbackHub:
         class Handler(_Handler):
             pass
         Handler.hub = hub
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, name="loopback-hub", daemon=True).start()
+        self.server = self._serve(Handler, "loopback-hub")
         return self
+
+    def start_cdn(self) -> LoopbackHub:
+        """From now on LFS files are redirected to a second server (`cdn_url`), as the Hub's are."""
+        class Handler(_Handler):
+            pass
+        Handler.hub, Handler.is_cdn = self, True
+        self.cdn = self._serve(Handler, "loopback-cdn")
+        return self
+
+    @staticmethod
+    def _serve(handler, name: str) -> ThreadingHTTPServer:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
+        return server
 
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def cdn_url(self) -> str:
+        host, port = self.cdn.server_address[:2]
+        return f"http://{host}:{port}"
+
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-            self.server = None
+        for server in (self.server, self.cdn):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        self.server = self.cdn = None
 
     def hashes(self, path: Path) -> tuple[str, str]:
         """(git blob sha1, sha256) of a file."""
@@ -179,6 +210,7 @@ class LoopbackHub:
 
 class _Handler(BaseHTTPRequestHandler):
     hub: LoopbackHub
+    is_cdn = False
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args):  # quiet
@@ -237,14 +269,21 @@ class _Handler(BaseHTTPRequestHandler):
         parsed = urllib.parse.urlsplit(self.path)
         path, query = parsed.path, urllib.parse.parse_qs(parsed.query)
         fault = hub._fault(self.command, path)
-        self._drop = None
+        self._drop, self._corrupt = None, False
         if fault is not None:
             if fault.delay:
                 time.sleep(fault.delay)
             if fault.status is not None:
                 return self._error(fault.status, None, f"injected {fault.status}")
-            self._drop = fault.drop_after
+            self._drop, self._corrupt = fault.drop_after, fault.corrupt
         try:
+            if self.is_cdn:
+                m = re.fullmatch(r"/lfs/([0-9a-f]{64})", path)
+                local = hub._lfs.get(m[1]) if m else None
+                if local is None:
+                    return self._error(404, None, f"loopback CDN: no blob at {path}")
+                return self._file(local, {"ETag": f'"{m[1]}"', "Content-Disposition":
+                                          f'attachment; filename="{local.name}"'})
             m = re.fullmatch(r"/api/(models|datasets)/([^/]+/[^/]+)(?:/(revision|refs|tree|paths-info)(?:/([^/]+))?(/.*)?)?", path)
             if m:
                 kind = m[1][:-1]
@@ -347,15 +386,25 @@ class _Handler(BaseHTTPRequestHandler):
         local = branch.files.get(filename)
         if local is None:
             return self._error(404, "EntryNotFound", f"{filename} does not exist on \"{rev}\"")
-        data = local.read_bytes()
         git, sha256 = self.hub.hashes(local)
-        headers = {"X-Repo-Commit": branch.commit, "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream",
-                   "Last-Modified": email.utils.formatdate(0, usegmt=True)}
+        headers = {"X-Repo-Commit": branch.commit}
         if filename.endswith(LFS_SUFFIXES):
-            headers.update({"ETag": f'"{sha256}"', "X-Linked-Etag": f'"{sha256}"', "X-Linked-Size": str(len(data))})
+            headers.update({"ETag": f'"{sha256}"', "X-Linked-Etag": f'"{sha256}"',
+                            "X-Linked-Size": str(local.stat().st_size)})
+            if self.hub.cdn is not None:
+                self.hub._lfs[sha256] = local
+                return self._send(302, b"", dict(headers, Location=f"{self.hub.cdn_url}/lfs/{sha256}"))
         else:
             headers["ETag"] = f'"{git}"'
+        self._file(local, headers)
+
+    def _file(self, local: Path, headers: dict):
+        """A file's bytes, whole or the `Range` asked."""
+        data = local.read_bytes()
+        if self._corrupt:
+            data = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
+        headers = dict(headers, **{"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream",
+                                   "Last-Modified": email.utils.formatdate(0, usegmt=True)})
         status, body = 200, data
         rng = self.headers.get("Range")
         if rng:

@@ -5,6 +5,9 @@ or a hub id (`EleutherAI/pythia-70m`) into a local directory, downloading throug
 Hugging Face cache when needed. `CheckpointReader` reads single tensors from
 `model.safetensors`, sharded safetensors (`*.index.json`), or `pytorch_model.bin`.
 
+A hub download is checked against the hashes the hub lists (sha256 of LFS files, git blob ids)
+before it is used (`isojax.hf.verify`): a damaged file is removed from the cache and is an error.
+
 Safetensors files are opened with the `safetensors` package (`safe_open`, framework numpy):
 it checks the header against the file size when the file is opened, so a truncated download
 fails with a clear message, and reads one tensor at a time (`read`) or a block of rows
@@ -96,10 +99,21 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None, *,
         if repo_id == name_or_path:  # it could also have been meant as a local path
             err = UserError(f"{err} (and there is no local directory {name_or_path})")
         raise err from exc
+    local = pathlib.Path(local)
+    _verify(local, allow_patterns, f"{repo_id}@{revision or 'main'}")
     if not online and (repo_id, revision) not in _ANNOUNCED:
         _ANNOUNCED.add((repo_id, revision))
         log(f"{why_unreachable()}: {repo_id}@{revision or 'main'} read offline from the Hugging Face cache")
-    return pathlib.Path(local)
+    return local
+
+
+def _verify(snapshot: pathlib.Path, allow_patterns, label: str) -> None:
+    """The snapshot's files that the patterns take, checked against the hub's hashes (isojax.hf.verify)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from isojax.hf.verify import verify_snapshot
+    names = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
+    verify_snapshot(snapshot, filter_repo_objects(names, allow_patterns=allow_patterns), label)
 
 
 _ANNOUNCED: set = set()
