@@ -5,6 +5,7 @@ Notebook API:
     states = model.hidden_states(token_ids)          # [L+2, T, D]: embed, block_1..block_L, final_ln
     results = isojax.measure("pythia-70m", ["corpus.jsonl"], max_tokens=10**6)
     results.layers, results.intra_sim_SxV, results.save("out/70m"), results.plot("plots/")
+    df = isojax.load("out/70m")                      # a run's or a sweep's layers as a pandas DataFrame
 """
 
 import os
@@ -20,7 +21,7 @@ import importlib
 _WHERE = {"Results": "isojax.run.measure", "measure": "isojax.run.measure", "ModelConfig": "isojax.model.config",
           "preset": "isojax.model.config", "preset_names": "isojax.model.config", "UserError": "isojax.errors",
           "LoadedModel": "isojax.hf.loading", "load_model": "isojax.hf.loading",
-          "MeasureConfig": "isojax.run.config"}
+          "MeasureConfig": "isojax.run.config", "load": "isojax.run.frames"}
 
 __all__ = sorted(_WHERE)
 

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="neighbours for the MLE and MoM intrinsic dimension (default: 20)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    ap.add_argument("--format", default="csv", choices=["csv", "parquet"],
+                    help="parquet: also write layers.parquet (and a sweep's sweep.parquet) beside the CSVs "
+                         "(default: csv only)")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "packed", "pallas"],
                     help="attention kernel: auto (default) = packed for bfloat16 on GPUs (one kernel with rotary "
                          "that skips the key blocks outside each sequence; cudnn where it does not apply), pallas "
@@ -180,14 +183,15 @@ def run(args) -> Path:
         if None in models:
             raise UserError("a sweep needs --model")
         run_sweep(models, revisions, out, resume=args.resume, overwrite=args.overwrite, plots=not args.no_plots,
-                  delete_downloads=args.delete_downloads,
+                  delete_downloads=args.delete_downloads, parquet=args.format == "parquet",
                   config=MeasureConfig.build(**options))
         log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
         return out
     if args.delete_downloads:
         raise UserError("--delete-downloads applies to sweeps (--revisions, --paper-steps or several --model)")
     from isojax.run import outdir
-    names = {"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | (set() if args.no_plots else {"plots"})
+    names = {"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | (set() if args.no_plots else {"plots"}) \
+        | ({"layers.parquet"} if args.format == "parquet" else set())
     # held to the end: a second run into this --out is refused before it measures anything
     with outdir.claim(out, overwrite=True, names=names) if parallel.is_main_process() else contextlib.nullcontext():
         check_out(out, args)  # after claim: a commit a killed run left half done is undone first
@@ -195,7 +199,7 @@ def run(args) -> Path:
         results = measure(MeasureConfig.build(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
                                               resume_run=args.resume, **options))
         if parallel.is_main_process():
-            results.save(out, overwrite=True, plots=not args.no_plots)
+            results.save(out, overwrite=True, plots=not args.no_plots, parquet=args.format == "parquet")
             checkpointing.remove(out / "checkpoint")  # only what isojax wrote there
         else:
             results.join_save()

@@ -22,6 +22,7 @@ from isojax.plots import weights as weight_plots
 from isojax.report import build
 from isojax.report.collect import Run
 
+from test_outputs_measures import fake_layer
 from test_plots import _metrics
 from test_report import REVISIONS, write_extract, write_weights
 
@@ -123,16 +124,25 @@ def report_figures(tmp_path_factory):
     revisions; figures reviewed as they are saved."""
     root = tmp_path_factory.mktemp("results")
     rng = np.random.default_rng(3)
+    cka = {}
     for model, blocks in (("pythia-70m", BLOCKS[0]), ("pythia-410m", BLOCKS[1])):
         for rev in REVISIONS:
             metrics = write_extract(root / "x" / model / rev, rng, model, rev, blocks)
             for layer in metrics["layers"]:
+                layer.update({k: v for k, v in fake_layer(rng, layer["name"]).items() if k not in layer})
                 layer["intrinsic_dimension"] = {"twonn": float(rng.uniform(2, 30)), "mle": 1.0, "mom": 1.0}
                 layer["anisotropy_batch_mean"] = float(rng.random())
+            names = [layer["name"] for layer in metrics["layers"]]
+            (root / "x" / model / rev / "cka.json").write_text(json.dumps(
+                {"layers": names, "tokens": 100, "matrix": rng.random((len(names), len(names))).tolist()}))
+            cka.setdefault(f"EleutherAI/{model}", {"final": REVISIONS[-1], "layers": names, "tokens": 100,
+                                                   "checkpoints": {}})["checkpoints"][rev] = \
+                rng.random((len(names), len(names))).tolist()
             doc = write_weights(root / "w" / model / rev, rng, model, rev, rows=2000)
             for path, d in ((root / "x" / model / rev / "metrics.json", metrics),
                             (root / "w" / model / rev / "weights.json", doc)):
                 path.write_text(json.dumps({**d, "weights": "random"}))
+    (root / "x" / "sweep_cka.json").write_text(json.dumps(cka))
     with pytest.MonkeyPatch.context() as mp:
         reviewed = _review_saves(mp)
         build.build([root], tmp_path_factory.mktemp("rep") / "report")
@@ -143,13 +153,15 @@ def report_figures(tmp_path_factory):
 def test_report_figures(report_figures):
     names = {n.rsplit("/", 1)[-1].rsplit(".", 1)[0]: (titles, layers) for n, titles, layers in report_figures}
     for stem in ("inter_sim_by_layer", "anisotropy_by_layer", "intrinsic_dimension_twonn_by_layer",
-                 "sources_inter_sim", "isotropy_embed_out_sizes", "svd2d_embed_out", "layernorm_training"):
+                 "sources_inter_sim", "isotropy_embed_out_sizes", "svd2d_embed_out", "layernorm_training",
+                 "isoscore_by_layer", "alpha_req_last_layer_training", "diff_erank_last_layer_training",
+                 "inter_sim_by_position", "inter_sim_by_position_training", "cka_layers", "cka_training"):
         assert stem in names, sorted(names)
     for stem, (titles, layers) in names.items():
         assert _random_title(titles), (stem, titles)
         if stem.endswith("_by_layer"):
             assert layers == 1, stem
-        if stem.startswith("sources_"):
+        if stem.startswith("sources_") or stem in ("inter_sim_by_position", "cka_layers"):
             assert layers == 2, stem  # one panel per model
 
 

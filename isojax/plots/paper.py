@@ -1,6 +1,7 @@
 """The figures of Machina & Mercer (NAACL 2024), drawn from plain series so that any mix of runs
 can be shown: lines over layers, training steps or frequency bands (Figs 1-4, 7, 9), grouped
-bars over model sizes (Figs 5, 6, 8) and 2-D SVD scatters (Fig 10).
+bars over model sizes (Figs 5, 6, 8), 2-D SVD scatters (Fig 10), and heatmaps of layer x layer
+matrices (linear CKA).
 
 Every function returns an open matplotlib Figure drawn under `styled()`; pass it to
 `isojax.plots.save`, which writes PNG and SVG and closes it.
@@ -141,4 +142,37 @@ def scatters(panels: list[tuple[str, np.ndarray]], title: str, ncols: int = 2):
             ax.tick_params(labelsize=7)
             few_ticks(ax)
         fig.suptitle(title, fontsize=12)
+    return fig
+
+
+def _thin_ticks(n: int, most: int = 12) -> list[int]:
+    """0, every k-th index and n - 1, k the smallest round step giving at most `most` ticks."""
+    step = next((s for s in (1, 2, 4, 5, 10, 20, 25, 50, 100, 200, 500, 1000) if n / s <= most), 1000)
+    ticks = [i for i in range(n) if i % step == 0 or i == n - 1]
+    if len(ticks) > 2 and ticks[-1] - ticks[-2] < step / 2:
+        del ticks[-2]
+    return ticks
+
+
+def heatmaps(panels: list[tuple[str, np.ndarray, list[str], list[str]]], xlabel: str, ylabel: str, title: str,
+             ncols: int = 2, vmin: float = 0.0, vmax: float = 1.0):
+    """One heatmap per (title, matrix [rows, cols], row layer names, column layer names), rows
+    from the top, a shared colour bar; null cells (NaN) left white."""
+    from isojax.plots.axes import layer_label
+    with styled():
+        fig, axes = _grid(len(panels), ncols, width=4.6, height=4.2)
+        image = None
+        for ax, (name, matrix, rows, cols) in zip(axes, panels):
+            m = np.asarray(_finite(np.ravel(matrix)), dtype=float).reshape(len(rows), len(cols))
+            image = ax.imshow(m, vmin=vmin, vmax=vmax, cmap="viridis", origin="upper", aspect="auto",
+                              interpolation="nearest")
+            ax.set(xlabel=xlabel, ylabel=ylabel)
+            ax.set_title(name, fontsize=9)
+            ticks = _thin_ticks(len(rows))
+            ax.set_yticks(ticks, [layer_label(rows[i]) for i in ticks], fontsize=7)
+        if image is not None:
+            fig.colorbar(image, ax=axes, shrink=0.8)
+        fig.suptitle(title, fontsize=12)
+        for ax, (_, _, _, cols) in zip(axes, panels):
+            layer_axis(ax, cols, fontsize=7)
     return fig

@@ -12,7 +12,7 @@ import pathlib
 from isojax.log import log
 from isojax.run import outdir
 from isojax.errors import run_command
-from isojax.report import collect, correlation, matrices, render, states
+from isojax.report import collect, correlation, matrices, measures, render, states
 from isojax.report.document import Figures, Item, Section, Table
 
 TITLE = "Anisotropy is Not Inherent to Transformers — isojax report"
@@ -63,7 +63,7 @@ def build(paths, out, overwrite: bool = False, scores=None, allow_missing: bool 
         figs = Figures(tmp / "figures")
         sections = [_inputs(res)] + [make(res, figs) for make in (
             states.contextualization, states.training, matrices.isotropy, matrices.layer_norm, matrices.svd,
-            states.shape_of_learning, states.bands, states.sources)] + [correlation.section(entries, sources)]
+            states.shape_of_learning, states.bands, states.sources, measures.section)] + [correlation.section(entries, sources)]
         try:
             version = importlib.metadata.version("isojax")
         except importlib.metadata.PackageNotFoundError:

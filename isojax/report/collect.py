@@ -28,6 +28,7 @@ from isojax.log import log
 from isojax.steps import step_of
 from isojax.run import outdir
 from isojax.run.names import canonical_model, checkpoint_name, revision_name
+from isojax.run.results import flat_layer
 from isojax.errors import UserError
 
 # Folders that never hold results; hidden ones (staging folders .partial-*, .tmp-*) are skipped too.
@@ -138,10 +139,8 @@ def _extract_run(folder: pathlib.Path) -> Run:
     if not isinstance(data, dict) or not isinstance(data.get("layers"), list) or not all(
             isinstance(layer, dict) and "name" in layer for layer in data["layers"]):
         raise UserError(f"{path}: not an isojax metrics.json (needs a 'layers' list of named layers)")
-    for layer in data["layers"]:  # nested metrics as flat keys, as layers.csv has them
-        for key, value in list(layer.items()):
-            if isinstance(value, dict):
-                layer.update({f"{key}_{sub}": x for sub, x in value.items() if not isinstance(x, (dict, list))})
+    for layer in data["layers"]:  # nested metrics as flat keys, as layers.csv has them (rogue_share_1, ...)
+        layer.update(flat_layer(layer))
     manifest = _read_json(folder / "manifest.json") if (folder / "manifest.json").exists() else None
     if manifest is not None and not isinstance(manifest, dict):
         raise UserError(f"{folder / 'manifest.json'}: not a JSON object")

@@ -15,7 +15,14 @@ from isojax.report.document import Figures, Section, Table
 _LABELS = {"inter_sim": "InterSim", "intra_sim": "IntraSim (mean over token types)",
            "anisotropy": "anisotropy σ₁²/Σσ² (centered)",
            "anisotropy_batch_mean": "anisotropy over batches of 4096 (mean)",
-           "intrinsic_dimension_twonn": "intrinsic dimension (TwoNN)"}
+           "intrinsic_dimension_twonn": "intrinsic dimension (TwoNN)",
+           # report/measures.py
+           "isoscore": "IsoScore", "isoscore_star": "IsoScore*",
+           "rogue_share_top3": "InterSim share of the top 3 rogue dimensions",
+           "inter_sim_standardized": "InterSim, standardized dimensions", "massive_max": "largest |activation|",
+           "massive_ratio": "largest |activation| / median |x|", "feature_kurtosis": "feature kurtosis",
+           "alpha_req": "α-ReQ", "effective_rank": "effective rank (RankMe)",
+           "diff_erank": "Diff-eRank (first checkpoint − this one)"}
 
 
 def _layer_order(name: str):

@@ -65,18 +65,18 @@ class Results:
     def spectra(self) -> dict:
         return self.final.get("spectra", {})
 
-    def save(self, out, *, overwrite: bool = False, plots: bool = True) -> Path:
+    def save(self, out, *, overwrite: bool = False, plots: bool = True, parquet: bool = False) -> Path:
         """Write the results into `out` (staged, then committed in one step; isojax.run.outdir):
         refused where isojax's results are already, unless overwrite; the user's files in `out`
-        are never touched."""
+        are never touched. `parquet`: layers.parquet beside layers.csv."""
         from isojax.run import outdir
         from isojax.run.results import result_names, write_results
         out = Path(out)
-        names = result_names(self.final, plots)
+        names = result_names(self.final, plots, parquet)
         with outdir.claim(out, overwrite=overwrite, names=names, flag="overwrite=True"):
             self.manifest["timings"] = self.timings
             write_results(out, self.metrics, self.manifest, self.final, self.state_names, self.token_sums,
-                          plots=plots, timings=self.timings)
+                          plots=plots, timings=self.timings, parquet=parquet)
         self.manifest["seconds_wall"] = time.time() - self.timings.start
         return out
 

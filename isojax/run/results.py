@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 
 
-def result_names(final: dict, plots: bool) -> set[str]:
+def result_names(final: dict, plots: bool, parquet: bool = False) -> set[str]:
     """The names write_results will write for these results."""
     return ({"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | ({"plots"} if plots else set())
+            | ({"layers.parquet"} if parquet else set())
             | ({"tokens.zarr"} if final.get("token") is not None else set())
             | ({"samples.zarr"} if final.get("sample") is not None else set()))
 
@@ -43,13 +44,28 @@ def json_safe(x):
     return x
 
 
+def _band_column(prefix: str, band: dict) -> str:
+    """inter_sim_pos_0 for the band [0, 1), inter_sim_pos_1_16 for [1, 16), inter_sim_pos_128_ for
+    [128, end)."""
+    lo, hi = band.get("lo"), band.get("hi")
+    return f"{prefix}_{lo}" if hi is not None and hi == lo + 1 else f"{prefix}_{lo}_{'' if hi is None else hi}"
+
+
 def flat_layer(layer: dict) -> dict:
-    """A layer's scalar metrics, dicts of scalars flattened (intrinsic_dimension ->
-    intrinsic_dimension_twonn, ...); lists (IntraSim by band) are left to metrics.json."""
+    """A layer's scalar metrics as one flat row (layers.csv, sweep.csv, isojax.load, the report):
+    dicts of scalars flattened (intrinsic_dimension -> intrinsic_dimension_twonn, ...); the top
+    rogue dimensions as rogue_dim_1, rogue_share_1, rogue_dim_2, ...; InterSim by position band as
+    inter_sim_pos_0, inter_sim_pos_1_16, inter_sim_pos_16_128, inter_sim_pos_128_ (band [lo, hi),
+    `_` alone: to the end); other lists (IntraSim by frequency band) are left to metrics.json."""
     row = {}
     for k, v in layer.items():
         if isinstance(v, dict):
             row.update({f"{k}_{sub}": x for sub, x in v.items() if not isinstance(x, (list, dict))})
+        elif k == "rogue_dims" and isinstance(v, list):
+            for i, d in enumerate((d for d in v if isinstance(d, dict)), 1):
+                row.update({f"rogue_dim_{i}": d.get("dim"), f"rogue_share_{i}": d.get("share")})
+        elif k == "inter_sim_by_position" and isinstance(v, list):
+            row.update({_band_column("inter_sim_pos", b): b.get("inter_sim") for b in v if isinstance(b, dict)})
         elif not isinstance(v, list):
             row[k] = v
     return row
@@ -62,6 +78,23 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         w.writerow(keys)
         for row in rows:
             w.writerow(["" if row.get(k) is None else row.get(k) for k in keys])
+
+
+def write_parquet(path: Path, rows: list[dict]) -> None:
+    """The rows of a CSV as a Parquet table (--format parquet): the same columns in the same
+    order, a missing or null value null, each column typed by pyarrow from its values (ints that
+    meet floats become floats)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    columns = {}
+    for k in keys:
+        values = [row.get(k) for row in rows]
+        if any(isinstance(v, float) for v in values) and all(v is None or isinstance(v, (int, float))
+                                                           and not isinstance(v, bool) for v in values):
+            values = [None if v is None else float(v) for v in values]
+        columns[k] = pa.array(values)
+    pq.write_table(pa.table(columns), path)
 
 
 def write_layers_csv(path: Path, layers: list[dict]) -> None:
@@ -88,9 +121,12 @@ def write_token_sums(path: Path, state_sums, num_states: int) -> None:
         store[s].write(first if s == 0 else state_sums(s)).result()
 
 
-def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str], token_sums) -> None:
+def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str], token_sums,
+                parquet: bool = False) -> None:
     (stage / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=1) + "\n")
     write_layers_csv(stage / "layers.csv", json_safe(metrics["layers"]))
+    if parquet:
+        write_parquet(stage / "layers.parquet", [flat_layer(layer) for layer in json_safe(metrics["layers"])])
     spectra = final.get("spectra", {})
     np.savez(stage / "spectra.npz", state_names=np.array(state_names), **{k: np.asarray(v) for k, v in spectra.items()})
     token = final.get("token")
@@ -113,12 +149,12 @@ def _plot(metrics: dict, plot_dir: Path) -> list[Path]:
 
 
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
-                  token_sums=None, plots: bool = True, timings=None) -> list[str]:
+                  token_sums=None, plots: bool = True, timings=None, parquet: bool = False) -> list[str]:
     """Stage every file, then commit them into `out` in one step (isojax.run.outdir.staged: isojax's
     earlier results there are replaced, the user's files are left alone).
     `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None.
     `timings` (run.timings.Timings): gets the seconds of "write" and "plots"; the manifest, written last,
-    gets them and the wall time."""
+    gets them and the wall time. `parquet`: layers.parquet beside layers.csv (--format parquet)."""
     from isojax.run import outdir
     from isojax.run.timings import Timings, in_background
     timings = timings if timings is not None else Timings()
@@ -130,7 +166,7 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
                 (stage / "plots").mkdir()
                 drawing = in_background(lambda: _plot(metrics, stage / "plots"))
             with timings("write"):
-                _write_data(stage, metrics, final, state_names, token_sums)
+                _write_data(stage, metrics, final, state_names, token_sums, parquet)
             if drawing is not None:
                 with timings("plots"):
                     manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]

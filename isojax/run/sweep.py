@@ -182,8 +182,9 @@ def _start_fetch(fetch, step: Step) -> threading.Thread | None:
 
 
 def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resume: bool, overwrite: bool,
-              plots: bool, config: MeasureConfig, delete_downloads: bool = False) -> Path:
-    """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv."""
+              plots: bool, config: MeasureConfig, delete_downloads: bool = False, parquet: bool = False) -> Path:
+    """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv (write_sweep_csv);
+    `parquet`: layers.parquet in each step folder, sweep.parquet at the top."""
     from isojax.hf.files import resolve_model
     from isojax.run.measure import measure
     steps = plan(models, revisions, out)
@@ -202,14 +203,15 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
         if resume and not overwrite:
             check_same_corpus(results.manifest, steps, step)
         if main:
-            results.save(step.folder, overwrite=True, plots=plots)
+            results.save(step.folder, overwrite=True, plots=plots, parquet=parquet)
             checkpointing.remove(ckpt)  # only what isojax wrote there
         else:
             results.join_save()
 
     run_steps(steps, out, result="metrics.json", measure=measure_step, fetch=lambda s: resolve_model(s.repo, s.revision),
               resume=resume, overwrite=overwrite, delete_downloads=delete_downloads,
-              finish=lambda: write_sweep_csv(out, steps), inputs=[*models, *(config.data.data or [])])
+              finish=lambda: write_sweep_csv(out, steps, parquet), inputs=[*models, *(config.data.data or [])],
+              names=SWEEP_FILES)
     return out
 
 
@@ -252,12 +254,31 @@ def sweep_rows(steps: list[Step], result: str, rows_of) -> list[dict]:
     return rows
 
 
-def write_sweep_csv(out: Path, steps: list[Step]) -> Path:
-    """OUT/sweep.csv: model, revision, step, tokens, layer and every scalar layer metric, for
-    every finished step of the sweep; committed beside the step folders (outdir.staged)."""
-    from isojax.run.results import flat_layer, write_csv
-    rows = sweep_rows(steps, "metrics.json",
-                      lambda metrics: [{"tokens": metrics["tokens"], **flat_layer(layer)} for layer in metrics["layers"]])
+SWEEP_FILES = ("sweep.csv", "sweep.parquet", "sweep_cka.json")
+
+
+def write_sweep_csv(out: Path, steps: list[Step], parquet: bool = False) -> Path:
+    """OUT/sweep.csv: model, revision, step, tokens, layer and every scalar layer metric (flat_layer),
+    and diff_erank (isojax.run.sweep_files), for every finished step of the sweep; sweep.parquet
+    beside it with `parquet` (or where an earlier sweep wrote one: kept in step with sweep.csv);
+    sweep_cka.json where a step holds a sample (or one was written before). Committed beside the
+    step folders in one step (outdir.staged)."""
+    import json
+    from isojax.run.results import flat_layer, write_csv, write_parquet
+    from isojax.run.sweep_files import add_diff_erank, sweep_cka
+    rows = add_diff_erank(sweep_rows(steps, "metrics.json", lambda metrics: [
+        {"tokens": metrics["tokens"], **flat_layer(layer)} for layer in metrics["layers"]]))
+    earlier = set(outdir.owned(out))
+    finished = {}
+    for step in steps:
+        if (step.folder / "metrics.json").exists():
+            model, revision = step.name
+            finished.setdefault(model, []).append((revision_name(revision), step.folder))
     with outdir.staged(out, replace_all=False) as stage:
         write_csv(stage / "sweep.csv", rows)
+        if parquet or "sweep.parquet" in earlier:
+            write_parquet(stage / "sweep.parquet", rows)
+        if "sweep_cka.json" in earlier or any((f / "samples.zarr").is_dir() for fs in finished.values() for _, f in fs):
+            from isojax.run.results import json_safe
+            (stage / "sweep_cka.json").write_text(json.dumps(json_safe(sweep_cka(finished)), indent=1) + "\n")
     return out / "sweep.csv"

@@ -1,0 +1,173 @@
+"""The report's section of the geometry measures beyond the paper's (README "Measures"): each
+scalar measure per layer at the final checkpoints and at the last layer across training
+(states._by_layer / states._training), InterSim by position band, Diff-eRank across training,
+tables of the rogue dimensions and massive activations, and heatmaps of linear CKA (a run's
+cka.json between its layers; a sweep's sweep_cka.json across training). A measure absent from
+every result (results of older isojax) is left out without a word; the section says so only
+when it has nothing at all."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+from isojax.log import log
+from isojax.plots import paper
+from isojax.report.collect import Results, Run, finals, layer_names, number, trainings
+from isojax.report.document import Figures, Item, Section, Table
+from isojax.report.states import _band_layers, _by_layer, _has, _training, run_label, titled
+
+# every scalar measure drawn over layers and over checkpoints (its label: states._LABELS)
+SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max", "massive_ratio",
+           "feature_kurtosis", "alpha_req", "effective_rank"]
+BANDS = [("inter_sim_pos_0", "position 0"), ("inter_sim_pos_1_16", "positions 1–15"),
+         ("inter_sim_pos_16_128", "positions 16–127"), ("inter_sim_pos_128_", "positions 128+")]
+
+
+def _position_bands(figs: Figures, runs: list[Run], by_layer: bool, series=None):
+    """InterSim by position band: over layers (one panel per final run) or, with `series`, at the
+    last block across training (one panel per model)."""
+    panels, rows, drawn = [], [], []
+    groups = series.values() if series is not None else [[r] for r in runs]
+    for rs in groups:
+        lines = []
+        for i, (key, what) in enumerate(BANDS):
+            if by_layer:
+                run = rs[0]
+                ys = [number(layer.get(key)) for layer in run.data["layers"]]
+                xs = range(len(ys))
+                rows += [[run_label(run), n, what, y] for n, y in zip(layer_names(run), ys)]
+            else:
+                from isojax.report.collect import layer_value
+                xs, ys = [r.step for r in rs], [layer_value(r, key, "block_L") for r in rs]
+                rows += [[r.label, r.revision, r.step, what, y] for r, y in zip(rs, ys)]
+            if any(math.isfinite(y) for y in ys):
+                lines.append(paper.Line(what, xs, ys, {"color": f"C{i}"}))
+        if lines:
+            panels.append(paper.Panel(run_label(rs[0]) if by_layer else rs[0].label, lines,
+                                      layer_names(rs[0]) if by_layer else None))
+            drawn += rs
+    if not panels:
+        return None
+    where = "per layer" if by_layer else "of the last block during training"
+    fig = paper.lines(panels, "layer" if by_layer else "training step", "InterSim",
+                      titled(f"InterSim by position in the sequence, {where}", drawn, final=by_layer),
+                      ncols=2, width=6.0)
+    head = ["model", "layer", "positions", "inter_sim"] if by_layer else \
+        ["model", "revision", "step", "positions", "inter_sim (block_L)"]
+    name = "inter_sim_by_position" + ("" if by_layer else "_training")
+    return figs.add(fig, name, f"InterSim of the states at positions 0, 1–15, 16–127 and 128+ of their sequence "
+                    f"(`inter_sim_by_position`), {where}.", Table(head, rows))
+
+
+def _with_diff_erank(series: dict[str, list[Run]]) -> dict[str, list[Run]]:
+    """Each run's layers get diff_erank: effective_rank at the model's first step minus its own."""
+    for rs in series.values():
+        first = {str(layer.get("name")): number(layer.get("effective_rank")) for layer in rs[0].data["layers"]}
+        for run in rs:
+            for layer in run.data["layers"]:
+                d = first.get(str(layer.get("name")), math.nan) - number(layer.get("effective_rank"))
+                layer["diff_erank"] = d if math.isfinite(d) else None
+    return series
+
+
+def _tables(runs: list[Run]) -> list[Item]:
+    items = []
+    rogue = [[r.label, n, *[layer.get(f"rogue_{k}_{i}") for i in (1, 2, 3) for k in ("dim", "share")],
+              layer.get("rogue_share_top3")] for r in runs for n, layer in
+             zip(layer_names(r), r.data["layers"]) if layer.get("rogue_dims")]
+    if rogue:
+        items.append(Item("The top 3 rogue dimensions of each layer (Timkey & van Schijndel 2021): the dimension and "
+                          "its share of InterSim; final checkpoints.",
+                          Table(["model", "layer", "dim 1", "share 1", "dim 2", "share 2", "dim 3", "share 3",
+                                 "top 3"], rogue), fold=True))
+    keys = ("massive_max", "massive_dim", "massive_token", "massive_position", "massive_ratio")
+    massive = [[r.label, n, *[layer.get(k) for k in keys]] for r in runs
+               for n, layer in zip(layer_names(r), r.data["layers"]) if layer.get("massive_max") is not None]
+    if massive:
+        items.append(Item("The largest |activation| of each layer (Sun et al. 2024): its dimension, token id and "
+                          "position in its sequence, and its ratio to the sample's median |x|; final checkpoints.",
+                          Table(["model", "layer", *keys], massive), fold=True))
+    return items
+
+
+def _read(path: pathlib.Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        log(f"report: {path} left out: unreadable ({e})")
+        return None
+
+
+def _cka_runs(figs: Figures, runs: list[Run]):
+    panels, rows, drawn = [], [], []
+    for run in runs:
+        doc = _read(run.folder / "cka.json") if run.folder and (run.folder / "cka.json").exists() else None
+        if not isinstance(doc, dict) or not isinstance(doc.get("layers"), list) or not doc.get("matrix"):
+            continue
+        names = [str(n) for n in doc["layers"]]
+        panels.append((f"{run_label(run)} ({doc.get('tokens')} tokens)", doc["matrix"], names, names))
+        rows += [[run.label, a, b, number(v)] for a, row in zip(names, doc["matrix"]) for b, v in zip(names, row)]
+        drawn.append(run)
+    if not panels:
+        return None
+    fig = paper.heatmaps(panels, "layer", "layer", titled("Linear CKA between layers", drawn, final=True))
+    return figs.add(fig, "cka_layers", "Linear CKA (Kornblith et al. 2019) between every pair of layers, on the "
+                    "sampled states (`cka.json`); final checkpoints.", Table(["model", "layer", "layer", "cka"], rows))
+
+
+def _cka_training(figs: Figures, series: dict[str, list[Run]]):
+    """Across training, from the sweep_cka.json at the top of each sweep (OUT/<model>/<revision>/)."""
+    docs = {}
+    for rs in series.values():
+        for run in rs:
+            path = run.folder.parent.parent / "sweep_cka.json" if run.folder else None
+            if path is not None and path.exists() and path not in docs:
+                docs[path] = _read(path)
+    panels, rows, drawn = [], [], []
+    for rs in series.values():
+        entry = next((d[m] for d in docs.values() if isinstance(d, dict) for m in d
+                      if m.lower() == rs[0].model.lower() and isinstance(d[m], dict)), None)
+        if entry is None:
+            continue
+        names = [str(n) for n in entry.get("layers") or []]
+        lines = []
+        for i, name in enumerate(_band_layers(names)):
+            j = names.index(name)
+            pts = [(r.step, (entry["checkpoints"].get(r.revision) or [])) for r in rs]
+            ys = [number(m[j][j]) if len(m) > j else math.nan for _, m in pts]
+            lines.append(paper.Line(name, [s for s, _ in pts], ys, {"color": f"C{i}"}))
+            rows += [[rs[0].label, r.revision, r.step, name, y] for r, y in zip(rs, ys)]
+        if any(math.isfinite(number(y)) for line in lines for y in line.y):
+            panels.append(paper.Panel(f"{rs[0].label} against {entry.get('final')}", lines))
+            drawn += rs
+    if not panels:
+        return None
+    fig = paper.lines(panels, "training step", "linear CKA", titled("Each layer against itself at the final "
+                      "checkpoint", drawn), ncols=2, width=6.0)
+    return figs.add(fig, "cka_training", "Linear CKA of a layer at each checkpoint with the same layer at the final "
+                    "checkpoint, on the same sampled tokens (`sweep_cka.json`).",
+                    Table(["model", "revision", "step", "layer", "cka"], rows))
+
+
+def section(res: Results, figs: Figures) -> Section:
+    sec = Section("measures", "Isotropy, outliers, spectrum and similarity of representations",
+                  "IsoScore and IsoScore* (Rudman et al. 2022; Rudman & Eickhoff 2024), rogue dimensions and "
+                  "standardized InterSim (Timkey & van Schijndel 2021), massive activations (Sun et al. 2024), "
+                  "feature kurtosis (He et al. 2024), α-ReQ (Agrawal et al. 2022), effective rank (RankMe) and "
+                  "Diff-eRank (Wei et al. 2024), InterSim by position, linear CKA (Kornblith et al. 2019); "
+                  "README \"Measures\" defines each.")
+    runs = finals(res.extract)
+    series = _with_diff_erank(trainings(res.extract))
+    for key in SCALARS:
+        sec.items += [i for i in (_by_layer(figs, runs, key, ""), _training(figs, series, key, "")) if i]
+    has_erank = any(_has(r, "effective_rank") for rs in series.values() for r in rs)
+    sec.items += [i for i in (_training(figs, series, "diff_erank", "") if has_erank else None,
+                              _position_bands(figs, runs, True),
+                              _position_bands(figs, runs, False, series) if series else None,
+                              _cka_runs(figs, runs), _cka_training(figs, series)) if i]
+    sec.items += _tables(runs)
+    if not sec.items:
+        sec.note = "No extract results with these measures (results of an older isojax): section left out."
+    return sec

@@ -1,0 +1,128 @@
+"""The files at a sweep's top, beside its step folders: sweep.csv (and sweep.parquet with
+--format parquet), one row per (model, revision, layer) with every scalar layer measure and
+`diff_erank`; sweep_cka.json, each checkpoint's layers against the final checkpoint's on the same
+sampled tokens. Plain data: no JAX here (isojax.load reads sweeps with it too).
+
+diff_erank (Wei et al. 2024, *Diff-eRank*): the paper's Diff-eRank is the effective rank of the
+untrained model's representations minus the trained model's (positive: training removed
+redundant dimensions, "noise reduction"). Here: `effective_rank` of the sweep's first checkpoint
+of the model (in training order: revisions naming a step by step, then the others by name, `main`
+last) minus this checkpoint's, per layer; the first checkpoint is the untrained model when the
+sweep starts at step0. Null where either lacks it.
+
+sweep_cka.json: {MODEL: {"final": REVISION, "layers": [names], "tokens": K,
+"checkpoints": {REVISION: [[CKA(layer i at REVISION, layer j at final) for j] for i] or null}}}
+(linear CKA, Kornblith et al. 2019, float64, isojax.stats.geometry.linear_cka), from each step's
+samples.zarr/states [S, K, D] (extract --sample-states). The sample holds the K tokens of smallest
+key, a hash of the token's sequence and position (isojax.stats.sample), in key order: the same
+tokens in the same order at every checkpoint of one model over one corpus. A checkpoint is
+compared only where that holds as far as the files tell (same corpus fingerprint, token count,
+K and layer names); else its entry is null, with a log line. A model whose final checkpoint has
+no sample is null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from isojax.log import log
+from isojax.steps import step_of
+
+
+def revision_order(revision: str):
+    """Training order of revisions: those naming a step by step, then the others by name, `main` last."""
+    step = step_of(revision)
+    return (0, step, "") if step is not None else (1, revision == "main", revision)
+
+
+def _number(v) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
+def add_diff_erank(rows: list[dict], layer_key: str = "name") -> list[dict]:
+    """Each row (model, revision, `layer_key`, effective_rank, ...) gets diff_erank: the effective
+    rank of its model's first checkpoint at that layer minus its own (None where either is missing)."""
+    first: dict = {}
+    for row in sorted(rows, key=lambda r: revision_order(str(r.get("revision")))):
+        first.setdefault((row.get("model"), row.get(layer_key)), _number(row.get("effective_rank")))
+    for row in rows:
+        d = first[row.get("model"), row.get(layer_key)] - _number(row.get("effective_rank"))
+        row["diff_erank"] = d if math.isfinite(d) else None
+    return rows
+
+
+def read_sample(folder: Path) -> np.ndarray | None:
+    """samples.zarr/states [S, K, D] float32 of a step folder; None where it has none."""
+    path = Path(folder) / "samples.zarr" / "states"
+    if not path.is_dir():
+        return None
+    import tensorstore as ts
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
+    return np.asarray(ts.open(spec, open=True).result().read().result())
+
+
+def cka_matrix(xs_SxKxD, ys_SxKxD) -> list[list[float | None]]:
+    """[[linear CKA(xs[i], ys[j]) for j] for i], as stats.geometry.linear_cka computes each pair,
+    each state centered and its norm computed once: with K < D through the K x K Grams
+    (||Y^T X||_F^2 = <X X^T, Y Y^T>_F), else through the D x D ones. None where a state is constant."""
+    grams = xs_SxKxD.shape[1] < xs_SxKxD.shape[2]
+
+    def prepared(states):
+        out = []
+        for x in states:
+            x = np.asarray(x, np.float64)
+            x = x - x.mean(axis=0)
+            gram = x @ x.T if grams else x.T @ x
+            out.append((gram if grams else x, np.linalg.norm(gram)))
+        return out
+    xs, ys = prepared(xs_SxKxD), prepared(ys_SxKxD)
+    rows = []
+    for x, nx in xs:
+        row = []
+        for y, ny in ys:
+            cross = np.vdot(x, y) if grams else np.linalg.norm(y.T @ x) ** 2
+            row.append(float(cross / (nx * ny)) if nx > 0 and ny > 0 else None)
+        rows.append(row)
+    return rows
+
+
+def _describe(folder: Path) -> dict:
+    """What must match between two checkpoints for their samples to hold the same tokens."""
+    metrics = json.loads((folder / "metrics.json").read_text())
+    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
+    return {"corpus fingerprint": manifest.get("corpus_fingerprint"), "tokens": metrics.get("tokens"),
+            "layers": [layer.get("name") for layer in metrics.get("layers") or []]}
+
+
+def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
+    """sweep_cka.json's document from {model: [(revision, step folder), ...]} (finished steps)."""
+    doc = {}
+    for model, steps in checkpoints.items():
+        steps = sorted(steps, key=lambda s: revision_order(s[0]))
+        final_rev, final_dir = steps[-1]
+        final = read_sample(final_dir)
+        if final is None:
+            log(f"sweep_cka.json: {model} is null: its final checkpoint {final_rev} has no sample "
+                "(extract --sample-states K)")
+            doc[model] = None
+            continue
+        want = _describe(final_dir)
+        entry = {"final": final_rev, "layers": want["layers"], "tokens": int(final.shape[1]), "checkpoints": {}}
+        for revision, folder in steps:
+            states = final if folder == final_dir else read_sample(folder)
+            have = _describe(folder)
+            why = "it has no sample (extract --sample-states K)" if states is None else next(
+                (f"its {k} differs from {final_rev}'s ({have[k]} vs {want[k]})" for k in want if have[k] != want[k]),
+                None) or (f"its sample holds {states.shape[1]} tokens, {final_rev}'s {final.shape[1]}"
+                          if states.shape[1] != final.shape[1] else None)
+            if why:
+                log(f"sweep_cka.json: {model} @ {revision} is null: {why}")
+                entry["checkpoints"][revision] = None
+            else:
+                entry["checkpoints"][revision] = cka_matrix(states, final)
+        doc[model] = entry
+    return doc
