@@ -156,3 +156,22 @@ def test_bad_budgets_are_user_errors(tmp_path):
     assert load_corpus(paths, sources=["a", "PG-19"], max_tokens=10).budget() == (5, 2)
     with pytest.raises(UserError, match="name them with --source"):
         load_corpus(["hub:some/dataset:train"], max_tokens=10)
+
+
+@pytest.mark.slow
+def test_a_run_measures_every_sources_share(tmp_path, monkeypatch, capsys):
+    """Sources one after another: --max-tokens measured the first one only ("a": 0 tokens, no
+    word); each now gets its share, read from the files' starts only."""
+    from conftest import build_hf_checkpoint
+    from isojax.extract import main
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
+    build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
+    paths = write_sources(tmp_path / "data")
+    args = ["--model", str(tmp_path / "ckpt"), "--data", paths[0], "--data", paths[1], "--seq-len", "64", "--batch-tokens", "256",
+            "--no-plots", "--max-tokens", "1000", "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert {name: s["tokens"] for name, s in metrics["sources"].items()} == {"a": 500, "b": 500}
+    assert all(layer["inter_sim"] is not None for s in metrics["sources"].values() for layer in s["layers"])
+    assert metrics["tokens"] == 1000
+    assert "warning" not in capsys.readouterr().err
