@@ -2,6 +2,7 @@
 tokenized no further than that. References: the full corpus's token cache, cut by hand."""
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,8 @@ def test_bad_budgets_are_user_errors(tmp_path):
             load_corpus(paths, **kwargs)
     with pytest.raises(UserError, match="less than one token for each of the 4 sources"):
         load_corpus(paths, max_tokens=3).budget()
+    with pytest.raises(UserError, match="less than one token for each of the 2 sources"):
+        load_corpus(paths[:2], max_tokens=1)  # text files name their sources: at once
     assert load_corpus(paths, max_tokens=4003, max_tokens_per_source=2000).budget() == (1000, 4)
     assert load_corpus(paths[:2], max_tokens_per_source=10).budget() == (10, 2)
     assert load_corpus(paths, max_tokens_per_source=10).budget() == (10, None)  # known only by reading
@@ -175,3 +178,19 @@ def test_a_run_measures_every_sources_share(tmp_path, monkeypatch, capsys):
     assert all(layer["inter_sim"] is not None for s in metrics["sources"].values() for layer in s["layers"])
     assert metrics["tokens"] == 1000
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_flags(tmp_path, capsys):
+    from isojax.extract import build_parser, main
+    paths = write_sources(tmp_path / "data")
+    for args, message in ((["--max-tokens-per-source", "0"], "positive integer"),
+                          (["--data", paths[0], "--data", paths[1], "--max-tokens", "1"], "less than one token"),
+                          (["--data", "hub:some/dataset", "--max-tokens", "10"], "name them with --source")):
+        with pytest.raises(SystemExit) if args[0] == "--max-tokens-per-source" else nullcontext():
+            assert main([*args, "--no-plots", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out" / "metrics.json").exists()
+    helped = " ".join(build_parser().format_help().split())
+    assert "--max-tokens-per-source N" in helped and "split equally over the sources" in helped
+    assert "share is the smaller of N and its equal share" in helped

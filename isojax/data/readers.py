@@ -419,4 +419,6 @@ def load_corpus(paths: list[str] | None, *, unit: str = "sentence", sources=None
     corpus.sources, corpus.text_field, corpus.max_bad_records = srcs, text_field, max_bad_records
     corpus.max_tokens, corpus.max_tokens_per_source = (None if v is None else int(v) for v in
                                                         (max_tokens, max_tokens_per_source))
+    if max_tokens is not None and (srcs is not None or all(inp.kind in ("txt", "default") for inp in corpus.inputs)):
+        corpus.budget()  # a budget too small for its sources is refused now where that reads nothing
     return corpus
