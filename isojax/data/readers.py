@@ -18,6 +18,7 @@ import io
 import json
 import numbers
 import os
+import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -100,6 +101,8 @@ class Corpus:
     max_tokens: int | None = None  # a budget split equally over the sources (budget())
     max_tokens_per_source: int | None = None
     _labels: list[str] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _labels_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False,
+                                                     compare=False)
 
     def fingerprint(self) -> str:
         """Hash of inputs (path, size, mtime), unit, sources, splitter; never reads contents.
@@ -174,9 +177,10 @@ class Corpus:
         keep = lambda label: self.sources is None or label in self.sources
         if all(inp.kind in ("txt", "default") for inp in self.inputs):
             return list(dict.fromkeys(inp.label for inp in self.inputs if keep(inp.label)))
-        if self._labels is None:  # read once (the budget and the step's plan both ask)
-            quiet = dataclasses.replace(self, warn=False)  # its own counters: the build may be reading self
-            self._labels = list(dict.fromkeys(label for label, _ in quiet.documents()))
+        with self._labels_lock:  # read once: the build's budget and the step's plan both ask, on two threads
+            if self._labels is None:
+                quiet = dataclasses.replace(self, warn=False)  # its own counters: the build may be reading self
+                self._labels = list(dict.fromkeys(label for label, _ in quiet.documents()))
         return list(self._labels)
 
     def _bad(self, where: str, reason: str) -> None:

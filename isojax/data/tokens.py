@@ -67,6 +67,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from isojax import faults
 from isojax.atomic import fsync_dir
 from isojax.errors import UserError
 from isojax.log import log
@@ -172,6 +173,7 @@ def encode_chunk(unit: str, texts: list[str], srcs: list[int], tok: Tokenizer | 
     room: {source id: tokens still wanted} (None: all): a source's text is split and encoded only
     a little past that many tokens (_budget_chars at a time), then no further; the caller cuts
     the excess (_cut)."""
+    faults.reached("tokenize_chunk")
     tok = tok or _WORKER_TOKENIZER
     left = None if room is None else dict(room)
     lengths, owners, flats, batch, firsts, batch_srcs = [], [], [], [], [], []
@@ -509,8 +511,9 @@ def _clean_stale(cache_dir: Path) -> None:
 
 def _default_workers(corpus: Corpus) -> int:
     size = corpus.size_bytes()
-    share, n_sources = corpus.budget()
-    if share is not None and n_sources is not None:  # what a budget reads, about
+    # what a budget reads, about (max_tokens itself: its sources may be known only by reading)
+    share, n_sources = corpus.budget() if corpus.max_tokens is None else (corpus.max_tokens, 1)
+    if share is not None and n_sources is not None:
         size = min(size if size is not None else np.inf, share * n_sources * _BUDGET_CHARS_PER_TOKEN)
     return 1 if size is not None and size < _SMALL_CORPUS else os.cpu_count() or 1
 
