@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "<= 1024, else 65536; 8192 on CPU)")
     ap.add_argument("--max-tokens", type=positive_int, default=None,
                     help="measure at most this many tokens, split equally over the sources (each source's "
-                         "first max-tokens // sources tokens; the sentence that fills a share is cut); reading "
+                         "first max-tokens // sources tokens; the unit that fills a share is cut); reading "
                          "and tokenizing stop once every share is full; default: all, "
                          f"or {CPU_DEFAULT_MAX_TOKENS:,} for the embedded default corpus on CPU")
     ap.add_argument("--max-tokens-per-source", type=positive_int, default=None, metavar="N",
