@@ -57,8 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per batch, rows x T (default on accelerators: 262144 for models of width "
                          "<= 1024, else 65536; 8192 on CPU)")
     ap.add_argument("--max-tokens", type=positive_int, default=None,
-                    help="stop after the batch that reaches this many tokens (whole batches); default: all, "
+                    help="measure at most this many tokens, split equally over the sources (each source's "
+                         "first max-tokens // sources tokens; the unit that fills a share is cut); reading "
+                         "and tokenizing stop once every share is full; default: all, "
                          f"or {CPU_DEFAULT_MAX_TOKENS:,} for the embedded default corpus on CPU")
+    ap.add_argument("--max-tokens-per-source", type=positive_int, default=None, metavar="N",
+                    help="each source's share of tokens: its first N; with --max-tokens, each source's "
+                         "share is the smaller of N and its equal share")
     ap.add_argument("--out", required=True, help="results directory")
     ap.add_argument("--checkpoint-every-tokens", type=positive_int, default=None, metavar="N",
                     help="write accumulators + data cursor atomically under OUT/checkpoint every N tokens")
@@ -170,7 +175,8 @@ def run(args) -> Path:
 
     out = Path(args.out)
     options = dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
-                   batch_tokens=args.batch_tokens, max_tokens=args.max_tokens, token_stats=not args.no_token_stats,
+                   batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
+                   max_tokens_per_source=args.max_tokens_per_source, token_stats=not args.no_token_stats,
                    centered=args.centered, save_token_sums=args.save_token_sums, attention=args.attention,
                    mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel,
                    mesh=parallel.parse_mesh(args.mesh) or None, checkpoint_every_tokens=args.checkpoint_every_tokens,

@@ -2,9 +2,9 @@
 still being written (data.TokenStream) are those of the finished cache, and a streamed run's
 metrics those of a cached run. CPU, offline."""
 
+import collections
 import json
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -45,43 +45,64 @@ def write_sources(folder: Path, seed: int = 0) -> list[str]:
 
 
 class Views(list):
-    delay = 0.01
-    hold = 0  # chunks built before the builder waits for the packer's first request
+    hold = 1  # chunks built before the builder waits for the packer to take a partial cache
+    lockstep = True  # and then one more chunk for each partial cache the packer takes
 
     def __init__(self):
         super().__init__()
-        self.asked = threading.Event()
-        self.built = 0
+        self.changed = threading.Condition()
+        self.chunks = collections.Counter()  # builder thread -> chunks it built
+        self.partial = collections.Counter()  # builder thread -> partial caches the packer took of it
+        self.cancelled = set()
+
+    @property
+    def built(self) -> int:
+        return sum(self.chunks.values())
 
 
 @pytest.fixture
 def slow_small_chunks(monkeypatch):
-    """Chunks of a few paragraphs, each a little late (views.delay seconds): the packer catches up
-    with the builder many times. With views.hold = k the builder stops after k chunks until the
-    packer first asks for data (so a slow load or compile cannot let it finish first). Records
-    which views the packer got (partial or finished)."""
+    """Chunks of a few paragraphs, built in step with the packer (an order, at any speed): after
+    views.hold chunks the builder waits until the packer has taken a partial cache, and with
+    views.lockstep builds one more chunk for each partial cache the packer takes, so the packer
+    follows a growing cache chunk by chunk and the build never ends before the packer started
+    (nor before a cancel, when the packer stops asking). Records which views the packer got
+    (partial: False, finished: True)."""
     monkeypatch.setattr(tokens_mod, "_CHUNK_CHARS_IN_PROCESS", 2000)
     encode = tokens_mod.encode_chunk
 
-    def late(*args, **kwargs):
-        if views.hold and views.built >= views.hold:
-            views.asked.wait(timeout=120)
-        views.built += 1
-        time.sleep(views.delay)
+    def in_step(*args, **kwargs):
+        me = threading.current_thread()
+        if me.name != "isojax-tokenize":  # tokenize_corpus: no packer follows it
+            return encode(*args, **kwargs)
+        if views.hold and views.chunks[me] >= views.hold:
+            need = views.chunks[me] - views.hold + 1 if views.lockstep else 1
+            with views.changed:  # the timeout only keeps a broken test from hanging: the asserts then fail
+                views.changed.wait_for(lambda: me in views.cancelled or views.partial[me] >= need, timeout=120)
+        views.chunks[me] += 1
         return encode(*args, **kwargs)
 
-    monkeypatch.setattr(tokens_mod, "encode_chunk", late)
+    monkeypatch.setattr(tokens_mod, "encode_chunk", in_step)
     views = Views()
-    wait = TokenStream.wait
+    wait, cancel = TokenStream.wait, TokenStream.cancel
 
     def recorded(self, n, timeout=None):
-        views.asked.set()
         got = wait(self, n, timeout)
         if got is not None:
-            views.append(got[1])
+            with views.changed:
+                views.append(got[1])
+                views.partial[self._thread] += not got[1]
+                views.changed.notify_all()
         return got
 
+    def cancelled(self):
+        with views.changed:
+            views.cancelled.add(self._thread)
+            views.changed.notify_all()
+        cancel(self)
+
     monkeypatch.setattr(TokenStream, "wait", recorded)
+    monkeypatch.setattr(TokenStream, "cancel", cancelled)
     return views
 
 
@@ -101,7 +122,8 @@ def test_packing_follows_a_growing_cache(tmp_path, tok, slow_small_chunks):
     stream = stream_tokens(load_corpus(paths), tok, cache_dir=tmp_path / "c", max_len=48, workers=1)
     assert isinstance(stream, TokenStream)
     got = list(pack_batches(stream, rows=3, row_len=48))
-    assert slow_small_chunks.count(False) > 5 and slow_small_chunks[-1]  # it followed partial caches
+    assert slow_small_chunks.count(False) > 5 and slow_small_chunks[-1]  # it followed partial caches, chunk by chunk
+    assert slow_small_chunks.count(False) >= slow_small_chunks.built - 1
     want = list(pack_batches(reference, rows=3, row_len=48, prefetch=0))
     assert len({b.group for b in want}) == 4 and len(want) > 40
     assert_same_batches(got, want)
@@ -137,16 +159,18 @@ def test_builder_errors_surface_and_leave_nothing(tmp_path, tok, slow_small_chun
     bad.write_bytes(b"fine\n\nthen \xff\n")
     stream = stream_tokens(load_corpus(paths + [str(bad)]), tok, cache_dir=tmp_path / "c", max_len=48, workers=1)
     batches = pack_batches(stream, rows=3, row_len=48)
-    first = next(batches)  # the devices could start: the bad file comes last
-    assert first.n_tokens > 0
+    first = next(batches)  # the devices could start: the bad file comes last (the builder waits for them)
+    assert first.n_tokens > 0 and slow_small_chunks.count(False) > 0
     with pytest.raises(UserError, match=r"zz-bad\.txt:3: invalid UTF-8"):
         list(batches)
     with pytest.raises(UserError, match="invalid UTF-8"):
         stream.result()
     assert not list((tmp_path / "c").iterdir())
-    # a stream abandoned midway stops: its folder is removed, nothing is cached
+    # a stream abandoned midway stops: its folder is removed, nothing is cached (the builder, in
+    # step with the packer, is midway when the packer stops asking)
     stream = stream_tokens(load_corpus(paths), tok, cache_dir=tmp_path / "d", max_len=48, workers=1)
     next(pack_batches(stream, rows=3, row_len=48)).group
+    assert not stream.done()
     stream.cancel()
     assert not list((tmp_path / "d").iterdir())
 
@@ -160,12 +184,8 @@ def test_streamed_run_equals_cached_run(tmp_path, monkeypatch, slow_small_chunks
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
     paths = write_sources(tmp_path / "data")
     options = dict(seq_len=64, batch_tokens=256, progress=False)
-    slow_small_chunks.delay = 0.05
-    slow_small_chunks.hold = 2  # the builder waits for the loop's first request: the loop follows it
     first = isojax.measure(str(tmp_path / "ckpt"), paths, **options)
-    # the run read partial caches (how many depends on how long the first step's compile takes
-    # beside the builder: 3 to 10+ on 2 cores; test_packing_follows_a_growing_cache counts them)
-    assert slow_small_chunks.count(False) >= 1
+    assert slow_small_chunks.count(False) >= slow_small_chunks.built - 1 > 5  # the run followed every chunk
     second = isojax.measure(str(tmp_path / "ckpt"), paths, **options)
     assert not first.manifest["from_cache"] and second.manifest["from_cache"]
     assert set(first.metrics["sources"]) == {"Books3", "PG-19", "shakespeare", "moby"}
@@ -186,12 +206,12 @@ def test_bad_file_late_in_a_first_run_exits_cleanly(tmp_path, monkeypatch, capsy
     for i in range(30):
         (folder / f"p{i:02}.txt").write_text(paras[i])
     (folder / "zz-bad.txt").write_bytes(b"fine\n\nthen \xff\n")
-    slow_small_chunks.delay = 0.1
     args = ["--model", str(tmp_path / "ckpt"), "--data", str(folder), "--seq-len", "64", "--batch-tokens", "256",
             "--no-plots", "--out", str(tmp_path / "out")]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "error: " in err and "zz-bad.txt:3: invalid UTF-8" in err and "Traceback" not in err
-    assert slow_small_chunks.count(False) > 0  # the loop had started
+    # the loop had started: the builder, in step with it, could not reach the bad file before
+    assert slow_small_chunks.count(False) > 0
     assert not (tmp_path / "out" / "metrics.json").exists()
     assert not list((tmp_path / "cache" / "tokens").iterdir())

@@ -16,7 +16,9 @@ import gzip
 import hashlib
 import io
 import json
+import numbers
 import os
+import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -96,6 +98,11 @@ class Corpus:
     bad_records: int = 0
     seen_sources: set[str] = dataclasses.field(default_factory=set)
     warn: bool = True  # warn about skipped records (the label scan reads them a second time, quietly)
+    max_tokens: int | None = None  # a budget split equally over the sources (budget())
+    max_tokens_per_source: int | None = None
+    _labels: list[str] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _labels_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False,
+                                                     compare=False)
 
     def fingerprint(self) -> str:
         """Hash of inputs (path, size, mtime), unit, sources, splitter; never reads contents.
@@ -115,6 +122,8 @@ class Corpus:
                 parts.append([inp.kind, inp.label, *_stat(Path(inp.path))])
         key = {"inputs": parts, "unit": self.unit, "splitter": SPLITTER if self.unit == "sentence" else None,
                "sources": sorted(self.sources) if self.sources is not None else None, "text_field": self.text_field}
+        if self.max_tokens is not None or self.max_tokens_per_source is not None:  # absent: the whole corpus
+            key["budget"] = [self.max_tokens, self.max_tokens_per_source]
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
     def size_bytes(self) -> int | None:
@@ -127,15 +136,38 @@ class Corpus:
         names = [inp.path for inp in self.inputs]
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
-    def documents(self) -> Iterator[tuple[str, str]]:
-        """(source label, text) of every record that passes the sources filter, in order."""
+    def documents(self, skip=None) -> Iterator[tuple[str, str]]:
+        """(source label, text) of every record that passes the sources filter, in order; none
+        whose label skip(label) is true: a text file or the default corpus of such a label is not
+        even read (its label is its input's)."""
         self.bad_records = 0
         self.seen_sources = set()
         for inp in self.inputs:
+            if skip is not None and inp.kind in ("txt", "default") and skip(inp.label):
+                continue
             for label, text in _READERS[inp.kind](self, inp):
                 self.seen_sources.add(label)
-                if self.sources is None or label in self.sources:
+                if (self.sources is None or label in self.sources) and not (skip is not None and skip(label)):
                     yield label, text
+
+    def budget(self) -> tuple[int | None, int | None]:
+        """(each source's share of tokens, the number of sources): max_tokens // sources, at most
+        max_tokens_per_source; max_tokens_per_source alone; (None, None) without a budget. The
+        sources are those --sources names, else the corpus's labels (a JSON lines or parquet input
+        is read for them, as a first run does anyway); without max_tokens their number is None
+        where it would cost that read."""
+        total, each = self.max_tokens, self.max_tokens_per_source
+        if total is None and each is None:
+            return None, None
+        cheap = self.sources is not None or all(inp.kind in ("txt", "default") for inp in self.inputs)
+        n = (len(self.sources) if self.sources is not None else len(self.labels())) \
+            if total is not None or cheap else None
+        if total is None:
+            return each, n
+        if n and total < n:
+            raise UserError(f"--max-tokens {total:,} is less than one token for each of the {n} sources")
+        share = total // max(n, 1)
+        return (min(share, each) if each is not None else share), n
 
     def labels(self) -> list[str]:
         """The source labels of the records, in order of first appearance (as a token cache's
@@ -145,8 +177,11 @@ class Corpus:
         keep = lambda label: self.sources is None or label in self.sources
         if all(inp.kind in ("txt", "default") for inp in self.inputs):
             return list(dict.fromkeys(inp.label for inp in self.inputs if keep(inp.label)))
-        quiet = dataclasses.replace(self, warn=False)  # its own counters: the build may be reading self
-        return list(dict.fromkeys(label for label, _ in quiet.documents()))
+        with self._labels_lock:  # read once: the build's budget and the step's plan both ask, on two threads
+            if self._labels is None:
+                quiet = dataclasses.replace(self, warn=False)  # its own counters: the build may be reading self
+                self._labels = list(dict.fromkeys(label for label, _ in quiet.documents()))
+        return list(self._labels)
 
     def _bad(self, where: str, reason: str) -> None:
         self.bad_records += 1
@@ -350,7 +385,8 @@ def default_corpus(*, unit: str = "sentence") -> Corpus:
 
 
 def load_corpus(paths: list[str] | None, *, unit: str = "sentence", sources=None, text_field: str = "text",
-                max_bad_records: int = 100) -> Corpus:
+                max_bad_records: int = 100, max_tokens: int | None = None,
+                max_tokens_per_source: int | None = None) -> Corpus:
     """Describe a corpus; nothing is read until it is tokenized. None or [] -> the default corpus.
 
     `paths`: .txt (one file = one document), .jsonl / .jsonl.gz / .jsonl.zst with a `text`
@@ -358,9 +394,14 @@ def load_corpus(paths: list[str] | None, *, unit: str = "sentence", sources=None
     `sources`: keep only records whose source label is in this list.
     `max_bad_records`: malformed / undecodable / text-less records are skipped with a warning
     naming file and line; one more than this many raises UserError.
+    `max_tokens`, `max_tokens_per_source`: the token budget (Corpus.budget); tokenizing stops
+    once every source has its share, the unit that fills it cut to fit.
     """
     if unit not in UNITS:
         raise UserError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    for flag, value in (("--max-tokens", max_tokens), ("--max-tokens-per-source", max_tokens_per_source)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise UserError(f"{flag} must be a positive integer, not {value!r}")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     srcs = None
@@ -372,9 +413,16 @@ def load_corpus(paths: list[str] | None, *, unit: str = "sentence", sources=None
         corpus = default_corpus(unit=unit)
     else:
         inputs = [inp for spec in paths for inp in _expand(str(spec))]
+        if max_tokens is not None and srcs is None and any(inp.kind == "hub" for inp in inputs):
+            raise UserError("--max-tokens is split over the sources, and a hub dataset's are known only once it "
+                            "is read: name them with --source, or give --max-tokens-per-source alone")
         for inp in inputs:
             if inp.kind == "hub":
                 check_hub_dataset(inp)
         corpus = Corpus(tuple(inputs), unit=unit)
     corpus.sources, corpus.text_field, corpus.max_bad_records = srcs, text_field, max_bad_records
+    corpus.max_tokens, corpus.max_tokens_per_source = (None if v is None else int(v) for v in
+                                                        (max_tokens, max_tokens_per_source))
+    if max_tokens is not None and (srcs is not None or all(inp.kind in ("txt", "default") for inp in corpus.inputs)):
+        corpus.budget()  # a budget too small for its sources is refused now where that reads nothing
     return corpus

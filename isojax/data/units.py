@@ -16,11 +16,13 @@ space; its sentences up to its last sentence start before the window's last sixt
 kept and the next window starts there, so the sentences are those of the whole paragraph
 (syntok decides a boundary from the words around it, which the window holds; identical on
 1M-character one-paragraph copies of both books, windows of 3K to 64K). A sentence longer than
-a window continues into the next one, whole.
+a window continues into the next one, whole. Sentences come one at a time (`iter_sentences`):
+a build whose token budget is met (tokens.py) splits no further.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from importlib.metadata import version
 
@@ -40,24 +42,32 @@ _WINDOW = 1 << 16  # characters syntok sees at once
 
 def paragraphs(text: str) -> list[str]:
     """Blank-line separated blocks, whitespace collapsed, empty ones dropped."""
-    out = []
-    for block in _PARAGRAPH.split(text):
+    return list(_paragraphs(text))
+
+
+def _paragraphs(text: str):
+    lo = 0
+    for gap in itertools.chain(_PARAGRAPH.finditer(text), [None]):
+        block = text[lo:gap.start() if gap else len(text)]
         para = _SPACES.sub(" ", block).strip()  # not " ".join(block.split()): a list of every word
         if para:
-            out.append(para)
-    return out
+            yield para
+        lo = gap.end() if gap else lo
 
 
 def split_sentences(text: str) -> list[str]:
     """Sentences of `text`, in order; each is an exact substring of its collapsed paragraph."""
-    out = []
-    for para in paragraphs(text):
-        out.extend(_paragraph_sentences(para))
-    return out
+    return list(iter_sentences(text))
 
 
-def _paragraph_sentences(para: str) -> list[str]:
-    out, head, lo = [], 0, 0  # para[head:lo]: the start of a sentence longer than a window
+def iter_sentences(text: str):
+    """split_sentences one at a time: a reader that stops early splits no further."""
+    for para in _paragraphs(text):
+        yield from _paragraph_sentences(para)
+
+
+def _paragraph_sentences(para: str):
+    head, lo = 0, 0  # para[head:lo]: the start of a sentence longer than a window
     while lo < len(para):
         last = len(para) - lo <= _WINDOW
         cut = -1 if last else para.rfind(" ", lo + 1, lo + _WINDOW)
@@ -77,17 +87,16 @@ def _paragraph_sentences(para: str) -> list[str]:
         for i, (a, b) in enumerate(zip(starts, ends)):
             sent = para[(head if i == 0 else lo + a):lo + b].strip()
             if sent:
-                out.append(sent)
+                yield sent
         if last:
             break
         head = lo = lo + starts[-1]
-    return out
 
 
-def text_units(text: str, unit: str) -> list[str]:
-    """The units of one record: its sentences, or the whole text as one document."""
+def text_units(text: str, unit: str):
+    """The units of one record, lazily: its sentences, or the whole text as one document."""
     if unit == "sentence":
-        return split_sentences(text)
+        return iter_sentences(text)
     if unit == "document":
         return [text] if text.strip() else []
     raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")

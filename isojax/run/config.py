@@ -19,13 +19,15 @@ from typing import Any
 class DataConfig:
     """data: paths or hub: specs (None: CPython's bundled documentation); unit: sentence, paragraph
     or document; sources: the sources to keep; seq_len: tokens per row; batch_tokens: token slots
-    per step over all devices; max_tokens: stop after this many tokens."""
+    per step over all devices; max_tokens: the tokens measured, an equal share for each source;
+    max_tokens_per_source: each source's share (with max_tokens: at most this)."""
     data: Any = None
     unit: str = "sentence"
     sources: Any = None
     seq_len: int | None = None
     batch_tokens: int | None = None
     max_tokens: int | None = None
+    max_tokens_per_source: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +91,9 @@ class MeasureConfig:
               save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto",
               norm_kernel: str = "auto", mesh=None, checkpoint_dir=None, checkpoint_every_tokens=None,
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
-              intrinsic_k: int = 20) -> MeasureConfig:
+              intrinsic_k: int = 20, max_tokens_per_source=None) -> MeasureConfig:
         """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
-        return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens),
+        return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source),
                    model=ModelConfig(model, revision, dtype),
                    stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k),
                    kernels=KernelConfig(attention, mlp_kernel, norm_kernel),

@@ -27,7 +27,7 @@ from isojax.kernels.select import check_mlp_kernel, check_norm_kernel
 from isojax.log import log
 from isojax.run.config import KernelConfig, MeasureConfig
 from isojax.run.loop import consume, resume
-from isojax.run.plan import StepPlan, plan_in_background, step_module
+from isojax.run.plan import StepPlan, plan_in_background, run_max_tokens, step_module
 from isojax.run.timings import Timings, in_background
 
 DEFAULT_MODEL = "pythia-70m"
@@ -232,11 +232,13 @@ def measure(model=None, data=None, **kwargs) -> Results:
     auto_attention = attention == "auto"
     if auto_attention:  # packed (else cuDNN) on GPUs in bf16, Pallas flash attention on TPUs, else plain
         attention = {"gpu": "packed" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
-    for name, value in (("max_tokens", max_tokens), ("batch_tokens", batch_tokens), ("seq_len", seq_len),
+    for name, value in (("max_tokens", max_tokens), ("max_tokens_per_source", config.data.max_tokens_per_source),
+                        ("batch_tokens", batch_tokens), ("seq_len", seq_len),
                         ("checkpoint_every_tokens", checkpoint_every_tokens), ("intrinsic_k", intrinsic_k)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise UserError(f"{name} must be a positive integer, not {value!r}")
-    corpus = load_corpus(data, unit=unit, sources=sources)  # checks every path before any weights load
+    corpus = load_corpus(data, unit=unit, sources=sources, max_tokens=run_max_tokens(config, on_accel),
+                         max_tokens_per_source=config.data.max_tokens_per_source)  # checks every path first
     with timings("load"):
         name = model if isinstance(model, str) or model is None else None
         early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
@@ -335,8 +337,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     def total():  # None while tokenizing: the bar shows count and rate
         if streamed and not tokens.done():
             return None
-        n = finished().n_tokens
-        return min(n, max_tokens or n)
+        return finished().n_tokens  # a budget's tokens only: the cache holds no more (Corpus.budget)
 
     local = parallel.local_rows(mesh, rows) if jax.process_count() > 1 else None
     # with a checkpoint directory, SIGTERM (preemption) checkpoints too, periodic checkpoints or not
@@ -356,7 +357,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
         try:
             done, first = consume(
                 runner, pack_batches(tokens, rows=rows, row_len=row_len, start_cursor=cursor, row_subset=local),
-                done, total, max_tokens=max_tokens, checkpoint_every=checkpoint_every_tokens, progress=progress,
+                done, total, checkpoint_every=checkpoint_every_tokens, progress=progress,
                 after_first_step=compile_ahead, save_checkpoint=None if checkpointer is None else lambda d, c:
                 checkpointer.save(d["batches"], runner.acc, {"settings": settings, "cursor": c, "done": d}))
         finally:

@@ -32,6 +32,13 @@ class StepPlan:
     seconds: dict  # kernels (until the checks end), tokens (waiting for the sample's), compile, total; measure() adds waited
 
 
+def run_max_tokens(config, on_accel: bool) -> int | None:
+    """config's max_tokens; with none given, CPU_DEFAULT_MAX_TOKENS for the embedded default corpus on CPU."""
+    if config.data.max_tokens is None and config.data.data is None and not on_accel:
+        return CPU_DEFAULT_MAX_TOKENS
+    return config.data.max_tokens
+
+
 def step_module(module, mesh):
     """The module as the step runs it: activations split by rows over every device."""
     from isojax.device import mesh as parallel
@@ -79,9 +86,9 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     streamed = isinstance(tokens, TokenStream)
     labels = corpus.labels() if streamed else tokens.source_names
     labels = labels or (tokens.result() if streamed else tokens).source_names  # none: the build ends with its error
-    max_tokens, sample_states, intrinsic_k = config.data.max_tokens, config.stats.sample_states, config.stats.intrinsic_k
-    if max_tokens is None and config.data.data is None and not on_accel:
-        max_tokens = CPU_DEFAULT_MAX_TOKENS
+    max_tokens, sample_states, intrinsic_k = run_max_tokens(config, on_accel), config.stats.sample_states, \
+        config.stats.intrinsic_k
+    if max_tokens is not None and config.data.max_tokens is None:
         log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (--max-tokens to change)")
     wanted = default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
     seen = tokens.tokens_at_least(wanted) if streamed else tokens.n_tokens  # a first run: as many as the sample wants
