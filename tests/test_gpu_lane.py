@@ -42,8 +42,8 @@ def _gpus() -> int:
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory):
     """A corpus of ~1.3M tokens (two sources, sentences; ~5 default batches of pythia-70m's shapes on
-    one GPU) and a folder for the runs. Measured whole: --max-tokens stops after whole batches, whose
-    size depends on the device count."""
+    one GPU) and a folder for the runs. Measured whole: every run but the sweep's reads it all; the
+    sweep's --max-tokens is a budget of equal shares per source (its token cache holds no more)."""
     tmp = tmp_path_factory.mktemp("lane")
     rng = np.random.default_rng(0)
     words = np.array("the of and to in is was that for it with as his on be at by had not are but from or have "

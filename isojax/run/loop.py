@@ -39,10 +39,10 @@ def jax_processes() -> int:
     return jax.process_count()
 
 
-def consume(runner, batches, done: dict, total: int, *, max_tokens=None, checkpoint_every=None,
+def consume(runner, batches, done: dict, total: int, *, checkpoint_every=None,
             save_checkpoint=None, progress: bool = True, desc: str = "tokens",
             after_first_step=None) -> tuple[dict, float]:
-    """Feed batches to the devices until they run out or max_tokens is reached (whole batches).
+    """Feed batches to the devices until they run out (a token budget is the token cache's: data/tokens.py).
     The progress bar counts tokens the devices have finished, not dispatched, up to `total`: an
     int, or a function giving it once known and None before (the corpus still being tokenized:
     the bar shows count and rate). after_first_step() is called once the first step (its compile)
@@ -72,8 +72,6 @@ def consume(runner, batches, done: dict, total: int, *, max_tokens=None, checkpo
     with _sigterm_flag() if save_checkpoint is not None else contextlib.nullcontext([]) as stop:
         try:
             for batch in batches:
-                if max_tokens and done["tokens"] >= max_tokens:
-                    break
                 t = time.time()
                 pending.append((runner.step(batch.tokens_BxT, batch.segment_ids_BxT, batch.positions_BxT,
                                             batch.group, batch.sequences_BxT), batch.n_tokens))
