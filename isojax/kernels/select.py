@@ -1,14 +1,89 @@
 """Which kernel runs where, decided in one place before any weights load (check_*) and once the
 rows per device are known (choose_*): the fused MLP (mlp), the LayerNorm pair (norm) and attention
 over packed rows (packed_attention), each where it applies and its probe (`works`) passes here,
-else XLA's path. An explicit choice that cannot run is a UserError."""
+else XLA's path. An explicit choice that cannot run is a UserError. A probe's outcome is kept
+(CheckRecord) per card, driver, versions, kernel source and arguments, so a machine pays it once."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+
+from isojax.atomic import write_atomic
 from isojax.errors import UserError
 from isojax.log import log
+from isojax.model import ops
 from isojax.model.config import ACTIVATIONS
-from isojax.model.ops import DTYPES
+
+RECHECK = "ISOJAX_RECHECK_KERNELS"  # set (not 0): every probe runs again, and its record is rewritten
+
+
+@functools.cache
+def environment() -> dict:
+    """What besides the kernel's source and arguments can change a probe's outcome: the card, the
+    NVIDIA driver (its /proc line, where the host has one), the backend's platform_version (CUDA's
+    on GPUs) and the versions of jax, jaxlib, their plugins and the NVIDIA libraries installed."""
+    import jax
+    device = jax.devices()[0]
+    try:
+        driver = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        driver = None
+    packages = sorted({f"{d.metadata['Name']}=={d.version}".lower() for d in importlib.metadata.distributions()
+                       if (d.metadata["Name"] or "").lower().startswith(("jax", "nvidia-"))})
+    return dict(device_kind=device.device_kind, platform_version=device.client.platform_version, driver=driver,
+                packages=packages)
+
+
+def source_hash(*files) -> str:
+    return hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest()
+
+
+class CheckRecord:
+    """Kernel probes' outcomes kept in `folder` (None: none kept), one JSON file per key: the
+    kernel, its arguments, the bytes of its module and of model/ops.py, and environment(). A record
+    that cannot be read or does not hold its key is ignored (the probe runs and rewrites it); one
+    that cannot be written is skipped. `used`: the kernels whose recorded outcome was taken."""
+
+    def __init__(self, folder):
+        self.folder = None if folder is None else Path(folder)
+        self.used = []
+
+    def outcome(self, kernel, args: dict, run: bool = True) -> str | None:
+        """kernel.works(**args): None where the kernel works here, else why not. From the record
+        where it holds it; else run and recorded, or with run=False assumed to work (None)."""
+        if self.folder is None:
+            return kernel.works(**args) if run else None
+        name = kernel.__name__.rpartition(".")[2]
+        key = dict(kernel=kernel.__name__, args=args, source=source_hash(kernel.__file__, ops.__file__),
+                   **environment())
+        path = self.folder / f"{name}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+        if os.environ.get(RECHECK, "0") in ("", "0"):
+            try:
+                record = json.loads(path.read_text())
+                why = record["why"]
+                if record["key"] == key and record["passed"] is (why is None) and isinstance(why, (str, type(None))):
+                    if run:
+                        self.used.append(name)
+                    return why
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        if not run:
+            return None
+        why = kernel.works(**args)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(dict(key=key, passed=why is None, why=why), indent=1, sort_keys=True))
+        except OSError:
+            pass
+        return why
+
+
+NO_RECORD = CheckRecord(None)
 
 
 def check_mlp_kernel(mlp_kernel: str, dtype: str) -> None:
@@ -23,15 +98,16 @@ def check_mlp_kernel(mlp_kernel: str, dtype: str) -> None:
             raise UserError(f"mlp kernel mosaic does not run here: {why}")
 
 
-def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True) -> str:
+def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True,
+                      record: CheckRecord = NO_RECORD) -> str:
     """auto: the Mosaic kernel (isojax.kernels.mlp) where it applies (bfloat16, Hopper GPUs, a
     device's rows and the model's widths tile) and works, else XLA's path; mosaic where it does not
     apply: an error. check=False: what it chooses if the kernel works, without trying it or saying
-    anything (run/plan.py compiles the step for that while the check runs)."""
+    anything (run/plan.py compiles the step for that while the check runs), or as `record` holds it."""
     from isojax.kernels import mlp as kernels
     if mlp_kernel == "xla":
         return "xla"
-    fits = kernels.applies(device_rows, cfg.hidden_size, cfg.intermediate_size, DTYPES[dtype]) \
+    fits = kernels.applies(device_rows, cfg.hidden_size, cfg.intermediate_size, ops.DTYPES[dtype]) \
         and exact_gelu_with_bias(cfg)
     if mlp_kernel == "mosaic" and not fits:
         raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of "
@@ -41,8 +117,9 @@ def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check:
         log(f"the fused MLP kernel does not apply to this {cfg.family} MLP ({cfg.hidden_act}"
             f"{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'}, {device_rows} rows per "
             "device): XLA's path")
-    if fits and check and (why := kernels.works()) is not None:
-        log(f"the fused MLP kernel does not run here ({why}): XLA's path instead")
+    if fits and (why := record.outcome(kernels, {}, run=check)) is not None:
+        if check:
+            log(f"the fused MLP kernel does not run here ({why}): XLA's path instead")
         return "xla"
     return "mosaic" if fits else "xla"
 
@@ -67,7 +144,8 @@ def check_norm_kernel(norm_kernel: str, dtype: str) -> None:
         raise UserError("norm kernel pallas is a GPU kernel for bfloat16 runs")
 
 
-def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True) -> str:
+def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True,
+                       record: CheckRecord = NO_RECORD) -> str:
     """auto: one Pallas kernel for a parallel-residual block's two LayerNorms (isojax.kernels.norm)
     where it applies (bfloat16 on a GPU, a power-of-two width) and works, else XLA's; pallas where
     it does not apply: an error. check=False: as choose_mlp_kernel's."""
@@ -84,19 +162,20 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int, chec
             log(f"the LayerNorm-pair kernel does not apply to this {cfg.family} block: XLA's norms")
         return "xla"
     d = cfg.hidden_size
-    fits = jax.default_backend() == "gpu" and kernel.applies(d, DTYPES[dtype]) \
+    fits = jax.default_backend() == "gpu" and kernel.applies(d, ops.DTYPES[dtype]) \
         and device_rows % kernel.rows_per_block(d) == 0
     if norm_kernel == "pallas" and not fits:
         raise UserError(f"norm kernel pallas does not apply to {device_rows} rows per device of width {d}")
-    why = kernel.works(d) if fits and check else None
-    if why is not None:
+    why = record.outcome(kernel, dict(d=d), run=check) if fits else None
+    if why is not None and check:
         if norm_kernel == "pallas":
             raise UserError(f"norm kernel pallas does not run here: {why}")
         log(f"the LayerNorm kernel does not run here ({why}): XLA's LayerNorms instead")
     return "pallas" if fits and why is None else "xla"
 
 
-def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int, check: bool = True) -> str:
+def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int, check: bool = True,
+                     record: CheckRecord = NO_RECORD) -> str:
     """The attention kernel for these rows. packed (isojax.kernels.packed_attention) where it applies
     (rotary positions without q/k norms or clipping, powers-of-two head and rotary dims, rows of a
     multiple of 64; any number of key/value heads) and works here, else, under
@@ -109,11 +188,11 @@ def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int, 
         if cfg.learned_positions or cfg.qk_norm or cfg.clip_qkv is not None:
             why = ("is for rotary attention without q/k norms or clipping (this "
                    f"{cfg.family} has {'learned positions' if cfg.learned_positions else 'q/k norms or clip_qkv'})")
-        elif not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, DTYPES[dtype]):
+        elif not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, ops.DTYPES[dtype]):
             why = (f"needs head and rotary dims that are powers of two >= 16 (here {cfg.head_dim} and "
                    f"{cfg.rotary_dims}) and rows of a multiple of 64 tokens (seq_len {row_len})")
-        elif check:
-            why = packed_attention.works(cfg.head_dim, cfg.rotary_dims)
+        else:
+            why = record.outcome(packed_attention, dict(head_dim=cfg.head_dim, rotary_dims=cfg.rotary_dims), run=check)
         if why is None:
             return "packed"
         if not auto:

@@ -62,19 +62,21 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     from isojax.device import ahead
     from isojax.device.memory import defaults_platform, device_batch_tokens
     from isojax.device.runner import Layout
-    from isojax.hf.loading import abstract_params, build_module
-    from isojax.kernels.select import choose_attention, choose_mlp_kernel, choose_norm_kernel
+    from isojax.hf.loading import abstract_params, build_module, cache_root
+    from isojax.kernels.select import RECHECK, CheckRecord, choose_attention, choose_mlp_kernel, choose_norm_kernel
 
     start, seconds = time.time(), {}
     on_accel = defaults_platform() != "cpu"
     n_dev = mesh.size
     rows = -(-max(1, (config.data.batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)) // row_len) // n_dev) * n_dev
     device_rows = rows // n_dev * row_len
-    choose = lambda check: (lambda: choose_attention(attention, auto_attention, cfg, dtype, row_len, check),
-                            lambda: choose_mlp_kernel(config.kernels.mlp, cfg, dtype, device_rows, check),
-                            lambda: choose_norm_kernel(config.kernels.norm, cfg, dtype, device_rows, check))
-    # Each kernel's check compiles and runs it (seconds): the three at once, beside the step's
-    # compile for the kernels they are expected to choose (compiled again where a check fails).
+    record = CheckRecord(cache_root() / "kernel_checks")
+    choose = lambda check: (lambda: choose_attention(attention, auto_attention, cfg, dtype, row_len, check, record),
+                            lambda: choose_mlp_kernel(config.kernels.mlp, cfg, dtype, device_rows, check, record),
+                            lambda: choose_norm_kernel(config.kernels.norm, cfg, dtype, device_rows, check, record))
+    # Each kernel's check compiles and runs it (seconds), unless this machine's record holds its
+    # outcome: the three at once, beside the step's compile for the kernels they are expected to
+    # choose (as recorded, else passing; compiled again where a check chooses otherwise).
     pool = concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="isojax-check")
     checks = [pool.submit(f) for f in choose(True)]
     pool.shutdown(wait=False)
@@ -114,6 +116,8 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
         step = None
     chosen = tuple(check.result() for check in checks)
     seconds["kernels"] = time.time() - start
+    if record.used:
+        log(f"kernel checks: recorded outcomes used for {', '.join(sorted(record.used))} ({RECHECK}=1 runs them again)")
     if chosen != expected or step is None:
         log(f"kernel checks chose {'/'.join(chosen)}: compiling the step for them")
         step = compiled(chosen)
