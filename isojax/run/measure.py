@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from isojax.errors import UserError
-from isojax.stats.finalize import sample_metrics
+from isojax.stats.finalize import massive_ratio, sample_cka, sample_metrics
 from isojax.device.memory import check_fits, choose_mesh, defaults_platform
 from isojax.kernels.select import check_mlp_kernel, check_norm_kernel
 from isojax.log import log
@@ -236,6 +236,8 @@ def measure(model=None, data=None, **kwargs) -> Results:
                         ("checkpoint_every_tokens", checkpoint_every_tokens), ("intrinsic_k", intrinsic_k)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise UserError(f"{name} must be a positive integer, not {value!r}")
+    if not isinstance(config.stats.isoscore_zeta, (int, float)) or not 0 <= config.stats.isoscore_zeta <= 1:
+        raise UserError(f"isoscore_zeta must be a number from 0 to 1, not {config.stats.isoscore_zeta!r}")
     corpus = load_corpus(data, unit=unit, sources=sources)  # checks every path before any weights load
     with timings("load"):
         name = model if isinstance(model, str) or model is None else None
@@ -383,12 +385,15 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
         sampled = runner.sample()
     has_sources = num_groups > 1 or bool(sources)
     with timings("finalize"):
-        final = finalize(acc, cfg.state_names, cache.source_names if has_sources else None, token=token)
+        final = finalize(acc, cfg.state_names, cache.source_names if has_sources else None, token=token,
+                         isoscore_zeta=config.stats.isoscore_zeta)
         if sampled is not None:
             count, states = sampled
             for layer, extra in zip(final["layers"], sample_metrics(states, count, cfg.state_names, intrinsic,
                                                                     k=intrinsic_k)):
                 layer.update(extra)
+                layer["massive_ratio"] = massive_ratio(layer)
+            final["cka"] = sample_cka(states, count, cfg.state_names)
             if intrinsic:
                 final["sample"] = states
     if centered:
