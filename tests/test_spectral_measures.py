@@ -171,3 +171,20 @@ def test_isoscore_zeta_outside_0_1_is_an_argparse_error(tmp_path, capsys):
         assert e.value.code == 2
         assert "--isoscore-zeta" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_sample_read_outs_compiled_ahead_are_not_compiled_again(caplog):
+    """finalize.compile_ahead also compiles sample_metrics' and sample_cka's float64 read-outs."""
+    import logging
+
+    k, d = 300, 20  # shapes no other test compiles
+    device = jax.devices()[0]
+    fz.compile_ahead((1, 2, d, d), 1, k, device)
+    x = jax.device_put(np.random.default_rng(0).normal(size=(k, d)).astype(np.float32), device)
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True), jax.enable_x64(True):
+        median, standardized = fz._sample_geometry(x)
+        cross = fz._centered_cross(x, x)
+    compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert not [c for c in compiled if "_sample_geometry" in c or "centered_cross" in c], compiled
+    assert float(median) > 0 and abs(float(standardized)) < 0.1 and float(cross) > 0

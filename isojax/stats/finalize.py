@@ -277,6 +277,10 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
         if sample_count >= BATCH:
             x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
             _batch_anisotropy.lower(x).compile()
+        if sample_count:  # sample_metrics' median and standardized InterSim, sample_cka's products
+            x = jax.ShapeDtypeStruct((sample_count, d), np.float32, sharding=on)
+            _sample_geometry.lower(x).compile()
+            _centered_cross.lower(x, x).compile()
 
 
 def finalize(acc: Accumulators, state_names: list[str],
