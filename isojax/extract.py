@@ -17,6 +17,16 @@ from isojax.run.plan import CPU_DEFAULT_MAX_TOKENS
 from isojax.errors import UserError, exit_with, run_command
 
 
+def zeta_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -86,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "only; on CPU no sample is kept unless asked for")
     ap.add_argument("--intrinsic-k", type=positive_int, default=20, metavar="k",
                     help="neighbours for the MLE and MoM intrinsic dimension (default: 20)")
+    ap.add_argument("--isoscore-zeta", type=zeta_fraction, default=0.2, metavar="ZETA",
+                    help="IsoScore*'s covariance shrinkage (1 - ZETA) C + ZETA I, 0 to 1 (default: 0.2, "
+                         "Rudman & Eickhoff 2024)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--format", default="csv", choices=["csv", "parquet"],
@@ -180,7 +193,8 @@ def run(args) -> Path:
                    centered=args.centered, save_token_sums=args.save_token_sums, attention=args.attention,
                    mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel,
                    mesh=parallel.parse_mesh(args.mesh) or None, checkpoint_every_tokens=args.checkpoint_every_tokens,
-                   sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k)
+                   sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
+                   isoscore_zeta=args.isoscore_zeta)
     models = args.model or [None]
     if args.paper_steps or args.revisions or len(models) > 1:
         from isojax.run.sweep import run_sweep

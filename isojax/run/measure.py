@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from isojax.errors import UserError
-from isojax.stats.finalize import sample_metrics
+from isojax.stats.finalize import massive_ratio, sample_cka, sample_metrics
 from isojax.device.memory import check_fits, choose_mesh, defaults_platform
 from isojax.kernels.select import check_mlp_kernel, check_norm_kernel
 from isojax.log import log
@@ -237,6 +237,8 @@ def measure(model=None, data=None, **kwargs) -> Results:
                         ("checkpoint_every_tokens", checkpoint_every_tokens), ("intrinsic_k", intrinsic_k)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise UserError(f"{name} must be a positive integer, not {value!r}")
+    if not isinstance(config.stats.isoscore_zeta, (int, float)) or not 0 <= config.stats.isoscore_zeta <= 1:
+        raise UserError(f"isoscore_zeta must be a number from 0 to 1, not {config.stats.isoscore_zeta!r}")
     corpus = load_corpus(data, unit=unit, sources=sources, max_tokens=run_max_tokens(config, on_accel),
                          max_tokens_per_source=config.data.max_tokens_per_source)  # checks every path first
     with timings("load"):
@@ -384,12 +386,15 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
         sampled = runner.sample()
     has_sources = num_groups > 1 or bool(sources)
     with timings("finalize"):
-        final = finalize(acc, cfg.state_names, cache.source_names if has_sources else None, token=token)
+        final = finalize(acc, cfg.state_names, cache.source_names if has_sources else None, token=token,
+                         isoscore_zeta=config.stats.isoscore_zeta)
         if sampled is not None:
             count, states = sampled
             for layer, extra in zip(final["layers"], sample_metrics(states, count, cfg.state_names, intrinsic,
                                                                     k=intrinsic_k)):
                 layer.update(extra)
+                layer["massive_ratio"] = massive_ratio(layer)
+            final["cka"] = sample_cka(states, count, cfg.state_names)
             if intrinsic:
                 final["sample"] = states
     if centered:

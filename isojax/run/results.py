@@ -19,7 +19,8 @@ def result_names(final: dict, plots: bool, parquet: bool = False) -> set[str]:
     return ({"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | ({"plots"} if plots else set())
             | ({"layers.parquet"} if parquet else set())
             | ({"tokens.zarr"} if final.get("token") is not None else set())
-            | ({"samples.zarr"} if final.get("sample") is not None else set()))
+            | ({"samples.zarr"} if final.get("sample") is not None else set())
+            | ({"cka.json"} if final.get("cka") is not None else set()))
 
 
 def output_bytes(cfg, *, token_stats: bool, save_token_sums: bool, sample_states: int) -> int:
@@ -135,6 +136,8 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
         write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
         if token_sums is not None:
             write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
+    if final.get("cka") is not None:  # linear CKA between the states on the sample
+        (stage / "cka.json").write_text(json.dumps(json_safe(final["cka"]), indent=1) + "\n")
     states = final.get("sample")
     if states is not None:  # the uniform sample, [S, K, D] float32, one state at a time
         first = np.asarray(states(0))

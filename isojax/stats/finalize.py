@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from isojax.errors import UserError
 from isojax.stats import accumulators as stats
+from isojax.stats import geometry
 from isojax.stats.accumulators import _COUNT_BITS, Accumulators, chan_term
 
 
@@ -70,10 +71,16 @@ def _covariances(n, sum_D, m2_DxD, unit_m2_DxD):
 
 def _tridiagonals(n, sum_D, m2_DxD, unit_m2_DxD):
     """(([3, D] diagonals, [3, D-1] off-diagonals) of _covariances' matrices reduced to
-    tridiagonal form by Householder reflections, Sum |x|^2 / n)."""
+    tridiagonal form by Householder reflections, Sum |x|^2 / n, [3, D] diagonals of the matrices)."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
     _, diag_KxD, off_KxD, _ = jax.lax.linalg.tridiagonal(mats, lower=True)
-    return (diag_KxD, off_KxD), mean_sq_norm
+    return (diag_KxD, off_KxD), mean_sq_norm, jnp.diagonal(mats, axis1=1, axis2=2)
+
+
+def _matrices(n, sum_D, m2_DxD, unit_m2_DxD):
+    """(_covariances' [3, D, D] matrices, Sum |x|^2 / n, their [3, D] diagonals)."""
+    mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
+    return mats, mean_sq_norm, jnp.diagonal(mats, axis1=1, axis2=2)
 
 
 @jax.jit
@@ -101,7 +108,7 @@ def _bisect_states(reduced: list) -> list:
         eigs.append(eig_NxD[at:at + k].reshape(p[0].shape))
         at += k
     it = iter(eigs[len(whole):])
-    return [((eigs[s], np.asarray(w[1])), None if g is None else (next(it), *map(np.asarray, g[1:])))
+    return [((eigs[s], *map(np.asarray, w[1:])), None if g is None else (next(it), *map(np.asarray, g[1:])))
             for s, (w, g) in enumerate(reduced)]
 
 
@@ -122,15 +129,16 @@ def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, how: str):
     the effective rank) as a tridiagonal form (how="tridiagonal") or a matrix ("matrices"); of
     the second moment and of the unit vectors' covariance only sigma_1^2 / sum sigma^2, by
     Lanczos: one Householder reduction per source and state instead of three (bench/RESULTS.md
-    8e); and Sum |x|^2 / n."""
+    8e); Sum |x|^2 / n; and the [3, D] diagonals of the three matrices."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
     top_2 = jax.vmap(lambda a: _top_eigenvalue(a, GROUP_LANCZOS_STEPS))(mats[1:])
     trace_2 = jnp.trace(mats[1:], axis1=1, axis2=2)
     ratios_2 = jnp.where(trace_2 > 0, top_2 / jnp.where(trace_2 > 0, trace_2, 1.0), jnp.nan)
+    diag_3xD = jnp.diagonal(mats, axis1=1, axis2=2)
     if how == "tridiagonal":
         _, diag_D, off_D, _ = jax.lax.linalg.tridiagonal(mats[0], lower=True)
-        return (diag_D, off_D), ratios_2, mean_sq_norm
-    return mats[0], ratios_2, mean_sq_norm
+        return (diag_D, off_D), ratios_2, mean_sq_norm, diag_3xD
+    return mats[0], ratios_2, mean_sq_norm, diag_3xD
 
 
 @functools.partial(jax.jit, static_argnames=("per_group", "how"))
@@ -147,34 +155,63 @@ def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how
         whole = (_combine_m2(n_G, sum_GxD, m2_HxDxD), _combine_m2(n_G, unit_sum_GxD, unit_m2_HxDxD))
     else:
         whole = (m2_HxDxD[0], unit_m2_HxDxD[0])
-    readout = {"tridiagonal": _tridiagonals, "matrices": _covariances}[how]
+    readout = {"tridiagonal": _tridiagonals, "matrices": _matrices}[how]
     groups = jax.vmap(functools.partial(_group_readout, how=how))(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) \
         if per_group else None
     return readout(n_G.sum(), sum_GxD.sum(0), *whole), groups
 
 
 def _whole_readout(eigs):
-    """A whole population's ([3, D] eigenvalues, Sum |x|^2 / n) as _moments takes it."""
-    (centered_D, uncentered_D, unit_D), mean_sq_norm = eigs
-    return centered_D, _ratio_top(uncentered_D), _ratio_top(unit_D), mean_sq_norm
+    """A whole population's ([3, D] eigenvalues, Sum |x|^2 / n, [3, D] diagonals) as _moments takes it."""
+    (centered_D, uncentered_D, unit_D), mean_sq_norm, diag_3xD = eigs
+    return centered_D, _ratio_top(uncentered_D), _ratio_top(unit_D), mean_sq_norm, diag_3xD
 
 
-def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None):
+GEOMETRY_KEYS = ("isoscore", "isoscore_star", "alpha_req", "rogue_dims", "rogue_share_top3", "feature_kurtosis")
+
+
+def _geometry(n, unit_sum_D, centered_D, diag_3xD, zeta: float) -> dict:
+    """The spectral measures of isojax.stats.geometry from one population's centered eigenvalues
+    and the diagonals of its second moment (Sum x x^T / n) and unit covariance (Sum (u - mean u)
+    (u - mean u)^T / n): Sum_t u_ti^2 = n x that diagonal + S_i^2 / n, Sum_t x_ti^2 = n x the other."""
+    n = float(n)
+    unit_sq_sum_D = n * diag_3xD[2] + unit_sum_D * unit_sum_D / max(n, 1.0)
+    rogue = geometry.rogue_dims(n, unit_sum_D, unit_sq_sum_D)
+    return {"isoscore": geometry.isoscore(centered_D),
+            "isoscore_star": geometry.isoscore_star(centered_D, n, zeta),
+            "alpha_req": geometry.alpha_req(centered_D),
+            "rogue_dims": rogue,
+            "rogue_share_top3": None if rogue is None else float(sum(r["share"] for r in rogue)),
+            "feature_kurtosis": geometry.feature_kurtosis(n, n * diag_3xD[1])}
+
+
+def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometry.ISOSCORE_ZETA):
     """State-level metrics of one population; readout: (the centered covariance's eigenvalues,
-    descending, the uncentered and the unit anisotropy, Sum |x|^2 / n) (_whole_readout, or a
-    group's part of _bisect_states or _host_eigs), or None (no second moments kept for it)."""
+    descending, the uncentered and the unit anisotropy, Sum |x|^2 / n, the [3, D] diagonals of
+    _covariances' matrices) (_whole_readout, or a group's part of _bisect_states or _host_eigs),
+    or None (no second moments kept for it). zeta: IsoScore*'s shrinkage."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
            "norm_of_mean": float(np.linalg.norm(sum_D) / n) if n else float("nan")}
     if readout is not None and n:
-        centered_D, anisotropy_uncentered, unit_anisotropy, mean_sq_norm = readout
+        centered_D, anisotropy_uncentered, unit_anisotropy, mean_sq_norm, diag_3xD = readout
         out.update(anisotropy=_ratio_top(centered_D),
                    anisotropy_uncentered=float(anisotropy_uncentered),
                    unit_anisotropy=float(unit_anisotropy),
                    effective_rank=_effective_rank(centered_D),
-                   mean_sq_norm=float(mean_sq_norm))
+                   mean_sq_norm=float(mean_sq_norm),
+                   **_geometry(n, unit_sum_D, centered_D, np.asarray(diag_3xD), zeta))
     return out
+
+
+def _log_nulls(what: str, out: dict) -> None:
+    """One log line naming the geometry measures that are null for a population, and why."""
+    nulls = [k for k in GEOMETRY_KEYS if k in out and out[k] is None]
+    if nulls:
+        from isojax.log import log
+        why = "fewer than 2 tokens" if out["count"] < 2 else "its states do not vary (or InterSim is 0)"
+        log(f"{', '.join(nulls)} of {what}: null ({why})")
 
 
 def _bands(count_V, intra_V):
@@ -240,17 +277,22 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
         if sample_count >= BATCH:
             x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
             _batch_anisotropy.lower(x).compile()
+        if sample_count:  # sample_metrics' median and standardized InterSim, sample_cka's products
+            x = jax.ShapeDtypeStruct((sample_count, d), np.float32, sharding=on)
+            _sample_geometry.lower(x).compile()
+            _centered_cross.lower(x, x).compile()
 
 
 def finalize(acc: Accumulators, state_names: list[str],
-             group_names: list[str] | None = None, token=None) -> dict:
+             group_names: list[str] | None = None, token=None, isoscore_zeta: float = geometry.ISOSCORE_ZETA) -> dict:
     """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
     "spectra": {...}}. "layers" combines all groups; "groups" (only with group_names) holds
     per-source results without per-token fields. Spectra are eigenvalues of the covariance
     (Sum (x-mean)(x-mean)^T / n), of the second moment (Sum x x^T / n), and of the
     covariance of unit vectors, each in descending order. `token`: (count_V, intra_sim_SxV)
     when already read out (runner.Runner.token_readout); else taken from acc. The second
-    moments may be device arrays (runner.Runner.merged_layers): they are read out there."""
+    moments may be device arrays (runner.Runner.merged_layers): they are read out there.
+    isoscore_zeta: IsoScore*'s shrinkage (geometry.isoscore_star)."""
     m2_HxSxDxD, unit_m2_HxSxDxD = acc.m2_HxSxDxD, acc.unit_m2_HxSxDxD
     acc = jax.device_get(acc.replace(m2_HxSxDxD=None, unit_m2_HxSxDxD=None))
     n_GxS = (np.asarray(acc.count_hi_GxS, np.int64) << _COUNT_BITS) + np.asarray(
@@ -299,9 +341,11 @@ def finalize(acc: Accumulators, state_names: list[str],
         whole, groups = reduced[s]
         for g in range(num_groups):
             if group_eigs:
-                eigs_GxS[g][s] = (groups[0][g], *groups[1][g], groups[2][g]) if per_group_m2 else _whole_readout(whole)
+                eigs_GxS[g][s] = (groups[0][g], *groups[1][g], groups[2][g], groups[3][g]) if per_group_m2 \
+                    else _whole_readout(whole)
         out = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
-                       _whole_readout(whole) if n_G.sum() else None)
+                       _whole_readout(whole) if n_G.sum() else None, isoscore_zeta)
+        _log_nulls(name, out)
         layer = {"name": name, **out}
         for key, eig in zip(spectra, whole[0] if n_G.sum() else (None,) * 3):
             spectra[key].append(eig)
@@ -321,8 +365,9 @@ def finalize(acc: Accumulators, state_names: list[str],
             layer.update(intra_sim=None, intra_sim_weighted=None, intra_tokens=None)
         layers.append(layer)
 
-    for layer in layers:  # the contract's keys, null until a sample measures them (run.measure)
-        for key in ("anisotropy_batch_mean", "anisotropy_batch_std"):
+    for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
+        for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
+                    "sample_abs_median", "massive_ratio", *GEOMETRY_KEYS):
             layer.setdefault(key, None)
     result = {"layers": layers}
     if all(e is not None for e in spectra["centered_SxD"]):
@@ -335,7 +380,8 @@ def finalize(acc: Accumulators, state_names: list[str],
             glayers = []
             for s, name in enumerate(state_names):
                 out = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s], norm_GxS[g, s],
-                               eigs_GxS[g][s])
+                               eigs_GxS[g][s], isoscore_zeta)
+                _log_nulls(f"{name} in {gname}", out)
                 if centered:
                     c = csum_GxSxC[g, s]
                     out["centered_inter_sim"] = float(_mean_cos(c @ c, n_GxS[g, s]))
@@ -396,6 +442,40 @@ def _batch_anisotropy(x_BxNxD):
     return jax.vmap(one)(x)  # the 2B Lanczos runs side by side: their steps are latency, not work
 
 
+@jax.jit
+def _sample_geometry(x_KxD):
+    """(median |x|, InterSim of the standardized points) of one state's sample, float64 (x64 on)."""
+    return geometry.median_abs(x_KxD), geometry.inter_sim_standardized(x_KxD)
+
+
+_centered_cross = jax.jit(geometry.centered_cross)
+
+
+def sample_cka(states, count: int, state_names: list[str]) -> dict:
+    """cka.json: linear CKA (geometry.cka_matrix) between every pair of states on the sample,
+    {"layers": names, "matrix": [S][S], "tokens": K}. Each state is read once and kept (the
+    size of the sample again, where it lies); each pair's ||X^T Y||_F^2 in float64 there."""
+    num = len(state_names)
+    cross_SxS = np.zeros((num, num))
+    kept = []
+    with jax.enable_x64(True):
+        for i in range(num):
+            kept.append(states(i))
+            for j in range(i + 1):
+                cross_SxS[i, j] = cross_SxS[j, i] = float(_centered_cross(kept[i], kept[j]))
+    matrix = geometry.cka_matrix(cross_SxS)
+    if any(v is None for row in matrix for v in row):
+        from isojax.log import log
+        log(f"linear CKA is null for the states whose {count:,} sampled tokens do not vary")
+    return {"layers": list(state_names), "matrix": matrix, "tokens": count}
+
+
+def massive_ratio(layer: dict) -> float | None:
+    """massive_max / the sample's median |x| (sample_abs_median); None without either."""
+    top, median = layer.get("massive_max"), layer.get("sample_abs_median")
+    return float(top / median) if top is not None and median else None
+
+
 PROGRESS_AFTER_S = 5.0  # sample_metrics logs a line per layer once it has run this long
 
 
@@ -405,7 +485,8 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
     tokens (mean and std, ddof=1, of sigma_1^2 / sum sigma^2, centered and uncentered; The Shape
     of Learning section 2.2: shuffled, then batched) and, if `intrinsic`, the intrinsic dimension
     (isojax.stats.intrinsic): null where fewer than half the sampled points remain once exact duplicates
-    are dropped (intrinsic.MIN_KEPT_SAMPLE). states(s) -> [count, D] in key order (random).
+    are dropped (intrinsic.MIN_KEPT_SAMPLE); sample_abs_median (median |x| over the sample's entries,
+    for massive_ratio) and inter_sim_standardized (geometry), on the devices where the sample lies. states(s) -> [count, D] in key order (random).
     What is left out or dropped is logged per layer; once the phase has taken PROGRESS_AFTER_S
     (the neighbour searches on CPU: a minute for 4,096 tokens), a line per layer shows progress."""
     import time
@@ -422,15 +503,19 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
 
     def dispatch(s):
         x = states(s)
-        if not batches:
-            return x, None
         with jax.enable_x64(True):
-            return x, _batch_anisotropy(x[:batches * BATCH].reshape(batches, BATCH, -1))
+            return x, _batch_anisotropy(x[:batches * BATCH].reshape(batches, BATCH, -1)) if batches else None, \
+                _sample_geometry(x)
 
     ahead = dispatch(0)
     for s, _ in enumerate(state_names):  # one state ahead: the devices work while the host reads out
-        (x, ratios), ahead = ahead, dispatch(s + 1) if s + 1 < len(state_names) else None
-        m: dict = {"sample_tokens": count, "anisotropy_batches": batches}
+        (x, ratios, (median, standardized)), ahead = ahead, dispatch(s + 1) if s + 1 < len(state_names) else None
+        m: dict = {"sample_tokens": count, "anisotropy_batches": batches,
+                   "sample_abs_median": float(median), "inter_sim_standardized": float(standardized)}
+        if not np.isfinite(m["inter_sim_standardized"]):
+            m["inter_sim_standardized"] = None
+            log(f"inter_sim_standardized of {state_names[s]} is null: {count:,} sampled tokens "
+                + ("(two are needed)" if count < 2 else "with a token equal to the sample's mean"))
         if batches:
             ratios = np.asarray(ratios)
             for j, key in enumerate(("anisotropy_batch", "anisotropy_uncentered_batch")):

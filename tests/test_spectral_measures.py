@@ -1,0 +1,190 @@
+"""The geometry measures of issue 37 as finalize and a run write them (metrics.json, cka.json)
+against float64 references from the points: the accumulators' read-out on both of finalize's
+paths (CPU: matrices; accelerators: tridiagonals), and end to end against Hugging Face's float64
+hidden states of a random GPT-NeoX checkpoint on 1 and 2 devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+from IsoScore import IsoScore as isoscore_package
+
+from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states
+from isojax.stats import accumulators as stats
+from isojax.stats import finalize as fz
+from test_extract import write_pile_jsonl
+from test_geometry import hsic_cka
+from test_stats import _feed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def reference(x, zeta=0.2) -> dict:
+    """Float64 measures of points x [n, D] from their definitions, the IsoScore package for IsoScore
+    and IsoScore*, brute force (per-pair products) for the rogue dimensions."""
+    x = np.asarray(x, np.float64)
+    n, d = x.shape
+    lam = np.sort(np.linalg.eigvalsh(np.cov(x.T)))[::-1]
+    kept = lam[lam > 1e-12 * lam[0]]
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    # dimension i's part of the sum over distinct pairs of u_t . u_s (brute force: test_geometry.py)
+    c = (u.sum(0) ** 2 - (u * u).sum(0)) / (n * n - n)
+    assert abs(c.sum() - ((u.sum(0) @ u.sum(0)) - n) / (n * n - n)) < 1e-12
+    top = np.argsort(-c)[:3]
+    s2 = (x * x).mean(0)
+    return {"isoscore": float(isoscore_package.IsoScore(x)),
+            "isoscore_star": float(isoscore_package.IsoScore_star(x, torch.eye(d, dtype=torch.float64), zeta)),
+            "alpha_req": -np.polyfit(np.log(np.arange(1, kept.size + 1)), np.log(kept), 1)[0],
+            "rogue_dims": [{"dim": int(i), "share": c[i] / c.sum()} for i in top],
+            "rogue_share_top3": c[top].sum() / c.sum(),
+            "feature_kurtosis": (s2 ** 2).mean() / s2.mean() ** 2}
+
+
+def own_alpha_req(ref: dict, eig_D) -> dict:
+    """ref with alpha_req from a run's own centered spectrum: where the states are rank-deficient
+    (fewer tokens than dimensions; LayerNorm's hyperplane) the null eigenvalues, ~1e-16 of the
+    largest in float64, are ~1e-7 after float32 Grams (README alpha_req), above the 1e-12 floor."""
+    lam = np.asarray(eig_D, np.float64)
+    assert lam[-1] < 1e-6 * lam[0]
+    kept = lam[lam > 1e-12 * lam[0]]
+    return {**ref, "alpha_req": -np.polyfit(np.log(np.arange(1, kept.size + 1)), np.log(kept), 1)[0]}
+
+
+def check(layer: dict, ref: dict, tol: float = 1e-6, what="") -> None:
+    for key in ("isoscore", "isoscore_star", "rogue_share_top3", "feature_kurtosis"):
+        assert abs(layer[key] - ref[key]) < tol * max(1.0, abs(ref[key])), (what, key, layer[key], ref[key])
+    assert abs(layer["alpha_req"] - ref["alpha_req"]) < max(tol, 1e-5), (what, layer["alpha_req"], ref["alpha_req"])
+    assert [r["dim"] for r in layer["rogue_dims"]] == [r["dim"] for r in ref["rogue_dims"]], what
+    for got, want in zip(layer["rogue_dims"], ref["rogue_dims"]):
+        assert abs(got["share"] - want["share"]) < tol * max(1.0, abs(want["share"])), (what, got, want)
+
+
+@pytest.mark.parametrize("how", ["matrices", "tridiagonal"])
+def test_finalize_geometry_of_layers_and_sources(how, monkeypatch):
+    """Two states, three sources with their own means and second moments; finalize's geometry
+    measures of every state and source equal the reference on the same (float32) points."""
+    rng = np.random.default_rng(37)
+    n, d, batch = 8192 * 4, 16, 8192
+    groups = np.array([0, 1, 2, 1])
+    row_group = np.repeat(groups, batch)
+    x = rng.normal(size=(n, d)) * np.linspace(0.2, 2.0, d) + 3 * rng.normal(size=(3, d))[row_group]
+    x[:, 5] += 6.0  # a rogue dimension
+    x = np.stack([x, np.abs(x) ** 1.5]).astype(np.float32)
+    acc = stats.init_accumulators(2, d, 10, num_groups=3, token_stats=False)
+    acc = _feed(acc, x, np.zeros(n, np.int32), np.ones(n, bool), groups)
+    if how == "tridiagonal":  # the accelerators' read-out, run here on the CPU
+        monkeypatch.setattr(fz.jax, "default_backend", lambda: "gpu")
+    out = fz.finalize(acc, ["s", "t"], ["a", "b", "c"], isoscore_zeta=0.3)
+    for k in range(2):
+        check(out["layers"][k], reference(x[k], zeta=0.3), what=(how, k))
+        for g, name in enumerate("abc"):
+            check(out["groups"][name]["layers"][k], reference(x[k, row_group == g], zeta=0.3), what=(how, name, k))
+    assert out["layers"][0]["rogue_dims"][0]["dim"] == 5
+
+
+def test_finalize_geometry_of_few_tokens():
+    """12 tokens in 16 dimensions: IsoScore*'s regime (n < D), and where Sum_t u_ti^2 (the unit
+    Gram's diagonal, rebuilt from the unit covariance) must not drop its S_i^2 / n."""
+    rng = np.random.default_rng(12)
+    x = (rng.normal(size=(12, 16)) + 2.0 * rng.normal(size=16)).astype(np.float32)
+    acc = stats.init_accumulators(1, 16, 4, token_stats=False)
+    acc = _feed(acc, x[None], np.zeros(12, np.int32), np.ones(12, bool), batch=64)
+    out = fz.finalize(acc, ["s"])
+    check(out["layers"][0], own_alpha_req(reference(x), out["spectra"]["centered_SxD"][0]))
+
+
+def test_constant_and_single_token_states_are_null(capsys):
+    d = 8
+    x = np.stack([np.ones((3, d)), np.r_[np.ones((1, d)), np.zeros((2, d))]]).astype(np.float32)
+    acc = stats.init_accumulators(2, d, 4, token_stats=False)
+    acc = _feed(acc, x[:, :1], np.zeros(1, np.int32), np.ones(1, bool), batch=64)
+    layers = fz.finalize(acc, ["s", "t"])["layers"]
+    for layer in layers:
+        for key in ("isoscore", "isoscore_star", "alpha_req", "rogue_dims", "rogue_share_top3"):
+            assert layer[key] is None, key
+    assert "fewer than 2 tokens" in capsys.readouterr().err
+
+
+def hf_reference(tmp: Path, model, docs) -> tuple[np.ndarray, list[dict]]:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(TOKENIZER_JSON))
+    states = [hf_states(model, np.array(tok.encode(text, add_special_tokens=False).ids)) for _, text in docs]
+    x_SxNxD = np.concatenate(states, axis=1)
+    return x_SxNxD, [reference(x) for x in x_SxNxD]
+
+
+def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
+    metrics = json.loads((out / "metrics.json").read_text())
+    spectra = np.load(out / "spectra.npz")["centered_SxD"]
+    n = x_SxNxD.shape[1]
+    for layer, x, ref, lam in zip(metrics["layers"], x_SxNxD, refs, spectra):
+        if layer["name"] == "final_ln":  # LayerNorm's states lie in a hyperplane: own_alpha_req
+            ref = own_alpha_req(ref, lam)
+        check(layer, ref, what=layer["name"])
+        # the sample holds every token: its measures are those of all the states
+        assert layer["sample_tokens"] == n
+        z = (x - x.mean(0)) / x.std(0)
+        zu = z / np.linalg.norm(z, axis=1, keepdims=True)
+        want = ((zu @ zu.T).sum() - n) / (n * n - n)
+        assert abs(layer["inter_sim_standardized"] - want) < 1e-6, layer["name"]
+        assert abs(layer["sample_abs_median"] - np.median(np.abs(x))) < 1e-6 * np.median(np.abs(x))
+        assert layer["massive_ratio"] is None or layer.get("massive_max") is not None
+    cka = json.loads((out / "cka.json").read_text())
+    assert cka["layers"] == [layer["name"] for layer in metrics["layers"]] and cka["tokens"] == n
+    for i, a in enumerate(x_SxNxD):
+        for j, b in enumerate(x_SxNxD):
+            assert abs(cka["matrix"][i][j] - hsic_cka(a, b)) < 1e-5, (i, j)
+    assert "rogue_share_top3" in (out / "layers.csv").read_text().splitlines()[0]
+
+
+@pytest.mark.slow
+def test_run_measures_equal_float64_hugging_face_references_on_1_and_2_devices(tmp_path):
+    model = build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=2, num_heads=2)
+    docs = write_pile_jsonl(tmp_path / "pile.jsonl", 40, seed=37)
+    x_SxNxD, refs = hf_reference(tmp_path, model, docs)
+    common = ["--model", tmp_path / "ckpt", "--data", tmp_path / "pile.jsonl", "--unit", "document", "--seq-len", "64",
+              "--batch-tokens", "512", "--no-plots", "--no-token-stats", "--sample-states", x_SxNxD.shape[1]]
+    for devices in (1, 2):
+        env = {**os.environ, "ISOJAX_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        out = tmp_path / f"out{devices}"
+        proc = subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(out)],
+                              cwd=REPO, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"devices: {devices} x cpu" in proc.stderr or devices == 1, proc.stderr[-2000:]
+        check_run(out, x_SxNxD, refs)
+
+
+def test_isoscore_zeta_outside_0_1_is_an_argparse_error(tmp_path, capsys):
+    from isojax.extract import main
+    for bad in ("1.5", "-0.1", "nan", "x"):
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(tmp_path / "o"), "--isoscore-zeta", bad])
+        assert e.value.code == 2
+        assert "--isoscore-zeta" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_sample_read_outs_compiled_ahead_are_not_compiled_again(caplog):
+    """finalize.compile_ahead also compiles sample_metrics' and sample_cka's float64 read-outs."""
+    import logging
+
+    k, d = 300, 20  # shapes no other test compiles
+    device = jax.devices()[0]
+    fz.compile_ahead((1, 2, d, d), 1, k, device)
+    x = jax.device_put(np.random.default_rng(0).normal(size=(k, d)).astype(np.float32), device)
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles(True), jax.enable_x64(True):
+        median, standardized = fz._sample_geometry(x)
+        cross = fz._centered_cross(x, x)
+    compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert not [c for c in compiled if "_sample_geometry" in c or "centered_cross" in c], compiled
+    assert float(median) > 0 and abs(float(standardized)) < 0.1 and float(cross) > 0
