@@ -1,5 +1,7 @@
 """Corpus inputs: text files, JSON lines (plain, gzip, zstd), parquet, folders of shards,
 hub datasets, and the embedded default corpus (CPython's bundled documentation topics).
+Length: every input format's reader and the token budget's per-source stop are one unit (the stop
+must know each format's records), tested together.
 
 Local files are read by hand rather than through `datasets`: every bad record is reported
 as `file:line`, and an 800 GB corpus is streamed, not first copied into an Arrow cache.
