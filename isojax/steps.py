@@ -1,4 +1,6 @@
-"""Training steps named by hub revisions: the one parser of the tree, and the paper's Pythia steps.
+"""Training steps named by hub revisions: the one parser of the tree, the paper's Pythia steps,
+what a checkpoint's weights are (`checkpoint_weights`), and the revision folders of a local
+stand-in repository (`local_revision`).
 
 A revision names a step on a model's training axis when it is
 
@@ -16,6 +18,9 @@ stepped revisions, by name).
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+from isojax.errors import UserError
 
 _STEP = re.compile(r"step(\d+)(?:-tokens\d+[KMBT]?)?|stage1-step(\d+)-tokens\d+[KMBT]?")
 
@@ -31,3 +36,38 @@ def step_of(revision: str | None) -> int | None:
 def paper_steps() -> list[str]:
     """The 21 evenly spaced Pythia checkpoints of Machina & Mercer: step0 and floor(i*143/20)*1000."""
     return ["step0"] + [f"step{(i * 143 // 20) * 1000}" for i in range(1, 21)]
+
+
+RANDOM, INITIAL, TRAINED = "random", "initialization (step 0)", "trained"
+
+
+def checkpoint_weights(revision: str | None, *folders) -> str:
+    """What a checkpoint's weights are (results' `"weights"`): INITIAL when its revision names step 0
+    (`step0`, `step0-tokens0B`, ...) or, with a revision that names no step, the name of one of its
+    folders does (`/ckpts/pythia-70m/step0`); else TRAINED. Random weights (`random:`) are RANDOM,
+    said by whoever makes them."""
+    step = step_of(revision)
+    if step is None:
+        step = next((s for s in (step_of(str(f).rstrip("/").rsplit("/", 1)[-1]) for f in folders if f)
+                     if s is not None), None)
+    return INITIAL if step == 0 else TRAINED
+
+
+def weights_read(value: str | None, revision: str | None = None) -> str | None:
+    """A result's `"weights"` as this version names it: results written before say "pretrained" for
+    every checkpoint, read as `checkpoint_weights(revision)` (TRAINED unless the revision is step 0)."""
+    return checkpoint_weights(revision) if value == "pretrained" else value
+
+
+def local_revision(model, revision: str | None) -> Path | None:
+    """DIR/REVISION of a local stand-in repository (DIR holding one checkpoint folder per revision),
+    DIR itself without a revision; None where `model` is not a local directory. `--revision` and
+    `--revisions` read it alike."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return None
+    if revision is None:
+        return path
+    if not (path / revision).is_dir():
+        raise UserError(f"revision {revision!r} not found: {path} has no subfolder {revision}")
+    return path / revision

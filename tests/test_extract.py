@@ -91,7 +91,7 @@ def test_metrics_match_float64_reference_from_hugging_face(tmp_path, monkeypatch
     every = [x for v in by_source.values() for x in v]
     ref = reference_metrics([s for s, _ in every], [i for _, i in every])
     assert metrics["tokens"] == sum(len(i) for _, i in every) and metrics["sequences"] == len(docs)
-    assert metrics["weights"] == "pretrained" and metrics["unit"] == "document"
+    assert metrics["weights"] == "trained" and metrics["unit"] == "document"
     assert [layer["name"] for layer in metrics["layers"]] == ["embed", "block_1", "block_2", "final_ln"]
     for got, want in zip(metrics["layers"], ref):
         assert got["count"] == want["count"] and got["intra_tokens"] == want["intra_tokens"]

@@ -322,7 +322,8 @@ def test_readme_paper_commands_end_to_end(hub, env, repos, tmp_path):
     for m in (A, B):
         for r in ("step0", "step1000"):
             metrics = json.loads((out / "training" / m.replace("/", "--") / r / "metrics.json").read_text())
-            assert metrics["model"] == m and metrics["revision"] == r and metrics["weights"] == "pretrained"
+            assert metrics["model"] == m and metrics["revision"] == r
+            assert metrics["weights"] == ("initialization (step 0)" if r == "step0" else "trained")
     rows = list(csv.DictReader(open(out / "training" / "sweep.csv")))
     assert {(r["model"], r["revision"]) for r in rows} == {(m, s) for m in (A, B) for s in ("step0", "step1000")}
     got = hub.downloads()

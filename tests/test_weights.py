@@ -118,7 +118,7 @@ def test_gpt_neox_every_number(neox, tmp_path):
     assert run_cli(["--model", ckpt, "--out", tmp_path / "o"]) == 0
     out = json.loads((tmp_path / "o/weights.json").read_text())
     # a local folder is named by its name (isojax.run.names), the path kept as the checkpoint
-    assert out["model"] == ckpt.name and out["revision"] is None and out["weights"] == "pretrained"
+    assert out["model"] == ckpt.name and out["revision"] is None and out["weights"] == "trained"
     assert out["checkpoint"] == str(ckpt)
     assert (out["family"], out["tied"], out["final_ln"]["norm"]) == ("gpt_neox", False, "layernorm")
     for key, name in (("embed_in", "gpt_neox.embed_in.weight"), ("embed_out", "embed_out.weight")):
@@ -288,7 +288,7 @@ def test_truncated_and_missing_and_not_neox(neox, tmp_path, capsys):
     assert run_cli(["--model", other, "--out", tmp_path / "o"]) == 2
     assert "has no config.json, which names the model family" in capsys.readouterr().err
     assert run_cli(["--model", neox[0], "--revision", "step0", "--out", tmp_path / "o"]) == 2
-    assert "local directory: --revision applies to hub models" in capsys.readouterr().err
+    assert "has no subfolder step0" in capsys.readouterr().err  # a folder of revisions it is not
 
 
 def test_overwrite_rules(neox, tmp_path, capsys):

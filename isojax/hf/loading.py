@@ -5,7 +5,12 @@ Accepted names:
   random:<preset>          random weights of a preset's shapes (marked `weights="random"`)
   DIR with isojax.json      an Orbax checkpoint written by `python -m converters` (the fast path)
   DIR with config.json      a Hugging Face checkpoint directory, read straight onto the devices
+  DIR and a revision        DIR/REVISION, DIR standing in for a hub repository (one folder per revision)
   preset or hub id          the same, from huggingface_hub's cache (downloaded once)
+
+A checkpoint's weights are marked "trained", or "initialization (step 0)" where its revision or
+folder names step 0 (isojax.steps.checkpoint_weights). Every tensor is checked for NaN and
+infinite values once it is on the device (one reduction per tensor), before anything is measured.
 
 Weights are copied to the devices in their stored dtype, straight from views of the memory-mapped
 safetensors files (`.bin` read with weights_only=True), one tensor while the next is read, and
@@ -34,18 +39,33 @@ from isojax.model.decoder import model_class
 from isojax.model.gpt_neox import collect_states, single_row
 from isojax.model.options import ForwardOptions
 from isojax.hf.tokenizer import load_tokenizer
+from isojax.steps import checkpoint_weights, local_revision
 
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("ISOJAX_CACHE", Path.home() / ".cache" / "isojax"))
+    """isojax's own cache (token ids, compiled steps): ISOJAX_CACHE, else ~/.cache/isojax; created
+    here, and refused in one line where it cannot be used (a file, no permission)."""
+    given = os.environ.get("ISOJAX_CACHE")
+    root = Path(given).expanduser() if given else Path.home() / ".cache" / "isojax"
+    where = f"ISOJAX_CACHE={given}" if given else f"isojax's cache {root}"
+    fix = "set ISOJAX_CACHE to a directory you can write"
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{where} is not a directory: {fix}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{where}: cannot create it ({e.strerror}): {fix}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserError(f"{where} is not writable: {fix}")
+    return root
 
 
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
     params: dict
-    weights: str                      # "pretrained" | "random"
+    weights: str                      # isojax.steps: "random" | "initialization (step 0)" | "trained"
     source: dict                      # name, revision, path, checksum (+ tokenizer once loaded)
     dtype: str = "float32"
     attention_impl: str = "xla"
@@ -162,9 +182,7 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
     if path.exists() or name.startswith((".", "/", "~")):
         if not path.is_dir():
             raise UserError(f"{path}: not a checkpoint directory")
-        if revision is not None:
-            raise UserError("--revision applies to hub models, not to a local directory")
-        return _load_dir(path, name, None, dtype, attention_impl, mesh)
+        return _load_dir(local_revision(path, revision), name, revision, dtype, attention_impl, mesh)
     repo = hub_id(name) if base_preset(name) else name
     if shape_only(name):
         raise UserError(f"{name} is a preset of shapes with no hub model behind it: random:{name} runs it "
@@ -180,15 +198,44 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
 
 
 def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str, mesh=None) -> LoadedModel:
+    """A checkpoint folder; name and revision: as given (a stand-in repository's folder and revision)."""
     if is_converted(path):
         cfg, params, meta = load_converted(path, DTYPES[dtype])
+        check_finite(dict(zip(*_named_leaves(params))), path)
         params = place(params, dtype, mesh) if mesh is not None else params
-        source = {"name": meta.get("source", {}).get("name") or name,
-                  "revision": meta.get("source", {}).get("revision", revision),
+        stored = meta.get("source", {})
+        named = stored.get("name") if revision is None else None  # a stand-in repository's revision: its name
+        source = {"name": named or name, "revision": revision if revision is not None else stored.get("revision"),
                   "path": str(path), "checksum": meta["checksum"]}
+        weights = checkpoint_weights(source["revision"], source["name"], path)
     else:
         cfg, tensors, checksum = read_hf_tensors(path, put=jax.device_put)  # each copied as it is read
+        check_finite(tensors, path)
         params = place(tensors, dtype, mesh, build=lambda t: tensors_to_params(t, cfg, jnp))
         del tensors
         source = {"name": name, "revision": revision, "path": str(path), "checksum": checksum}
-    return LoadedModel(cfg, params, "pretrained", source, dtype, attention_impl, tokenizer_dir=path)
+        weights = checkpoint_weights(revision, path)
+    return LoadedModel(cfg, params, weights, source, dtype, attention_impl, tokenizer_dir=path)
+
+
+@jax.jit
+def _all_finite(x):
+    return jnp.isfinite(x).all()
+
+
+def _named_leaves(params: dict) -> tuple[list[str], list]:
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [".".join(str(getattr(k, "key", k)) for k in p) for p, _ in leaves], [x for _, x in leaves]
+
+
+def check_finite(tensors: dict, where) -> None:
+    """Refuse weights holding NaN or infinite values, naming the first such tensor: one fused
+    all-finite reduction per floating tensor where it lies (compiled once per shape), the flags
+    fetched together."""
+    names = [n for n, t in tensors.items() if jnp.issubdtype(t.dtype, jnp.floating)]
+    flags = jax.device_get([_all_finite(tensors[n]) for n in names])
+    bad = [n for n, ok in zip(names, flags) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more tensor{'s' * (len(bad) > 2)})" if len(bad) > 1 else ""
+        raise UserError(f"tensor {bad[0]} in {where} holds NaN or infinite values{more}: the checkpoint is damaged "
+                        "or diverged")

@@ -10,6 +10,7 @@ import numpy as np
 
 from isojax.plots.axes import layer_axis, legend_beside
 from isojax.plots.style import DPI, plt, styled
+from isojax.steps import INITIAL, RANDOM, weights_read
 
 
 def _value(layer: dict, key: str) -> float:
@@ -26,12 +27,16 @@ def _series(layers: list[dict], key: str) -> np.ndarray:
 
 
 def title_for(metrics: dict, what: str) -> str:
-    """Figure title: '<what> — <model> @ <revision> [— RANDOM WEIGHTS]' plus a details line."""
+    """Figure title: '<what> — <model> @ <revision> [— RANDOM WEIGHTS | — INITIALIZATION (STEP 0)]'
+    plus a details line."""
     head = f"{what} — {metrics.get('model', '?')}"
     if metrics.get("revision"):
         head += f" @ {metrics['revision']}"
-    if metrics.get("weights") == "random":
+    weights = weights_read(metrics.get("weights"), metrics.get("revision"))
+    if weights == RANDOM:
         head += " — RANDOM WEIGHTS"
+    elif weights == INITIAL:
+        head += " — INITIALIZATION (STEP 0)"
     details = []
     if metrics.get("unit"):
         details.append(f"unit: {metrics['unit']}")

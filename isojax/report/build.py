@@ -14,6 +14,7 @@ from isojax.run import outdir
 from isojax.errors import run_command
 from isojax.report import collect, correlation, matrices, measures, render, states
 from isojax.report.document import Figures, Item, Section, Table
+from isojax.steps import INITIAL
 
 TITLE = "Anisotropy is Not Inherent to Transformers — isojax report"
 
@@ -23,7 +24,7 @@ def _inputs(res: collect.Results) -> Section:
     folders = [str(r.folder) for r in runs] + [str(p) for p, _ in res.correlations]
     root = os.path.commonpath(folders) if folders else ""
     rows = [[r.kind, r.label, r.data.get("family") or "", r.revision, r.step,
-             "random" if r.random else (r.data.get("weights") or ""),
+             r.weights_label,
              r.data.get("tokens") if r.kind == "extract" else None,
              (r.manifest or {}).get("corpus") if r.kind == "extract" else None,
              os.path.relpath(r.folder, root) if root else str(r.folder)] for r in runs]
@@ -31,6 +32,8 @@ def _inputs(res: collect.Results) -> Section:
                   f"and {len(res.correlations)} correlation file(s), under `{root}`.")
     if any(r.random for r in runs):
         sec.text += " Results marked *random* come from RANDOM WEIGHTS, not trained checkpoints."
+    if any(r.weights_label == INITIAL for r in runs):
+        sec.text += f" Results marked *{INITIAL}* come from checkpoints at their initialization, before training."
     fps = {(r.manifest or {}).get("corpus_fingerprint") for r in res.extract} - {None}
     if fps:
         sec.text += f" All extract results share the corpus fingerprint `{fps.pop()}`."

@@ -25,7 +25,7 @@ import pathlib
 import re
 
 from isojax.log import log
-from isojax.steps import step_of
+from isojax.steps import RANDOM, step_of, weights_read
 from isojax.run import outdir
 from isojax.run.names import canonical_model, checkpoint_name, revision_name
 from isojax.run.results import flat_layer
@@ -72,7 +72,13 @@ class Run:
 
     @property
     def random(self) -> bool:
-        return self.data.get("weights") == "random" or self.model.startswith("random:")
+        return self.data.get("weights") == RANDOM or self.model.startswith("random:")
+
+    @property
+    def weights_label(self) -> str:
+        """random, initialization (step 0) or trained (isojax.steps); results written before say
+        "pretrained" for every checkpoint (isojax.steps.weights_read); "" where the document says nothing."""
+        return RANDOM if self.random else weights_read(self.data.get("weights"), self.revision) or ""
 
     @property
     def size(self) -> float:

@@ -29,6 +29,7 @@ from isojax.run.config import KernelConfig, MeasureConfig
 from isojax.run.loop import consume, resume
 from isojax.run.plan import StepPlan, plan_in_background, run_max_tokens, step_module
 from isojax.run.timings import Timings, in_background
+from isojax.steps import TRAINED
 
 DEFAULT_MODEL = "pythia-70m"
 
@@ -297,8 +298,8 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     resume_run, progress = config.checkpoint.resume, config.progress
     cfg, dtype = loaded.config, loaded.dtype
     n_dev = mesh.size
-    # a local directory may hold trained or random weights: only a hub checkpoint is known to be pretrained
-    weights = "weights from a local checkpoint" if loaded.weights == "pretrained" and loaded.source.get("path") \
+    # a local directory may hold trained or random weights: only a hub checkpoint is known to be trained
+    weights = "weights from a local checkpoint" if loaded.weights == TRAINED and loaded.source.get("path") \
         and Path(str(loaded.source["name"])).expanduser().is_dir() else f"{loaded.weights} weights"
     log(f"model {loaded.source['name']} ({weights}, {cfg.num_layers} layers, d={cfg.hidden_size}), "
         f"{dtype}, devices: {n_dev} x {mesh.devices.flat[0].device_kind}, processes: {jax.process_count()}")

@@ -14,7 +14,7 @@ cache what the sweep downloaded for a step once it is measured (isojax.hf.cache)
 
 Offline stand-ins for the hub: a local directory with one subfolder per revision
 (DIR/step1000/, DIR/step2000/, each a Hugging Face checkpoint) is read as a repository:
-`--model DIR --revisions step1000,step2000`.
+`--model DIR --revisions step1000,step2000` (and `--model DIR --revision step1000` alone).
 """
 
 from __future__ import annotations
@@ -31,20 +31,8 @@ from isojax.device import mesh as parallel
 from isojax.errors import UserError
 from isojax.log import log
 from isojax.run.config import MeasureConfig
-from isojax.steps import step_of
+from isojax.steps import local_revision, step_of
 from isojax.run.names import canonical_model, checkpoint_name, revision_name, step_folder
-
-
-def local_revision(model: str, revision: str | None) -> Path | None:
-    """DIR/REVISION of a local stand-in repository (None: not a local directory)."""
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        return None
-    if revision is None:
-        return path
-    if not (path / revision).is_dir():
-        raise UserError(f"revision {revision!r} not found: {path} has no subfolder {revision}")
-    return path / revision
 
 
 def check_revisions(model: str, revisions: list[str | None]) -> None:

@@ -32,7 +32,7 @@ from isojax.run import outdir
 from isojax.run.names import checkpoint_name
 from isojax.plots import weights as weight_plots
 from isojax.errors import UserError, run_command
-from isojax.steps import paper_steps
+from isojax.steps import RANDOM, checkpoint_weights, local_revision, paper_steps
 
 MATRIX_METRICS = ["isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
                   "isotropy_scaled_centered", "mean_norm", "mean_vector_norm"]
@@ -90,8 +90,8 @@ def _measure(W, where: str, key: str, title: tuple[str, str], arrays: dict, out:
     try:
         rep = isotropy.analyze_matrix(W)
     except ValueError as exc:
-        if isinstance(W, np.ndarray) and W.ndim == 2 and not np.isfinite(W).all():
-            row = int(np.argmax(~np.isfinite(W).all(axis=1)))
+        row = _first_nonfinite_row(W)
+        if row is not None:
             exc = f"the matrix holds NaN or infinite values (the first in row {row})"
         raise UserError(f"{where}: {exc}") from None
     if any(isinstance(v, float) and not math.isfinite(v) for v in rep.metrics.values()):
@@ -102,6 +102,17 @@ def _measure(W, where: str, key: str, title: tuple[str, str], arrays: dict, out:
     if plots:
         weight_plots.matrix_plots(rep, key, out, *title)
     return dict(rep.metrics)
+
+
+def _first_nonfinite_row(W, step: int = 4096) -> int | None:
+    """The first row of a 2-D array or `RowBlocks` holding NaN or inf (read a block at a time); None: none."""
+    if len(getattr(W, "shape", ())) != 2:
+        return None
+    for i in range(0, W.shape[0], step):
+        bad = ~np.isfinite(np.asarray(W[i:i + step])).all(axis=1)
+        if bad.any():
+            return i + int(np.argmax(bad))
+    return None
 
 
 def _same(reader, a: str, b: str) -> bool:
@@ -141,12 +152,13 @@ def analyze_checkpoint(model: str, revision: str | None, tensors: list[str] | No
     if model.startswith("random:"):
         reader, directory = RandomWeights(model.removeprefix("random:"), only=tensors), None
         config = {"model_type": "gpt_neox", "tie_word_embeddings": False}
-        result: dict = {"model": named, "revision": None, "weights": "random", "checkpoint": None}
+        result: dict = {"model": named, "revision": None, "weights": RANDOM, "checkpoint": None}
     else:
-        directory = hf_files.resolve_weights(model, revision, tensors=tensors or families.all_names())
+        directory = local_revision(model, revision) or \
+            hf_files.resolve_weights(model, revision, tensors=tensors or families.all_names())
         reader = hf_files.CheckpointReader(directory, only=tensors or families.all_names())
         config = None if tensors else families.read_config(directory)
-        result = {"model": named, "revision": named_revision, "weights": "pretrained",
+        result = {"model": named, "revision": named_revision, "weights": checkpoint_weights(named_revision, directory),
                   "checkpoint": str(directory)}
     result["format"] = reader.format
     source = f"random weights of {model.removeprefix('random:')}" if directory is None else directory
@@ -251,9 +263,8 @@ def run(args) -> None:
             raise UserError("--revisions is empty")
     else:
         revisions = None
-    if args.revision and pathlib.Path(args.model or "").expanduser().is_dir():
-        raise UserError(f"{args.model} is a local directory: --revision applies to hub models (a local folder "
-                        "of revisions takes --revisions)")
+    if args.revision:
+        local_revision(args.model, args.revision)  # a local folder of revisions: refused unless it has this one
     if args.tensor:
         for t in args.tensor:
             if not t:
@@ -346,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "weights, offline), hub id (EleutherAI/pythia-70m) or local directory "
                          "in Hugging Face layout")
     rev = ap.add_mutually_exclusive_group()
-    rev.add_argument("--revision", help="hub revision (branch, tag or commit), e.g. step143000")
+    rev.add_argument("--revision", help="hub revision (branch, tag or commit), e.g. step143000; of a local "
+                                        "directory with one subfolder per revision: that subfolder")
     rev.add_argument("--revisions", metavar="R1,R2,...",
                      help="sweep comma-separated revisions: OUT/<model>/<revision>/ per revision, "
                           "OUT/sweep.csv and OUT/sweep_*.png; a local directory with one subfolder per "
