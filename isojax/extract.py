@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                          f"checkpoint directory, or a hub id; default {DEFAULT_MODEL}, falling back to "
                          "random:pythia-70m when offline. Repeat it to sweep over models (OUT/<model>/<revision>/)")
     rev = ap.add_mutually_exclusive_group()
-    rev.add_argument("--revision", default=None, help="hub revision (training checkpoint), e.g. step143000")
+    rev.add_argument("--revision", default=None, help="revision (training checkpoint), e.g. step143000: a hub revision, or a subfolder of a "
+                     "local --model folder of revisions")
     rev.add_argument("--revisions", default=None, metavar="R1,R2,...",
                      help="sweep these revisions of every --model: OUT/<model>/<revision>/ and OUT/sweep.csv; a "
                           "local directory with one subfolder per revision stands in for a hub repository")
