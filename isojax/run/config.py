@@ -43,12 +43,14 @@ class ModelConfig:
 class StatsConfig:
     """token_stats: per-token IntraSim; centered: a second pass for centred metrics;
     save_token_sums: write the per-token unit sums; sample_states: K sampled states (None: the
-    platform's default, 0: none); intrinsic_k: neighbours of the intrinsic-dimension estimators."""
+    platform's default, 0: none); intrinsic_k: neighbours of the intrinsic-dimension estimators;
+    skip_positions: the first K positions of every sequence are left out of every statistic."""
     token_stats: bool = True
     centered: bool = False
     save_token_sums: bool = False
     sample_states: int | None = None
     intrinsic_k: int = 20
+    skip_positions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +93,12 @@ class MeasureConfig:
               save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto",
               norm_kernel: str = "auto", mesh=None, checkpoint_dir=None, checkpoint_every_tokens=None,
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
-              intrinsic_k: int = 20, max_tokens_per_source=None) -> MeasureConfig:
+              intrinsic_k: int = 20, max_tokens_per_source=None,
+              skip_positions: int = 0) -> MeasureConfig:
         """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
         return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source),
                    model=ModelConfig(model, revision, dtype),
-                   stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k),
+                   stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k, skip_positions),
                    kernels=KernelConfig(attention, mlp_kernel, norm_kernel),
                    devices=DeviceConfig(mesh),
                    checkpoint=CheckpointConfig(checkpoint_dir, checkpoint_every_tokens, resume_run),
