@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ACCELERATOR_ENV, build_hf_checkpoint
+from conftest import ACCELERATOR_ENV, TOKENIZER_JSON, build_hf_checkpoint
 from isojax.stats import accumulators as stats
 from isojax.stats.options import StatsOptions
 from isojax.stats.streamed import streamed_measures
@@ -141,8 +141,7 @@ def _measure_in_subprocess(tmp: Path, runs: list[dict], accelerator: bool = Fals
 
 
 @pytest.mark.slow  # 115 s for llama on 2 shared cores: four runs
-@pytest.mark.parametrize("family", [pytest.param("llama"), pytest.param("gpt_neox", marks=pytest.mark.slow),
-                                    pytest.param("falcon", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "falcon"])
 def test_measures_match_float64_hugging_face_states(tmp_path, family):
     """On 1 and 2 devices, massive_* and inter_sim_by_position equal those of Hugging Face's float64
     states; with skip_positions 1 every measure (InterSim, IntraSim, anisotropy, massive_*, the
@@ -181,6 +180,7 @@ def test_measures_match_float64_hugging_face_states(tmp_path, family):
             assert {k: a[k] for k in a if k.startswith("massive")} == {k: b[k] for k in b if k.startswith("massive")}
 
 
+@pytest.mark.slow  # 70 s on 2 shared cores
 def test_accelerator_configuration_merges_alike_on_1_and_2_devices(tmp_path):
     """bfloat16 with the default sample (a GPU run's configuration): 1 and 2 devices give the same
     massive_* and position bands, skipping 2 positions."""
@@ -248,13 +248,12 @@ def test_skip_positions_beyond_every_sequence_is_refused(tmp_path, monkeypatch):
     any measuring; a shorter skip passes; a negative --skip-positions is an argparse error."""
     from isojax.data import load_corpus, stream_tokens, tokenize_corpus
     from isojax.errors import UserError
-    from isojax.hf.tokenizer import load_tokenizer
-    from isojax.model.config import preset
+    from tokenizers import Tokenizer
     from isojax.run.measure import check_skip_positions
     from test_extract import run_cli
 
     _documents(tmp_path / "docs.jsonl", 24, seed=3)
-    tok = load_tokenizer(None, preset("pythia-70m"))
+    tok = Tokenizer.from_file(str(TOKENIZER_JSON))
     corpus = load_corpus([tmp_path / "docs.jsonl"], unit="document")
     stream = stream_tokens(corpus, tok, cache_dir=tmp_path / "cache", max_len=ROW)
     longest = int(np.diff(tokenize_corpus(corpus, tok, cache_dir=tmp_path / "other", max_len=ROW).offsets).max())

@@ -412,7 +412,7 @@ def _update_streamed(acc: Accumulators, s, gs, x_NxD, rowmax_N, unit_NxD, token_
     band_N = position_band(positions_N)
     bands = range(len(POSITION_BANDS))
     sums_BxD = jnp.stack([pairwise_sum(jnp.where((band_N == b)[:, None], unit_NxD, 0.0)) for b in bands])
-    counts_B = jnp.stack([jnp.sum(valid_N & (band_N == b)) for b in bands]).astype(jnp.int32)
+    counts_B = jnp.sum(valid_N[:, None] & (band_N[:, None] == jnp.arange(len(POSITION_BANDS))), axis=0, dtype=jnp.int32)
     lo_B, hi_B = _add_count(acc.band_count_lo_BxS[:, s], acc.band_count_hi_BxS[:, s], counts_B)
     band = acc.band_unit_sum_BxSxD
     sum_hi, sum_lo = _df_add(band.hi[:, s], band.lo[:, s], sums_BxD)
