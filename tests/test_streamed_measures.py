@@ -94,7 +94,8 @@ def test_accumulators_match_float64_whatever_the_batching(skip):
     init = lambda: stats.init_accumulators(s, d, 50)
     runs = {batch: _feed(init(), x, pos, seq, valid, batch, opts) for batch in (240, 800, n)}
     half = n // 2
-    halves = [_feed(init(), x[:, sl], pos[sl], seq[sl], valid[sl], 400, opts) for sl in (slice(half, n), slice(0, half))]
+    halves = [_feed(init(), x[:, sl], pos[sl], seq[sl], valid[sl], 400, opts)
+              for sl in (slice(half, n), slice(0, half))]
     runs["merged"] = jax.jit(stats.merge)(*halves)
     first = None
     for name, acc in runs.items():
@@ -235,7 +236,8 @@ def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
     assert cursor == 2
     feed(resumed, batches[2:])
     a, b = whole.merged_layers(), resumed.merged_layers()
-    for field in ("massive_max_GxS", "massive_at_GxSx4", "band_count_lo_BxS", "band_count_hi_BxS", "band_unit_sum_BxSxD"):
+    for field in ("massive_max_GxS", "massive_at_GxSx4", "band_count_lo_BxS", "band_count_hi_BxS",
+                  "band_unit_sum_BxSxD"):
         for x, y in zip(jax.tree.leaves(getattr(a, field)), jax.tree.leaves(getattr(b, field))):
             np.testing.assert_array_equal(x, y, err_msg=field)
     got = streamed_measures(a)

@@ -1,5 +1,6 @@
 """The device side of a run: one jitted step = GPT-NeoX forward + statistics of every state,
 consumed inside the layer scan, on every device of every process.
+Length: the step, the accumulators' global layout and their on-device merge and read-out change together.
 
 The forward is plain jit code that XLA partitions from the shardings of its inputs (rows over
 all devices, parameters replicated or over "model": device/mesh.py). The observer the layer scan
@@ -288,14 +289,12 @@ def _stacked(acc):
 def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered: bool):
     d, n = module.cfg.hidden_size, mesh.size
 
-    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plan, group,
-                     centers_SxD):
-        center_D = lax.dynamic_index_in_dim(centers_SxD, s, 0, keepdims=False) if centered else None
-        exchange = jax.tree.map(lambda x: x[0], exchange)
-        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), tokens_BxT.reshape(-1),
-                                 seg_BxT.reshape(-1) != 0, group, center_D, index=index, opts=options,
-                                 sample_plan=plan, exchange=exchange, positions_N=pos_BxT.reshape(-1),
-                                 sequences_N=seq_BxT.reshape(-1))
+    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plan, group, centers):
+        center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centered else None
+        exchange, flat = jax.tree.map(lambda x: x[0], exchange), lambda x_BxT: x_BxT.reshape(-1)
+        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
+                                 group, center_D, index=index, opts=options, sample_plan=plan, exchange=exchange,
+                                 positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT))
         return _stacked(acc)
 
     def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
@@ -313,8 +312,8 @@ def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered
         return _stacked(acc), index, exchange, plan
 
     def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, group, centers_SxD):
-        # the statistics' segments: the first skip_positions positions of each sequence count as
-        # padding there (the token index, the sample's keys, every sum); the forward sees them all
+        # the statistics' segments (every sum, the token index, the sample's keys): the first skip_positions
+        # positions of each sequence are padding there; the forward sees them all
         kept_BxT = jnp.where(pos_BxT >= options.skip_positions, seg_BxT, 0) if options.skip_positions else seg_BxT
         acc, index, exchange, plan = jax.shard_map(
             local_batch, mesh=mesh, in_specs=(specs, P(ALL), P(ALL), P(ALL), P(ALL)),

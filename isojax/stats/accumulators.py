@@ -417,8 +417,10 @@ def _update_streamed(acc: Accumulators, s, gs, x_NxD, rowmax_N, unit_NxD, token_
     band = acc.band_unit_sum_BxSxD
     sum_hi, sum_lo = _df_add(band.hi[:, s], band.lo[:, s], sums_BxD)
     return acc.replace(
-        massive_max_GxS=acc.massive_max_GxS.at[gs].set(new_max), massive_at_GxSx4=acc.massive_at_GxSx4.at[gs].set(new_at),
-        band_count_lo_BxS=acc.band_count_lo_BxS.at[:, s].set(lo_B), band_count_hi_BxS=acc.band_count_hi_BxS.at[:, s].set(hi_B),
+        massive_max_GxS=acc.massive_max_GxS.at[gs].set(new_max),
+        massive_at_GxSx4=acc.massive_at_GxSx4.at[gs].set(new_at),
+        band_count_lo_BxS=acc.band_count_lo_BxS.at[:, s].set(lo_B),
+        band_count_hi_BxS=acc.band_count_hi_BxS.at[:, s].set(hi_B),
         band_unit_sum_BxSxD=DF(band.hi.at[:, s].set(sum_hi), band.lo.at[:, s].set(sum_lo)))
 
 
