@@ -37,6 +37,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m isojax.extract", description=__doc__)
     ap.add_argument("--model", action="append", default=None,
@@ -101,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="IsoScore*'s covariance shrinkage (1 - ZETA) C + ZETA I, 0 to 1 (default: 0.2, "
                          "Rudman & Eickhoff 2024)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
+    ap.add_argument("--skip-positions", type=non_negative_int, default=0, metavar="K",
+                    help="leave the first K positions of every sequence (window) out of every statistic; the model "
+                         "still reads them (default: 0)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--format", default="csv", choices=["csv", "parquet"],
                     help="parquet: also write layers.parquet (and a sweep's sweep.parquet) beside the CSVs "
@@ -195,7 +208,8 @@ def run(args) -> Path:
                    mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel,
                    mesh=parallel.parse_mesh(args.mesh) or None, checkpoint_every_tokens=args.checkpoint_every_tokens,
                    sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
-                   isoscore_zeta=args.isoscore_zeta)
+                   isoscore_zeta=args.isoscore_zeta,
+                   skip_positions=args.skip_positions)
     models = args.model or [None]
     if args.paper_steps or args.revisions or len(models) > 1:
         from isojax.run.sweep import run_sweep

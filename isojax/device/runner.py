@@ -1,5 +1,6 @@
 """The device side of a run: one jitted step = GPT-NeoX forward + statistics of every state,
 consumed inside the layer scan, on every device of every process.
+Length: the step, the accumulators' global layout and their on-device merge and read-out change together.
 
 The forward is plain jit code that XLA partitions from the shardings of its inputs (rows over
 all devices, parameters replicated or over "model": device/mesh.py). The observer the layer scan
@@ -41,7 +42,8 @@ from isojax.device.mesh import ALL
 
 MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
-                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC")
+                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "massive_max_GxS", "massive_at_GxSx4",
+                "band_count_lo_BxS", "band_count_hi_BxS", "band_unit_sum_BxSxD")  # S is axis 1 of each
 TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
 SAMPLE_FIELDS = ("sample_keys_Kx2", "sample_SxKxD")  # per device, like the layer part; merged bottom-K
 PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS
@@ -287,12 +289,12 @@ def _stacked(acc):
 def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered: bool):
     d, n = module.cfg.hidden_size, mesh.size
 
-    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, exchange, plan, group, centers_SxD):
-        center_D = lax.dynamic_index_in_dim(centers_SxD, s, 0, keepdims=False) if centered else None
-        exchange = jax.tree.map(lambda x: x[0], exchange)
-        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), tokens_BxT.reshape(-1),
-                                 seg_BxT.reshape(-1) != 0, group, center_D, index=index, opts=options,
-                                 sample_plan=plan, exchange=exchange)
+    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plan, group, centers):
+        center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centered else None
+        exchange, flat = jax.tree.map(lambda x: x[0], exchange), lambda x_BxT: x_BxT.reshape(-1)
+        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
+                                 group, center_D, index=index, opts=options, sample_plan=plan, exchange=exchange,
+                                 positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT))
         return _stacked(acc)
 
     def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
@@ -310,14 +312,16 @@ def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered
         return _stacked(acc), index, exchange, plan
 
     def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, group, centers_SxD):
+        # the statistics' segments (every sum, the token index, the sample's keys): the first skip_positions
+        # positions of each sequence are padding there; the forward sees them all
+        kept_BxT = jnp.where(pos_BxT >= options.skip_positions, seg_BxT, 0) if options.skip_positions else seg_BxT
         acc, index, exchange, plan = jax.shard_map(
             local_batch, mesh=mesh, in_specs=(specs, P(ALL), P(ALL), P(ALL), P(ALL)),
-            out_specs=(specs, P(ALL), P(ALL), P(ALL)), check_vma=False)(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT)
+            out_specs=(specs, P(ALL), P(ALL), P(ALL)), check_vma=False)(acc, tokens_BxT, kept_BxT, pos_BxT, seq_BxT)
         update = jax.shard_map(local_update, mesh=mesh,
-                               in_specs=(specs, P(), P(ALL), P(ALL), P(ALL), P(ALL), P(ALL), P(ALL), P(), P()),
-                               out_specs=specs, check_vma=False)
-        observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, index, exchange, plan,
-                                                 group, centers_SxD)
+                               in_specs=(specs, P(), *[P(ALL)] * 8, P(), P()), out_specs=specs, check_vma=False)
+        observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, kept_BxT, pos_BxT, seq_BxT, index,
+                                                 exchange, plan, group, centers_SxD)
         acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
         if not acc.tok_count_SxV.size:  # empty fields out of shard_map come back "manual": fresh ones
             acc = acc.replace(**{f: jax.tree.map(jnp.zeros_like, getattr(acc, f)) for f in TOKEN_FIELDS})

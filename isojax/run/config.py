@@ -44,13 +44,15 @@ class StatsConfig:
     """token_stats: per-token IntraSim; centered: a second pass for centred metrics;
     save_token_sums: write the per-token unit sums; sample_states: K sampled states (None: the
     platform's default, 0: none); intrinsic_k: neighbours of the intrinsic-dimension estimators;
-    isoscore_zeta: IsoScore*'s covariance shrinkage, 0 to 1 (stats.geometry.isoscore_star)."""
+    isoscore_zeta: IsoScore*'s covariance shrinkage, 0 to 1 (stats.geometry.isoscore_star).
+    skip_positions: the first K positions of every sequence are left out of every statistic."""
     token_stats: bool = True
     centered: bool = False
     save_token_sums: bool = False
     sample_states: int | None = None
     intrinsic_k: int = 20
     isoscore_zeta: float = 0.2  # stats.geometry.ISOSCORE_ZETA: Rudman & Eickhoff (2024)
+    skip_positions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +95,13 @@ class MeasureConfig:
               save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto",
               norm_kernel: str = "auto", mesh=None, checkpoint_dir=None, checkpoint_every_tokens=None,
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
-              intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.2) -> MeasureConfig:
+              intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.2,
+              skip_positions: int = 0) -> MeasureConfig:
         """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
         return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source),
                    model=ModelConfig(model, revision, dtype),
                    stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k,
-                                     isoscore_zeta),
+                                     isoscore_zeta, skip_positions),
                    kernels=KernelConfig(attention, mlp_kernel, norm_kernel),
                    devices=DeviceConfig(mesh),
                    checkpoint=CheckpointConfig(checkpoint_dir, checkpoint_every_tokens, resume_run),

@@ -146,11 +146,35 @@ def load(model, revision, dtype: str, attention: str, mesh):
         return load_model(f"random:{DEFAULT_MODEL}", dtype=dtype, attention_impl=attention, mesh=mesh)
 
 
-def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None, sample_size: int = 0):
+def make_runner(model, mesh, *, token_stats: bool, num_groups: int, centers_SxD=None, sample_size: int = 0,
+                skip_positions: int = 0):
     """A Runner whose activations stay split by rows over every device."""
     from isojax.device.runner import Runner
+    from isojax.stats.options import StatsOptions
     return Runner(step_module(model.module, mesh), model.params, mesh, token_stats=token_stats, num_groups=num_groups,
-                  centers_SxD=centers_SxD, sample_size=sample_size)
+                  centers_SxD=centers_SxD, sample_size=sample_size, options=StatsOptions(skip_positions=skip_positions))
+
+
+def check_skip_positions(tokens, skip: int) -> None:
+    """Refuse skip_positions that leave out every token: no sequence (window) longer than it. From
+    the cache's lengths; on a first run, from the sequences tokenized so far, waiting only until
+    one is longer than `skip` (or the whole corpus is tokenized)."""
+    from isojax.data import TokenStream
+    if not skip:
+        return
+    seen, longest, finished = 0, 0, not isinstance(tokens, TokenStream)
+    cache = tokens
+    while True:
+        if not finished:
+            cache, finished = tokens.wait(seen)
+        lengths = np.diff(cache.offsets[seen:cache.n_sequences + 1])
+        longest = max(longest, int(lengths.max()) if lengths.size else 0)
+        if longest > skip or finished:
+            break
+        seen = cache.n_sequences
+    if longest <= skip:
+        raise UserError(f"skip_positions {skip} leaves out every token: the longest sequence is {longest} tokens "
+                        "long (--skip-positions must be less than that)")
 
 
 def tokenizer_without_weights(model, cfg):
@@ -240,6 +264,9 @@ def measure(model=None, data=None, **kwargs) -> Results:
             raise UserError(f"{name} must be a positive integer, not {value!r}")
     if not isinstance(config.stats.isoscore_zeta, (int, float)) or not 0 <= config.stats.isoscore_zeta <= 1:
         raise UserError(f"isoscore_zeta must be a number from 0 to 1, not {config.stats.isoscore_zeta!r}")
+    skip = config.stats.skip_positions
+    if not isinstance(skip, (int, np.integer)) or skip < 0:
+        raise UserError(f"skip_positions must be a non-negative integer, not {skip!r}")
     corpus = load_corpus(data, unit=unit, sources=sources, max_tokens=run_max_tokens(config, on_accel),
                          max_tokens_per_source=config.data.max_tokens_per_source)  # checks every path first
     with timings("load"):
@@ -316,10 +343,13 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     log(f"corpus {corpus.describe()}: {size}, sources: {', '.join(labels)}; rows {rows} x {row_len}, "
         f"attention {loaded.attention_impl}, MLP {loaded.mlp_impl}, LayerNorms {loaded.norm_impl}")
     num_groups = len(labels)
+    skip = int(config.stats.skip_positions)
+    check_skip_positions(tokens, skip)
     check_fits(cfg, token_stats, dtype, num_groups, mesh, rows * row_len // n_dev, verbose=True,
                sample_size=sample_states)
     with timings("compile"):  # the step's setup: parameters placed, accumulators allocated (their init compiles)
-        runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states)
+        runner = make_runner(loaded, mesh, token_stats=token_stats, num_groups=num_groups, sample_size=sample_states,
+                             skip_positions=skip)
     if ahead.matches(ahead.runner_signature(runner, rows, row_len), step.signature):
         runner.use_compiled(step.executable)
     else:  # e.g. a checkpoint whose parameter tree is not its config's: the step compiles at its first batch
@@ -330,7 +360,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     settings = {"model_checksum": loaded.source["checksum"], "corpus": tokens.fingerprint, "rows": rows,
                 "row_len": row_len, "dtype": dtype, "token_stats": token_stats, "max_tokens": max_tokens,
                 "devices": n_dev, "processes": jax.process_count(), "mesh": dict(mesh.shape),
-                "sample_states": sample_states}
+                "sample_states": sample_states, "skip_positions": skip}
     cursor, done = None, {"tokens": 0, "sequences": 0, "batches": 0}
     if resume_run:
         cursor, done = resume(runner, Path(checkpoint_dir), settings, done)
@@ -420,7 +450,7 @@ def centered_pass(final, acc, model, runner, cache, rows, row_len, local, timing
     log("second pass for centered InterSim")
     model.params = runner.params
     second = make_runner(model, runner.mesh, token_stats=False, num_groups=len(cache.source_names),
-                         centers_SxD=sums / counts[:, None])
+                         centers_SxD=sums / counts[:, None], skip_positions=runner.options.skip_positions)
     with timings("loop"):
         consume(second, pack_batches(cache, rows=rows, row_len=row_len, row_subset=local),
                 {"tokens": 0, "sequences": 0, "batches": 0}, final["layers"][0]["count"], progress=progress,

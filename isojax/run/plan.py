@@ -64,6 +64,7 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     from isojax.device.runner import Layout
     from isojax.hf.loading import abstract_params, build_module, cache_root
     from isojax.kernels.select import RECHECK, CheckRecord, choose_attention, choose_mlp_kernel, choose_norm_kernel
+    from isojax.stats.options import StatsOptions
 
     start, seconds = time.time(), {}
     on_accel = defaults_platform() != "cpu"
@@ -106,7 +107,7 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     def compiled(kernels):
         module = step_module(build_module(cfg, dtype, *kernels), mesh)
         layout = Layout(module, mesh, token_stats=config.stats.token_stats, num_groups=len(labels),
-                        sample_size=sample_states)
+                        sample_size=sample_states, options=StatsOptions(skip_positions=config.stats.skip_positions))
         return ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), rows, row_len)
 
     t = time.time()

@@ -24,6 +24,7 @@ from isojax.errors import UserError
 from isojax.stats import accumulators as stats
 from isojax.stats import geometry
 from isojax.stats.accumulators import _COUNT_BITS, Accumulators, chan_term
+from isojax.stats.streamed import streamed_measures
 
 
 def _f64(df):
@@ -365,6 +366,8 @@ def finalize(acc: Accumulators, state_names: list[str],
             layer.update(intra_sim=None, intra_sim_weighted=None, intra_tokens=None)
         layers.append(layer)
 
+    for layer, streamed in zip(layers, streamed_measures(acc)):  # massive_*, inter_sim_by_position
+        layer.update(streamed)
     for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
                     "sample_abs_median", "massive_ratio", *GEOMETRY_KEYS):

@@ -1,8 +1,8 @@
 """Trace-time settings of the statistics: one frozen, hashable object handed to the step.
 
-Everything here changes what is compiled, never what is measured: every setting gives the same
-metrics within the float32 error bounds of README "Precision" (tests/test_stats.py runs the
-non-default ones against float64). Shapes (groups, vocabulary, centered pass) come from the
+Everything here but skip_positions changes what is compiled, never what is measured: every such
+setting gives the same metrics within the float32 error bounds of README "Precision"
+(tests/test_stats.py runs the non-default ones against float64). Shapes (groups, vocabulary, centered pass) come from the
 accumulators themselves, not from here.
 """
 
@@ -49,6 +49,10 @@ class StatsOptions:
     # keeps whole Grams of its own rows.
     gram_shards: int = 1
     gram_axis: str | None = None
+    # The first skip_positions positions of every sequence are left out of every statistic (they
+    # stay in the forward): the step masks them out of the rows its statistics count. Unlike the
+    # settings above, this one changes what is measured (--skip-positions).
+    skip_positions: int = 0
 
     def __post_init__(self):
         if self.segment_sum not in ("auto", "scan", "scatter"):
@@ -57,6 +61,8 @@ class StatsOptions:
             raise ValueError(f"gram_precision must be highest or bf16x6, not {self.gram_precision!r}")
         if self.token_shards > 1 and not self.token_axes:
             raise ValueError("token_shards > 1 needs the mesh axes the tokens are sharded over")
+        if not isinstance(self.skip_positions, int) or self.skip_positions < 0:
+            raise ValueError(f"skip_positions must be a non-negative integer, not {self.skip_positions!r}")
         if self.gram_shards > 1 and not self.gram_axis:
             raise ValueError("gram_shards > 1 needs the mesh axis the Grams are split over")
 
