@@ -17,8 +17,7 @@ I as $SLURM_ARRAY_TASK_ID) measures every N-th step of the sweep's (model, revis
 its I-th, so N jobs share one sweep and one OUT. Each step folder is locked while it is measured
 (outdir: flock, freed when its process dies), OUT itself only while the sweep's checks run and
 while its files are rebuilt: a step another live job is measuring is skipped with a log line (two
-jobs of one shard, or of one unsharded sweep, divide its steps; no step is measured twice at
-once). Every job, its steps done, rebuilds sweep.csv (sweep.parquet, sweep_cka.json, weights'
+jobs given one shard divide its steps; no step is measured twice at once). Every job, its steps done, rebuilds sweep.csv (sweep.parquet, sweep_cka.json, weights'
 plots) from every finished step folder of the whole sweep and says how many are still missing, so
 the last job to finish writes the complete files. A killed job's steps are missing until its
 shard runs again with --resume.
@@ -257,8 +256,8 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
 
     run_steps(steps, out, result="metrics.json", measure=measure_step, fetch=lambda s: resolve_model(s.repo, s.revision),
               resume=resume, overwrite=overwrite, delete_downloads=delete_downloads,
-              finish=lambda ready: write_sweep_csv(out, ready, parquet), inputs=[*models, *(config.data.data or [])],
-              names=SWEEP_FILES, shard=shard)
+              finish=lambda ready: write_sweep_csv(out, ready, parquet),
+              inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard)
     return out
 
 
