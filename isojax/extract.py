@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "local directory with one subfolder per revision stands in for a hub repository")
     rev.add_argument("--paper-steps", action="store_true",
                      help="sweep the paper's 21 checkpoints: step0 and floor(i*143/20)*1000 for i = 1..20")
+    ap.add_argument("--shard", default=None, metavar="I/N",
+                    help="sweeps: measure every N-th (model, revision) step from the I-th (I = 0 ... N-1), so N jobs "
+                         "(a SLURM job array: $SLURM_ARRAY_TASK_ID/N) run one sweep into one shared --out; each "
+                         "rebuilds OUT/sweep.csv from every finished step and says how many are still missing")
     ap.add_argument("--data", action="append", default=None, metavar="PATH",
                     help="corpus: .txt, .jsonl[.gz|.zst], .parquet, a folder of shards, or "
                     "hub:NAME[@REVISION][:CONFIG]:SPLIT (a Hugging Face dataset, streamed); "
@@ -211,6 +215,8 @@ def run(args) -> Path:
                    isoscore_zeta=args.isoscore_zeta,
                    skip_positions=args.skip_positions)
     models = args.model or [None]
+    from isojax.run.sweep import parse_shard
+    shard = parse_shard(args.shard, bool(args.paper_steps or args.revisions or len(models) > 1))
     if args.paper_steps or args.revisions or len(models) > 1:
         from isojax.run.sweep import run_sweep
         revisions = paper_steps() if args.paper_steps else \
@@ -219,8 +225,9 @@ def run(args) -> Path:
             raise UserError("a sweep needs --model")
         run_sweep(models, revisions, out, resume=args.resume, overwrite=args.overwrite, plots=not args.no_plots,
                   delete_downloads=args.delete_downloads, parquet=args.format == "parquet",
-                  config=MeasureConfig.build(**options))
-        log(f"{len(models) * len(revisions)} steps; results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
+                  config=MeasureConfig.build(**options), shard=shard)
+        log(f"{len(models) * len(revisions)} steps{f' (shard {shard[0]}/{shard[1]})' if shard[1] > 1 else ''}; "
+            f"results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
         return out
     if args.delete_downloads:
         raise UserError("--delete-downloads applies to sweeps (--revisions, --paper-steps or several --model)")

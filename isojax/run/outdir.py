@@ -26,7 +26,9 @@ that readers refuse and the next run undoes.
 
 Lock. OUT/.isojax.lock is held with flock while a command works on OUT (the kernel frees it when
 the process dies, so a killed run's lock never blocks); a second run is refused with the first's
-PID and host.
+PID and host (Busy), or, with wait, waits for it. A sweep locks each step folder while it measures
+it, and OUT itself only briefly (its checks, then the sweep's files), so several jobs of one sweep
+work in one OUT at once (isojax.run.sweep).
 """
 
 from __future__ import annotations
@@ -139,14 +141,15 @@ def _check_names(out: Path, names) -> None:
 
 
 @contextlib.contextmanager
-def claim(out, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite"):
-    """Hold OUT for one command, checked before any work: a writable folder that is no input; locked;
-    what a killed run left is undone (recover) or removed (stale staging folders); `names` (the
-    results the command will write) are not the user's files; earlier results are refused unless
-    `overwrite`. OUT is created here and removed again at the end if nothing was written."""
+def claim(out, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite", wait: bool = False):
+    """Hold OUT for one command, checked before any work: a writable folder that is no input; locked
+    (held by another process: Busy, or with `wait`, once that one lets go); what a killed run left
+    is undone (recover) or removed (stale staging folders); `names` (the results the command will
+    write) are not the user's files; earlier results are refused unless `overwrite`. OUT is created
+    here and removed again at the end if nothing was written."""
     out = Path(out)
     check_path(out, inputs)
-    with _lock(out):
+    with _lock(out, wait):
         _recover(out)
         _clean(out)
         _check_names(out, names)
@@ -167,8 +170,17 @@ def refuse_earlier(path, held, *, overwrite: bool, flag: str = "--overwrite") ->
                     f"pass {flag} to replace them")
 
 
+class Busy(UserError):
+    """A folder locked by another isojax process; `holder`: its pid and host, as it wrote them."""
+
+    def __init__(self, out: Path, holder: dict):
+        self.holder = holder
+        super().__init__(f"--out {out} is in use by another isojax run (pid {holder.get('pid', '?')} on "
+                         f"{holder.get('host', '?')}); wait for it to end or choose another --out")
+
+
 @contextlib.contextmanager
-def _lock(out: Path):
+def _lock(out: Path, wait: bool = False):
     key = str(out.resolve())
     if key in _held:
         _held[key][1] += 1
@@ -180,7 +192,7 @@ def _lock(out: Path):
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = _take(out / LOCK, out)
+        fd = _take(out / LOCK, out, wait)
     except OSError as e:
         raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     _held[key] = [fd, 1]
@@ -196,9 +208,13 @@ def _lock(out: Path):
                 out.rmdir()
 
 
-def _take(path: Path, out: Path) -> int:
+def _take(path: Path, out: Path, wait: bool = False) -> int:
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # the holder before us removes the folder where it made it and left it empty
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -206,9 +222,11 @@ def _take(path: Path, out: Path) -> int:
                 holder = json.loads(os.read(fd, 4096) or b"{}")
             except ValueError:
                 holder = {}
-            os.close(fd)
-            raise UserError(f"--out {out} is in use by another isojax run (pid {holder.get('pid', '?')} on "
-                            f"{holder.get('host', '?')}); wait for it to end or choose another --out") from None
+            if not wait:
+                os.close(fd)
+                raise Busy(out, holder) from None
+            log(f"{out}: waiting for another isojax run (pid {holder.get('pid', '?')} on {holder.get('host', '?')})")
+            fcntl.flock(fd, fcntl.LOCK_EX)
         try:  # the holder before us may have removed the file as we opened it: lock the current one
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
                 break

@@ -12,6 +12,16 @@ unfinished one from its checkpoint; an extract sweep refuses a corpus or --max-t
 the finished steps' (sweep.csv would mix them). --delete-downloads removes from the Hugging Face
 cache what the sweep downloaded for a step once it is measured (isojax.hf.cache).
 
+A sweep across a cluster: `--shard I/N` (I = 0 ... N-1: a SLURM job array --array=0-(N-1) gives
+I as $SLURM_ARRAY_TASK_ID) measures every N-th step of the sweep's (model, revision) list, from
+its I-th, so N jobs share one sweep and one OUT. Each step folder is locked while it is measured
+(outdir: flock, freed when its process dies), OUT itself only while the sweep's checks run and
+while its files are rebuilt: a step another live job is measuring is skipped with a log line (two
+jobs given one shard divide its steps; no step is measured twice at once). Every job, its steps done, rebuilds sweep.csv (sweep.parquet, sweep_cka.json, weights'
+plots) from every finished step folder of the whole sweep and says how many are still missing, so
+the last job to finish writes the complete files. A killed job's steps are missing until its
+shard runs again with --resume.
+
 Offline stand-ins for the hub: a local directory with one subfolder per revision
 (DIR/step1000/, DIR/step2000/, each a Hugging Face checkpoint) is read as a repository:
 `--model DIR --revisions step1000,step2000` (and `--model DIR --revision step1000` alone).
@@ -108,18 +118,43 @@ def plan(models: list[str], revisions: list[str | None], out: Path) -> list[Step
     return steps
 
 
+def parse_shard(text: str | None, sweep: bool) -> tuple[int, int]:
+    """--shard I/N -> (I, N), I from 0 to N-1; None -> (0, 1), the whole sweep."""
+    if text is None:
+        return 0, 1
+    if not sweep:
+        raise UserError("--shard applies to sweeps (--revisions, --paper-steps or several --model)")
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or int(m[2]) < 1 or int(m[1]) >= int(m[2]):
+        raise UserError(f"--shard {text}: give I/N with N >= 1 and I from 0 to N-1 (0/3, 1/3 and 2/3 split a sweep "
+                        "over 3 jobs)")
+    return int(m[1]), int(m[2])
+
+
+def finished(steps: list[Step], result: str) -> list[Step]:
+    """The steps whose folder holds `result`, its commit complete (a folder whose commit was cut short
+    is not done: its next claim puts the earlier results back). The result is looked for before the
+    journal: a commit moves the result in, then removes its journal."""
+    return [s for s in steps if (s.folder / result).exists() and not (s.folder / outdir.JOURNAL).exists()]
+
+
 def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resume: bool, overwrite: bool,
-              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",)) -> None:
-    """The loop of every sweep, extract's and weights': each unfinished step is measured into its
-    folder (measure(step) writes there, committed whole), the next unfinished one downloading
-    meanwhile (fetch(step), in a thread); a step whose folder holds `result` is done: skipped with
-    --resume, nothing downloaded for it, refused without (before anything is measured); with
-    delete_downloads, a measured step's files this sweep downloaded leave the Hugging Face cache.
-    finish() then writes the sweep's files at OUT's top (process 0 only)."""
+              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), shard=(0, 1)) -> None:
+    """The loop of every sweep, extract's and weights': each unfinished step of this shard (every
+    shard[1]-th from the shard[0]-th) is measured into its folder (measure(step) writes there,
+    committed whole) with the folder locked, the next unfinished one downloading meanwhile
+    (fetch(step), in a thread); a step whose folder holds `result` is done: skipped with --resume,
+    nothing downloaded for it, refused without (before anything is measured); a step locked by
+    another live job, or finished by one since this job began, is skipped; with delete_downloads, a
+    measured step's files this sweep downloaded leave the Hugging Face cache. finish(ready) then
+    writes the sweep's files at OUT's top from every finished step of the whole sweep, OUT locked
+    (waiting for another job's rebuild to end), on process 0 only."""
     main = parallel.is_main_process()
-    # a folder with a commit cut short is not done: its claim puts the earlier results back, then it is measured
-    done = set() if overwrite else \
-        {s for s in steps if (s.folder / result).exists() and not (s.folder / outdir.JOURNAL).exists()}
+    sweep, steps = steps, steps[shard[0]::shard[1]]
+    if shard[1] > 1:
+        log(f"shard {shard[0]}/{shard[1]}: {len(steps)} of the sweep's {len(sweep)} steps")
+    existed = {s for s in steps if (s.folder / result).exists()}  # to tell a step another job finishes meanwhile
+    done = set() if overwrite else set(finished(steps, result))
     if not resume:
         first = next((s for s in steps if s in done), None)
         outdir.refuse_earlier(out, first and [str(first.folder.relative_to(out) / result)], overwrite=overwrite,
@@ -129,30 +164,52 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
     if delete_downloads:
         from isojax.hf.cache import Downloads
         downloads = Downloads(s.repo for s in todo if s.repo is not None)
-    with outdir.claim(out, overwrite=True, names=set(names), inputs=inputs) if main else contextlib.nullcontext():
-        fetching = None
-        for i, step in enumerate(steps):
-            label = f"[{i + 1}/{len(steps)}] {step.model} @ {revision_name(step.revision)}"
-            if step in done:
-                log(f"{label}: done earlier")
+    if main:  # OUT checked, a commit of the sweep's files a killed job cut short undone, before any work
+        with outdir.claim(out, overwrite=True, names=set(names), inputs=inputs, wait=True):
+            pass
+    fetching, skipped = None, 0
+    for step in steps:
+        label = f"[{sweep.index(step) + 1}/{len(sweep)}] {step.model} @ {revision_name(step.revision)}"
+        if step in done:
+            log(f"{label}: done earlier")
+            continue
+        if fetching is not None:
+            fetching.join()
+        later = todo[todo.index(step) + 1:]
+        fetching = _start_fetch(fetch, later[0]) if later else None
+        with contextlib.ExitStack() as held:
+            why = None
+            if main:
+                try:
+                    held.enter_context(outdir.claim(step.folder, overwrite=True))
+                except outdir.Busy as e:
+                    why = f"another job is measuring it (pid {e.holder.get('pid', '?')} on {e.holder.get('host', '?')})"
+                else:
+                    if step not in existed and finished([step], result):
+                        why = "another job measured it since this one began"
+            if not parallel.all_processes_agree(why is None):
+                log(f"{label}: skipped, {why or 'as process 0 says'}")
+                skipped += 1
                 continue
-            if fetching is not None:
-                fetching.join()
-            later = todo[todo.index(step) + 1:]
-            fetching = _start_fetch(fetch, later[0]) if later else None
             log(label)
-            with outdir.claim(step.folder, overwrite=True) if main else contextlib.nullcontext():
-                measure(step)
-            if downloads is not None and step.repo is not None:
-                if fetching is not None:  # its files are in the cache before this step's go
-                    fetching.join()
-                freed = downloads.release(step.repo, step.revision,
-                                          keep=[s.revision for s in later if s.repo == step.repo])
-                if freed:
-                    log(f"{step.repo} @ {revision_name(step.revision)}: deleted the {freed / 1e9:.2f} GB this sweep "
-                        "downloaded (--delete-downloads)")
-        if main:
-            finish()
+            measure(step)
+        if downloads is not None and step.repo is not None:
+            if fetching is not None:  # its files are in the cache before this step's go
+                fetching.join()
+            freed = downloads.release(step.repo, step.revision,
+                                      keep=[s.revision for s in later if s.repo == step.repo])
+            if freed:
+                log(f"{step.repo} @ {revision_name(step.revision)}: deleted the {freed / 1e9:.2f} GB this sweep "
+                    "downloaded (--delete-downloads)")
+    if main:
+        with outdir.claim(out, overwrite=True, names=set(names), inputs=inputs, wait=True):
+            ready = finished(sweep, result)
+            finish(ready)
+        missing = len(sweep) - len(ready)
+        log(f"{out}: the sweep's files hold all {len(sweep)} steps" if not missing else
+            f"{out}: the sweep's files hold {len(ready)} of its {len(sweep)} steps; {missing} still missing "
+            f"({'skipped here, ' if skipped else ''}other jobs' or not yet measured: run the missing shards, "
+            "with --resume; the last job to finish writes the complete files)")
 
 
 def _start_fetch(fetch, step: Step) -> threading.Thread | None:
@@ -170,7 +227,8 @@ def _start_fetch(fetch, step: Step) -> threading.Thread | None:
 
 
 def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resume: bool, overwrite: bool,
-              plots: bool, config: MeasureConfig, delete_downloads: bool = False, parquet: bool = False) -> Path:
+              plots: bool, config: MeasureConfig, delete_downloads: bool = False, parquet: bool = False,
+              shard=(0, 1)) -> Path:
     """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv (write_sweep_csv);
     `parquet`: layers.parquet in each step folder, sweep.parquet at the top."""
     from isojax.hf.files import resolve_model
@@ -198,8 +256,8 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
 
     run_steps(steps, out, result="metrics.json", measure=measure_step, fetch=lambda s: resolve_model(s.repo, s.revision),
               resume=resume, overwrite=overwrite, delete_downloads=delete_downloads,
-              finish=lambda: write_sweep_csv(out, steps, parquet), inputs=[*models, *(config.data.data or [])],
-              names=SWEEP_FILES)
+              finish=lambda ready: write_sweep_csv(out, ready, parquet),
+              inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard)
     return out
 
 
@@ -232,13 +290,11 @@ def sweep_rows(steps: list[Step], result: str, rows_of) -> list[dict]:
     whole, as isojax's record of the folder says)."""
     import json
     rows = []
-    for step in steps:
-        path = step.folder / result
-        if path.exists():
-            outdir.check_results(step.folder, reads=(result,))
-            model, revision = step.name
-            head = {"model": model, "revision": revision_name(revision), "step": step_of(revision)}
-            rows += [{**head, **row} for row in rows_of(json.loads(path.read_text()))]
+    for step in finished(steps, result):
+        outdir.check_results(step.folder, reads=(result,))
+        model, revision = step.name
+        head = {"model": model, "revision": revision_name(revision), "step": step_of(revision)}
+        rows += [{**head, **row} for row in rows_of(json.loads((step.folder / result).read_text()))]
     return rows
 
 
@@ -257,16 +313,15 @@ def write_sweep_csv(out: Path, steps: list[Step], parquet: bool = False) -> Path
     rows = add_diff_erank(sweep_rows(steps, "metrics.json", lambda metrics: [
         {"tokens": metrics["tokens"], **flat_layer(layer)} for layer in metrics["layers"]]))
     earlier = set(outdir.owned(out))
-    finished = {}
-    for step in steps:
-        if (step.folder / "metrics.json").exists():
-            model, revision = step.name
-            finished.setdefault(model, []).append((revision_name(revision), step.folder))
+    ready = {}
+    for step in finished(steps, "metrics.json"):
+        model, revision = step.name
+        ready.setdefault(model, []).append((revision_name(revision), step.folder))
     with outdir.staged(out, replace_all=False) as stage:
         write_csv(stage / "sweep.csv", rows)
         if parquet or "sweep.parquet" in earlier:
             write_parquet(stage / "sweep.parquet", rows)
-        if "sweep_cka.json" in earlier or any((f / "samples.zarr").is_dir() for fs in finished.values() for _, f in fs):
+        if "sweep_cka.json" in earlier or any((f / "samples.zarr").is_dir() for fs in ready.values() for _, f in fs):
             from isojax.run.results import json_safe
-            (stage / "sweep_cka.json").write_text(json.dumps(json_safe(sweep_cka(finished)), indent=1) + "\n")
+            (stage / "sweep_cka.json").write_text(json.dumps(json_safe(sweep_cka(ready)), indent=1) + "\n")
     return out / "sweep.csv"

@@ -244,9 +244,13 @@ def _check_sources(args) -> None:
     elif args.model.startswith("random:") and (args.revision or args.revisions or args.paper_steps):
         raise UserError(f"{args.model} has no revisions: random weights are made, not downloaded")
     sweep = args.revisions or args.paper_steps
-    for flag, given in (("--resume", args.resume), ("--delete-downloads", args.delete_downloads)):
+    for flag, given in (("--resume", args.resume), ("--delete-downloads", args.delete_downloads),
+                        ("--shard", args.shard)):
         if given and not sweep:
             raise UserError(f"{flag} applies to sweeps (--revisions, --paper-steps)")
+    if args.shard:
+        from isojax.run.sweep import parse_shard
+        parse_shard(args.shard, True)
 
 
 def run(args) -> None:
@@ -271,7 +275,7 @@ def run(args) -> None:
                 raise UserError("--tensor needs a tensor name")
     if revisions is not None:
         _sweep(args, revisions, out, inputs)
-        _summary(out, revisions)
+        _summary(out, revisions, args.shard)
         return
     names = {"weights.json", "arrays.npz"}
     with outdir.claim(out, overwrite=args.overwrite, names=names, inputs=inputs), outdir.staged(out) as tmp:
@@ -282,12 +286,12 @@ def run(args) -> None:
     _summary(out, revisions)
 
 
-def _summary(out: pathlib.Path, revisions: list[str] | None) -> None:
+def _summary(out: pathlib.Path, revisions: list[str] | None, shard: str | None = None) -> None:
     """The one line a successful run ends with: what was measured, I(W), where the results are."""
     pngs = len(list(out.glob("*.png")))
     if revisions is not None:
-        log(f"{len(revisions)} revisions measured; results in {out}/<model>/<revision>/ and {out}/sweep.csv"
-              + (f", {pngs} sweep plots" if pngs else ""))
+        log(f"{len(revisions)} revisions{f' (shard {shard})' if shard else ' measured'}; results in "
+            f"{out}/<model>/<revision>/ and {out}/sweep.csv" + (f", {pngs} sweep plots" if pngs else ""))
         return
     doc = json.loads((out / "weights.json").read_text())
     groups = doc.get("tensors") or {k + (" (tied)" if doc.get("tied") else ""): doc[k]
@@ -315,8 +319,8 @@ def _sweep(args, revisions: list[str], out: pathlib.Path, inputs) -> None:
         with outdir.staged(step.folder) as tmp:
             analyze_checkpoint(spec, revision, args.tensor, tmp, plots, name=step.name)
 
-    def finish() -> None:
-        rows = sweep.sweep_rows(steps, "weights.json", lambda doc: [_flat(doc)])
+    def finish(ready: list[sweep.Step]) -> None:
+        rows = sweep.sweep_rows(ready, "weights.json", lambda doc: [_flat(doc)])
         cols = list(dict.fromkeys(k for r in rows for k in r))
         with outdir.staged(out, replace_all=False) as tmp:
             with open(tmp / "sweep.csv", "w", newline="") as f:
@@ -333,7 +337,7 @@ def _sweep(args, revisions: list[str], out: pathlib.Path, inputs) -> None:
     sweep.run_steps(steps, out, result="weights.json", measure=measure,
                     fetch=lambda s: hf_files.resolve_weights(s.repo, s.revision, tensors=needed),
                     resume=args.resume, overwrite=args.overwrite, delete_downloads=args.delete_downloads,
-                    finish=finish, inputs=inputs)
+                    finish=finish, inputs=inputs, shard=sweep.parse_shard(args.shard, True))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     rev.add_argument("--paper-steps", action="store_true",
                      help="sweep the paper's 21 checkpoints: step0 and floor(i*143/20)*1000 "
                           "for i = 1..20")
+    ap.add_argument("--shard", metavar="I/N",
+                    help="sweeps: measure every N-th revision from the I-th (I = 0 ... N-1), so N jobs (a SLURM job "
+                         "array: $SLURM_ARRAY_TASK_ID/N) run one sweep into one shared --out; each rebuilds "
+                         "OUT/sweep.csv from every finished revision and says how many are still missing")
     ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace existing results in OUT (refused without it)")
