@@ -180,14 +180,12 @@ def delete(url: GsPath, rels) -> None:
             _call(url, lambda fs: fs.rm(keys))
 
 
-def upload(folder: Path, url: GsPath, *, last: str | None = None) -> dict[str, int]:
-    """Every file under a local folder to url/<its path>, the file named `last` after all others.
-    Returns {path: size}."""
+def upload(folder: Path, url: GsPath, *, last: str | None = None) -> None:
+    """Every file under a local folder to url/<its path>, the file named `last` after all others."""
     url = path(url)
     files = sorted(p.relative_to(folder).as_posix() for p in Path(folder).rglob("*") if p.is_file())
     for rel in sorted(files, key=lambda r: r == last):
         _call(url, lambda fs, rel=rel: fs.put_file(str(Path(folder) / rel), (url / rel).key))
-    return {rel: (Path(folder) / rel).stat().st_size for rel in files}
 
 
 def download(url: GsPath, folder: Path) -> None:
