@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "rebuilds OUT/sweep.csv from every finished step and says how many are still missing")
     ap.add_argument("--data", action="append", default=None, metavar="PATH",
                     help="corpus: .txt, .jsonl[.gz|.zst], .parquet, a folder of shards, or "
-                    "hub:NAME[@REVISION][:CONFIG]:SPLIT (a Hugging Face dataset, streamed); "
-                    "repeatable; default: the documentation topics bundled with CPython")
+                    "hub:NAME[@REVISION][:CONFIG]:SPLIT (a Hugging Face dataset, streamed), or any of the files "
+                    "as gs://BUCKET/PATH (copied once into isojax's cache); repeatable; default: the documentation topics bundled with CPython")
     ap.add_argument("--unit", default="sentence", choices=["sentence", "document"], help="sequence unit (default: sentence)")
     ap.add_argument("--source", action="append", default=None, metavar="NAME",
                     help="keep only this Pile source (meta.pile_set_name); repeatable")
@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens-per-source", type=positive_int, default=None, metavar="N",
                     help="each source's share of tokens: its first N; with --max-tokens, each source's "
                          "share is the smaller of N and its equal share")
-    ap.add_argument("--out", required=True, help="results directory")
+    ap.add_argument("--out", required=True, help="results directory, or gs://BUCKET/PATH on Google Cloud Storage "
+                    "(credentials as Google's libraries find them: GOOGLE_APPLICATION_CREDENTIALS, gcloud, the "
+                    "metadata server; single runs only)")
     ap.add_argument("--checkpoint-every-tokens", type=positive_int, default=None, metavar="N",
                     help="write accumulators + data cursor atomically under OUT/checkpoint every N tokens")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -171,7 +173,10 @@ def check_out(out: Path, args) -> None:
 def check_free_space(out: Path, args) -> None:
     """Refuse, before any work, a run whose results (and checkpoints) cannot fit the free space of
     --out's disk; where the model's shapes are not known without loading it, the write itself
-    reports a full disk."""
+    reports a full disk (on GCS there is no free space to check)."""
+    from isojax import storage
+    if storage.is_remote(out):
+        return
     from isojax.device.memory import defaults_platform
     from isojax.run.measure import peek_config
     from isojax.run.plan import default_sample_size
@@ -204,7 +209,8 @@ def run(args) -> Path:
     from isojax.steps import paper_steps
     from isojax.log import log
 
-    out = Path(args.out)
+    from isojax import storage
+    out = storage.path(args.out)
     options = dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
                    batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
                    max_tokens_per_source=args.max_tokens_per_source, token_stats=not args.no_token_stats,
@@ -223,6 +229,9 @@ def run(args) -> Path:
             [r.strip() for r in (args.revisions or "").split(",") if r.strip()] or [args.revision]
         if None in models:
             raise UserError("a sweep needs --model")
+        if storage.is_remote(out):
+            raise UserError("--out gs://... takes single runs; a sweep (--revisions, --paper-steps, several --model) "
+                            "writes to a local --out")
         run_sweep(models, revisions, out, resume=args.resume, overwrite=args.overwrite, plots=not args.no_plots,
                   delete_downloads=args.delete_downloads, parquet=args.format == "parquet",
                   config=MeasureConfig.build(**options), shard=shard)

@@ -26,6 +26,7 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
+from isojax import storage
 from isojax.errors import UserError
 from isojax.data.units import SPLITTER, UNITS
 
@@ -70,6 +71,8 @@ def _parse_hub(spec: str) -> Input:
 def _expand(spec: str) -> list[Input]:
     if spec.startswith("hub:"):
         return [_parse_hub(spec)]
+    if storage.is_remote(spec):  # read from a local copy, fetched once per version of the objects
+        spec = storage.local_copy(spec)
     path = Path(spec)
     if not path.exists():
         raise UserError(f"{spec}: no such file or directory")

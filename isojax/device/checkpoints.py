@@ -22,6 +22,10 @@ into pages XLA's pool already holds; so chunks keep that pool at a chunk per dev
 grows it before the loop (measured: bench/RESULTS.md 7d). The layout
 depends on the device count (device/runner.py), so a checkpoint resumes on as many devices and
 processes as wrote it.
+
+A checkpoint directory on Google Cloud Storage (gs://..., isojax.storage) has no rename: each
+process writes its step into a local temporary folder as above and uploads it file by file,
+meta.json last; a step's part counts once its meta.json is there.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import functools
 import json
 import os
 import shutil
+import tempfile
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax import faults
+from isojax import faults, storage
 from isojax.atomic import fsync_dir
 from isojax.errors import UserError
 from isojax.log import log
@@ -201,8 +206,8 @@ def _process_dir() -> str:
 class Checkpointer:
     """Writes the checkpoints of one run, one at a time."""
 
-    def __init__(self, directory: Path):
-        self.directory = Path(directory)
+    def __init__(self, directory):
+        self.directory = storage.path(directory)
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -253,10 +258,14 @@ class Checkpointer:
         self._in_background(self._write, step, list(by_device.values()), meta)
 
     def _write(self, step: int, per_device: list, meta: dict) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / f".tmp-{step}-{_process_dir()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        remote = storage.is_remote(self.directory)
+        if remote:
+            tmp = Path(tempfile.mkdtemp(prefix=f"isojax-checkpoint-{step}-"))
+        else:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f".tmp-{step}-{_process_dir()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
         try:
             files: dict = {}
             with ThreadPoolExecutor(len(per_device) or 1, thread_name_prefix="isojax-checkpoint") as pool:
@@ -269,12 +278,19 @@ class Checkpointer:
                 os.fsync(f.fileno())
             fsync_dir(tmp)
             final = self.directory / str(step) / _process_dir()
-            final.parent.mkdir(exist_ok=True)
-            if final.exists():  # this step written once already (a resume fell back past it)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-            fsync_dir(self.directory)
+            if remote:  # meta.json goes first and comes last: the step's part is whole or not there
+                try:
+                    discard(self.directory, step)
+                    storage.upload(tmp, final, last="meta.json")
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                final.parent.mkdir(exist_ok=True)
+                if final.exists():  # this step written once already (a resume fell back past it)
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                fsync_dir(final.parent)
+                fsync_dir(self.directory)
             faults.reached("checkpoint_written")
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)  # a partial write must not keep the disk full
@@ -284,8 +300,7 @@ class Checkpointer:
             raise UserError(f"could not write the checkpoint under {self.directory} ({e.strerror or e}); "
                             "the previous checkpoint is intact") from None
         # keep this and the step before (which stays whole if another process dies mid-write)
-        steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
-        for old in steps[:-2]:
+        for old in sorted(_steps(self.directory))[:-2]:
             discard(self.directory, old)
 
     def wait(self) -> None:
@@ -300,9 +315,44 @@ class Checkpointer:
         self.wait()
 
 
-def clear(directory: Path) -> None:
+def _ours(rel: str) -> bool:
+    """An object of a checkpoint on GCS: STEP/process_I/FILE."""
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[0].isdigit() and parts[1].startswith("process_")
+
+
+def _parts(directory) -> dict[int, set[str]]:
+    """{step: the process folders written for it} (on GCS: those with their meta.json)."""
+    if storage.is_remote(directory):
+        parts: dict = {}
+        for rel in storage.listing(directory):
+            if _ours(rel) and rel.endswith("/meta.json"):
+                step, proc, _ = rel.split("/")
+                parts.setdefault(int(step), set()).add(proc)
+        return parts
+    directory = Path(directory)
+    return {int(p.name): {q.name for q in p.iterdir() if q.name.startswith("process_")}
+            for p in directory.iterdir() if p.name.isdigit()} if directory.is_dir() else {}
+
+
+def _steps(directory) -> list[int]:
+    if storage.is_remote(directory):
+        return sorted({int(rel.split("/")[0]) for rel in storage.listing(directory) if _ours(rel)})
+    return sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
+
+
+def clear(directory) -> None:
     """Remove the checkpoints under directory, for a run that starts over. A directory that holds
     anything else is refused, never emptied."""
+    if storage.is_remote(directory):
+        objects = storage.listing(storage.path(directory))
+        foreign = sorted({rel.split("/")[0] for rel in objects if not _ours(rel)})
+        if foreign:
+            raise UserError(f"checkpoint directory {directory} holds what isojax did not write "
+                            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); choose an empty or "
+                            "new directory")
+        storage.delete(storage.path(directory), sorted(objects))
+        return
     directory = Path(directory)
     if not directory.exists():
         return
@@ -323,9 +373,13 @@ def clear(directory: Path) -> None:
         shutil.rmtree(p)
 
 
-def remove(directory: Path) -> None:
+def remove(directory) -> None:
     """Remove the checkpoints of a finished run: what clear removes, then the directory if empty;
     anything else in it stays (and so does the directory)."""
+    if storage.is_remote(directory):
+        directory = storage.path(directory)
+        storage.delete(directory, sorted(rel for rel in storage.listing(directory) if _ours(rel)))
+        return
     directory = Path(directory)
     if not directory.is_dir():
         return
@@ -337,34 +391,36 @@ def remove(directory: Path) -> None:
         directory.rmdir()
 
 
-def discard(directory: Path, step: int) -> None:
-    """Remove this process's part of a checkpoint step (and the step's folder once empty)."""
+def discard(directory, step: int) -> None:
+    """Remove this process's part of a checkpoint step (and the step's folder once empty); on GCS
+    its meta.json first, so that no part is taken as whole meanwhile."""
+    if storage.is_remote(directory):
+        part = storage.path(directory) / str(step) / _process_dir()
+        storage.delete(part, ["meta.json"])
+        storage.delete(part, sorted(storage.listing(part)))
+        return
     shutil.rmtree(Path(directory) / str(step) / _process_dir(), ignore_errors=True)
     with contextlib.suppress(OSError):
         (Path(directory) / str(step)).rmdir()
 
 
-def complete_steps(directory: Path) -> list[int]:
+def complete_steps(directory) -> list[int]:
     """The checkpoint steps that every process has written, newest first."""
-    directory = Path(directory)
-    steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True) \
-        if directory.is_dir() else []
     out = []
-    for step in steps:
-        folders = [p for p in (directory / str(step)).iterdir() if p.name.startswith("process_")]
+    for step, folders in sorted(_parts(directory).items(), reverse=True):
         if len(folders) > jax.process_count():
             raise UserError(f"{directory}: checkpoint step {step} was written by {len(folders)} processes, "
                             f"this run has {jax.process_count()}")
-        if len(folders) == jax.process_count() and (directory / str(step) / _process_dir()).is_dir():
+        if len(folders) == jax.process_count() and _process_dir() in folders:
             out.append(step)
     return out
 
 
 def read_meta(directory: Path, step: int) -> tuple[dict, dict]:
     """(meta, file records) of this process's part of a step; Damaged if meta.json is not whole."""
-    f = Path(directory) / str(step) / _process_dir() / "meta.json"
+    f = storage.path(directory) / str(step) / _process_dir() / "meta.json"
     try:
-        doc = json.loads(f.read_text())
+        doc = json.loads(storage.read_bytes(f) if storage.is_remote(f) else f.read_text())
         meta, files = doc["meta"], doc["files"]
         ok = doc["crc32"] == _crc([meta, files])
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -385,8 +441,13 @@ def load(directory: Path, step: int, abstract_acc):
     """The accumulators of a checkpoint step. abstract_acc: their jax.ShapeDtypeStructs with
     shardings; each process reads back its own shards onto its devices, each checked against its
     record (Damaged: missing, truncated, changed; UserError: written for other settings)."""
-    here = Path(directory) / str(step) / _process_dir()
+    here = storage.path(directory) / str(step) / _process_dir()
     _, files = read_meta(directory, step)
+    with storage.downloaded(here) if storage.is_remote(here) else contextlib.nullcontext(here) as local:
+        return _load(local, files, directory, step, abstract_acc)
+
+
+def _load(here: Path, files: dict, directory, step: int, abstract_acc):
     leaves = []
     for name, a in _leaves(abstract_acc):
         if not a.size:  # save writes no empty leaves

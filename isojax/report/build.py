@@ -83,6 +83,8 @@ def build(paths, out, overwrite: bool = False, scores=None, allow_missing: bool 
 
 
 def run(args) -> None:
+    from isojax import storage
+    storage.local_only(args, "report")
     build(args.results, args.out, args.overwrite, args.scores, args.allow_missing, args.include_step0, args.title)
 
 

@@ -425,6 +425,8 @@ def _split(values) -> list[str]:
 
 
 def run(args) -> None:
+    from isojax import storage
+    storage.local_only(args, "correlate")
     # before any work: --out a file name, writable, none of the inputs nor inside an input folder
     outdir.check_path(pathlib.Path(args.out), [*args.results, *args.scores], folder=False)
     results = collect.load(args.results)

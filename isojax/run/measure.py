@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from isojax import storage
 from isojax.errors import UserError
 from isojax.stats.finalize import massive_ratio, sample_cka, sample_metrics
 from isojax.device.memory import check_fits, choose_mesh, defaults_platform
@@ -72,7 +73,7 @@ class Results:
         are never touched. `parquet`: layers.parquet beside layers.csv."""
         from isojax.run import outdir
         from isojax.run.results import result_names, write_results
-        out = Path(out)
+        out = storage.path(out)
         names = result_names(self.final, plots, parquet)
         with outdir.claim(out, overwrite=overwrite, names=names, flag="overwrite=True"):
             self.manifest["timings"] = self.timings
@@ -363,9 +364,9 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
                 "sample_states": sample_states, "skip_positions": skip}
     cursor, done = None, {"tokens": 0, "sequences": 0, "batches": 0}
     if resume_run:
-        cursor, done = resume(runner, Path(checkpoint_dir), settings, done)
+        cursor, done = resume(runner, storage.path(checkpoint_dir), settings, done)
     elif checkpoint_dir is not None and parallel.is_main_process():
-        checkpointing.clear(Path(checkpoint_dir))
+        checkpointing.clear(storage.path(checkpoint_dir))
 
     def total():  # None while tokenizing: the bar shows count and rate
         if streamed and not tokens.done():
@@ -374,7 +375,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
 
     local = parallel.local_rows(mesh, rows) if jax.process_count() > 1 else None
     # with a checkpoint directory, SIGTERM (preemption) checkpoints too, periodic checkpoints or not
-    checkpointer = checkpointing.Checkpointer(Path(checkpoint_dir)) if checkpoint_dir is not None else None
+    checkpointer = checkpointing.Checkpointer(storage.path(checkpoint_dir)) if checkpoint_dir is not None else None
     if checkpoint_every_tokens:
         checkpointer.reserve(runner.acc)
     # matplotlib loads while the devices work (0.3-0.9 s of the demo's after-loop time otherwise)

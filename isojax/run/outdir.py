@@ -1,4 +1,5 @@
 """Result folders (--out): what isojax owns there, how a run's results appear at once, the checks
+Length: ownership, the commit, its recovery and the locks are one set of rules, read together.
 made before any work. The one place for these rules; extract, sweeps, weights, report and
 correlate all use it.
 
@@ -29,6 +30,9 @@ the process dies, so a killed run's lock never blocks); a second run is refused 
 PID and host (Busy), or, with wait, waits for it. A sweep locks each step folder while it measures
 it, and OUT itself only briefly (its checks, then the sweep's files), so several jobs of one sweep
 work in one OUT at once (isojax.run.sweep).
+
+On Google Cloud Storage (--out gs://...) there is no rename and no lock: isojax.run.remote_out
+keeps these rules there (a journal, every result object, then the record uploaded last).
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ import shutil
 import socket
 from pathlib import Path
 
+from isojax import storage
 from isojax.atomic import fsync_dir, write_atomic
 from isojax.errors import UserError
 from isojax.log import log
+from isojax.run import remote_out
 
 RECORD = ".isojax-results.json"
 JOURNAL = ".isojax-commit.json"
@@ -60,6 +66,8 @@ _held: dict[str, list] = {}  # resolved OUT -> [lock fd, depth]: a process may c
 
 def read_record(out: Path) -> dict | None:
     """The record of OUT, or None when isojax wrote nothing there (or before records existed)."""
+    if storage.is_remote(out):
+        return remote_out.read_record(storage.path(out))
     path = Path(out) / RECORD
     try:
         doc = json.loads(path.read_text())
@@ -75,6 +83,8 @@ def read_record(out: Path) -> dict | None:
 
 def owned(out: Path) -> list[str]:
     """Top-level names of isojax's results in OUT: those of the files its record names."""
+    if storage.is_remote(out):
+        return remote_out.owned(storage.path(out))
     record = read_record(out)
     return [] if record is None else sorted({_top(rel) for rel in record["files"]})
 
@@ -87,6 +97,8 @@ def check_results(folder: Path, reads=()) -> None:
     """For readers: refuse a folder whose results are not whole. A folder without a record (written
     by hand, or by isojax before records) is taken as it is; with one, every recorded file must be
     there with its size, and the files in `reads` (those the reader parses) with their sha256."""
+    if storage.is_remote(folder):
+        return remote_out.check_results(storage.path(folder), reads)
     folder = Path(folder)
     if (folder / JOURNAL).exists():
         raise UserError(f"{folder}: its results are incomplete (a run was stopped while moving them in); "
@@ -109,6 +121,8 @@ def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
     """--out can be written (not a file where a folder is wanted, its nearest existing folder
     writable), is no input of the same command (paths that exist), holds none, and lies inside no
     input folder (correlate's RUNS/step1/metrics.json, report's RUNS/report); beside a file is fine."""
+    if storage.is_remote(out):
+        return remote_out.check_path(storage.path(out), inputs)
     out = Path(out).expanduser()
     if folder and out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
@@ -147,6 +161,10 @@ def claim(out, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite
     is undone (recover) or removed (stale staging folders); `names` (the results the command will
     write) are not the user's files; earlier results are refused unless `overwrite`. OUT is created
     here and removed again at the end if nothing was written."""
+    if storage.is_remote(out):
+        with remote_out.claim(storage.path(out), overwrite=overwrite, names=names, inputs=inputs, flag=flag) as url:
+            yield url
+        return
     out = Path(out)
     check_path(out, inputs)
     with _lock(out, wait):
@@ -265,6 +283,10 @@ def staged(out, *, replace_all: bool = True):
     commit (see the module's docstring). replace_all: the earlier results all go (a command's full
     set); else only those of the same names (a sweep's sweep.csv beside its step folders).
     Disk full anywhere -> UserError, earlier results unchanged, nothing left behind."""
+    if storage.is_remote(out):
+        with remote_out.staged(storage.path(out), replace_all=replace_all) as stage:
+            yield stage
+        return
     out = Path(out)
     stage = out / f"{STAGE}{os.getpid()}-{secrets.token_hex(4)}"
     try:

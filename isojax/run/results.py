@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from isojax import storage
+
 
 def result_names(final: dict, plots: bool, parquet: bool = False) -> set[str]:
     """The names write_results will write for these results."""
@@ -161,7 +163,8 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
     from isojax.run import outdir
     from isojax.run.timings import Timings, in_background
     timings = timings if timings is not None else Timings()
-    out.mkdir(parents=True, exist_ok=True)
+    if not storage.is_remote(out):
+        out.mkdir(parents=True, exist_ok=True)
     drawing = None
     with outdir.staged(out) as stage:
         try:

@@ -254,6 +254,8 @@ def _check_sources(args) -> None:
 
 
 def run(args) -> None:
+    from isojax import storage
+    storage.local_only(args, "weights")
     _check_sources(args)
     out = pathlib.Path(args.out)
     # inputs: --model's folder, --matrix files (PATH or PATH:KEY; paths that do not exist are skipped)
