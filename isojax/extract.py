@@ -148,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--distributed", action="store_true",
                        help="multi-host: join the run described by the cluster's environment "
                             "(TPU pod slice, SLURM, Open MPI), as jax.distributed.initialize() finds it")
+    plan = ap.add_argument_group("planning without the hardware")
+    plan.add_argument("--dry-run", action="store_true",
+                      help="decide everything a run decides before its first batch (mesh, kernels, rows, memory per "
+                           "device, sample, output size) and lower the step for the target, without weights or "
+                           "reading the corpus; printed and written to OUT/plan.json")
+    plan.add_argument("--target", default=None, metavar="KIND",
+                      help="with --dry-run: plan for tpu-v4-N, tpu-v5e-N, tpu-v5p-N, tpu-v6e-N (N: chips; TensorCores "
+                           "for v4 and v5p), gpu-h100-N, gpu-h200-N, gpu-a100-40g-N or gpu-a100-80g-N; default: this "
+                           "machine")
     return ap
 
 
@@ -163,7 +172,8 @@ def check_out(out: Path, args) -> None:
         if has_results and not has_ckpt:
             raise UserError(f"{out} holds the results of a finished run: nothing to resume")
         return
-    outdir.refuse_earlier(out, outdir.owned(out) or (["metrics.json"] if has_results else []),
+    held = [name for name in outdir.owned(out) if name != "plan.json"]  # a dry run's plan: replaced by the run
+    outdir.refuse_earlier(out, held or (["metrics.json"] if has_results else []),
                           overwrite=args.overwrite)
     if has_ckpt and not args.overwrite:
         raise UserError(f"{out}/checkpoint holds an unfinished run: pass --resume to continue it "
@@ -200,6 +210,11 @@ def check_free_space(out: Path, args) -> None:
 
 
 def run(args) -> Path:
+    if args.dry_run or args.target:
+        if not args.dry_run:
+            raise UserError("--target plans for other hardware: it goes with --dry-run")
+        from isojax.run.dry_run import dry_run
+        return dry_run(args)
     from isojax.device import checkpoints as checkpointing
     from isojax.device import mesh as parallel
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,

@@ -93,14 +93,21 @@ def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None, b
     on_accel = defaults_platform() != "cpu"
     per_device = lambda k: -(-batch_tokens // k) if batch_tokens else device_batch_tokens(cfg, on_accel)
     if cfg is not None and not sizes:
-        limit = FIT * (device_memory_bytes() or host_memory_bytes())
-        fits = lambda m: sum(memory_per_device(cfg, token_stats, dtype, 1, n, m)) + step_bytes(
-            cfg, dtype, per_device(n), m) <= limit
-        sizes["model"] = next((m for m in range(1, n + 1) if n % m == 0 and fits(m)), 1)
+        sizes["model"] = smallest_model_axis(cfg, token_stats, dtype, n, per_device(n),
+                                             device_memory_bytes() or host_memory_bytes()) or 1
     mesh = parallel.make_mesh(sizes)
     if cfg is not None:
         check_fits(cfg, token_stats, dtype, 1, mesh, per_device(mesh.size))
     return mesh
+
+
+def smallest_model_axis(cfg, token_stats: bool, dtype: str, n: int, tokens_per_device: int, limit: int,
+                        num_groups: int = 1, sample_size: int = 0) -> int | None:
+    """The smallest 'model' axis (dividing n) that makes parameters, accumulators and the step fit n
+    devices of `limit` bytes each; None where none does."""
+    fits = lambda m: sum(memory_per_device(cfg, token_stats, dtype, num_groups, n, m, sample_size)) + step_bytes(
+        cfg, dtype, tokens_per_device, m) <= FIT * limit
+    return next((m for m in range(1, n + 1) if n % m == 0 and fits(m)), None)
 
 
 def device_memory_bytes() -> int | None:

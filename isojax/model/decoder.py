@@ -133,7 +133,8 @@ class GroupedAttention(nn.Module):
         if attention == "xla":
             out_BxTxHxK = attention_xla(q, kk, v, mask_Bx1xTxT, self.precision)
         else:
-            out_BxTxHxK = attention_pallas_tpu(q, kk, v, segment_ids_BxT)
+            # a Mosaic kernel XLA cannot partition: one call per device's rows
+            out_BxTxHxK = self.options.per_device(attention_pallas_tpu, (q, kk, v, segment_ids_BxT), ())
         return out(out_BxTxHxK.reshape(b, t, h * k))
 
 

@@ -164,7 +164,8 @@ class Attention(nn.Module):
         if attention == "xla":
             out_BxTxHxK = attention_xla(q, kk, v, mask_Bx1xTxT, self.precision)
         elif attention == "pallas":
-            out_BxTxHxK = attention_pallas_tpu(q, kk, v, segment_ids_BxT)
+            # a Mosaic kernel XLA cannot partition: one call per device's rows
+            out_BxTxHxK = self.options.per_device(attention_pallas_tpu, (q, kk, v, segment_ids_BxT), ())
         else:  # "cudnn" or "auto": jax's fused attention with the same boolean mask; the mask
             # is causal already, and saying so lets cuDNN skip the blocks above the diagonal
             impl = None if attention == "auto" else attention
