@@ -1,7 +1,7 @@
 """Result folders (--out): what isojax owns there, how a run's results appear at once, the checks
-Length: ownership, the commit, its recovery and the locks are one set of rules, read together.
 made before any work. The one place for these rules; extract, sweeps, weights, report and
 correlate all use it.
+Length: ownership, the commit, its recovery and the locks are one set of rules, read together.
 
 Ownership. OUT/.isojax-results.json (the record) names every file isojax wrote in OUT (its path
 in OUT: plots/similarity.png) with its size and sha256, and, for earlier versions of isojax,
