@@ -162,8 +162,10 @@ def claim(out, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite
     write) are not the user's files; earlier results are refused unless `overwrite`. OUT is created
     here and removed again at the end if nothing was written."""
     if storage.is_remote(out):
-        with remote_out.claim(storage.path(out), overwrite=overwrite, names=names, inputs=inputs, flag=flag) as url:
-            yield url
+        url = storage.path(out)
+        remote_out.check_claim(url, names=names, inputs=inputs)
+        refuse_earlier(url, remote_out.owned(url), overwrite=overwrite, flag=flag)
+        yield url
         return
     out = Path(out)
     check_path(out, inputs)

@@ -89,13 +89,10 @@ def _check_names(out: storage.GsPath, names, present: dict, ours: set) -> None:
                             "move it away or choose another --out")
 
 
-@contextlib.contextmanager
-def claim(out: storage.GsPath, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite"):
-    from isojax.run.outdir import refuse_earlier
+def check_claim(out: storage.GsPath, *, names=(), inputs=()) -> None:
+    """outdir.claim's checks of a gs:// OUT (no lock there): no input, `names` not the user's objects."""
     check_path(out, inputs)
     _check_names(out, names, storage.listing(out), _ours(out))
-    refuse_earlier(out, owned(out), overwrite=overwrite, flag=flag)
-    yield out
 
 
 def check_results(folder: storage.GsPath, reads=()) -> None:

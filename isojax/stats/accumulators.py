@@ -315,6 +315,20 @@ def _batch_massive(x_NxD, rowmax_N, valid_N, token_ids_N, positions_N, sequences
     return top, jnp.stack([dim, token_ids_N[row], pos, seq]).astype(jnp.int32)
 
 
+def band_sums(x_NxD, band_N, num_bands: int):
+    """[num_bands, D]: Sum of the rows of each band, as pairwise_sum sums (its first level of 16
+    rows, then its tree), in one pass over x: the first level is a reduce of x times the rows'
+    one-hot bands, [N/16, B, D], a quarter of x's size at four bands, not B masked copies of x."""
+    n, d = x_NxD.shape
+    pad = -n % 16
+    if pad:
+        x_NxD = jnp.concatenate([x_NxD, jnp.zeros((pad, d), x_NxD.dtype)])
+        band_N = jnp.concatenate([band_N, jnp.full(pad, -1, band_N.dtype)])
+    onehot_NxB = (band_N[:, None] == jnp.arange(num_bands, dtype=band_N.dtype)).astype(x_NxD.dtype)
+    first_MxBxD = (x_NxD.reshape(-1, 16, 1, d) * onehot_NxB.reshape(-1, 16, num_bands, 1)).sum(axis=1)
+    return pairwise_sum(first_MxBxD.reshape(first_MxBxD.shape[0], num_bands * d)).reshape(num_bands, d)
+
+
 def position_band(positions_N):
     """Band index (POSITION_BANDS) of each position."""
     return sum((positions_N >= lo).astype(jnp.int32) for lo in POSITION_BANDS[1:])
@@ -410,8 +424,7 @@ def _update_streamed(acc: Accumulators, s, gs, x_NxD, rowmax_N, unit_NxD, token_
     top, at_4 = _batch_massive(x_NxD, rowmax_N, valid_N, token_ids_N.astype(jnp.int32), positions_N, sequences_N)
     new_max, new_at = massive_merge(acc.massive_max_GxS[gs], acc.massive_at_GxSx4[gs], top, at_4)
     band_N = position_band(positions_N)
-    bands = range(len(POSITION_BANDS))
-    sums_BxD = jnp.stack([pairwise_sum(jnp.where((band_N == b)[:, None], unit_NxD, 0.0)) for b in bands])
+    sums_BxD = band_sums(unit_NxD, band_N, len(POSITION_BANDS))
     counts_B = jnp.sum(valid_N[:, None] & (band_N[:, None] == jnp.arange(len(POSITION_BANDS))), axis=0, dtype=jnp.int32)
     lo_B, hi_B = _add_count(acc.band_count_lo_BxS[:, s], acc.band_count_hi_BxS[:, s], counts_B)
     band = acc.band_unit_sum_BxSxD

@@ -28,6 +28,7 @@ from isojax.weights import families
 from isojax.weights import isotropy
 from isojax.weights import matrix_files
 from isojax.weights.random_weights import RandomWeights
+from isojax import storage
 from isojax.run import outdir
 from isojax.run.names import checkpoint_name
 from isojax.plots import weights as weight_plots
@@ -106,9 +107,7 @@ def _measure(W, where: str, key: str, title: tuple[str, str], arrays: dict, out:
 
 def _first_nonfinite_row(W, step: int = 4096) -> int | None:
     """The first row of a 2-D array or `RowBlocks` holding NaN or inf (read a block at a time); None: none."""
-    if len(getattr(W, "shape", ())) != 2:
-        return None
-    for i in range(0, W.shape[0], step):
+    for i in range(0, W.shape[0] if len(getattr(W, "shape", ())) == 2 else 0, step):
         bad = ~np.isfinite(np.asarray(W[i:i + step])).all(axis=1)
         if bad.any():
             return i + int(np.argmax(bad))
@@ -254,7 +253,6 @@ def _check_sources(args) -> None:
 
 
 def run(args) -> None:
-    from isojax import storage
     storage.local_only(args, "weights")
     _check_sources(args)
     out = pathlib.Path(args.out)
@@ -271,10 +269,8 @@ def run(args) -> None:
         revisions = None
     if args.revision:
         local_revision(args.model, args.revision)  # a local folder of revisions: refused unless it has this one
-    if args.tensor:
-        for t in args.tensor:
-            if not t:
-                raise UserError("--tensor needs a tensor name")
+    if args.tensor and not all(args.tensor):
+        raise UserError("--tensor needs a tensor name")
     if revisions is not None:
         _sweep(args, revisions, out, inputs)
         _summary(out, revisions, args.shard)
