@@ -1,8 +1,9 @@
 """extract --dry-run [--target KIND] (isojax/run/dry_run.py, device/targets.py): slices named as Google
 and NVIDIA name them, the step of every family lowered for TPU over abstract v5e-8 and v5p-64 meshes with
-the TPU kernels (Mosaic custom calls in the module), the split that fits gpt-neox-20b on v5e-256, the
-refusal naming the smallest slice that fits, the plan's memory figure against XLA's own analysis of the
-same step compiled for 8 CPU devices, and the command end to end, offline."""
+the TPU kernels (Mosaic custom calls in the module), the split that fits gpt-neox-20b on v5e-256 (the
+default batch shrunk to fit), the refusal naming the smallest slice that fits, the same mesh and batch
+a run chooses, the plan's memory figure against XLA's own analysis of the same step compiled for 8 CPU
+devices, and the command end to end, offline."""
 
 from __future__ import annotations
 
@@ -85,33 +86,92 @@ def test_split_parameters_lower_for_tpu():
     assert result["mesh"] == {"data": 8, "model": 4}
 
 
-def test_gpt_neox_20b_on_v5e_256_plans_a_split_that_fits():
+def test_gpt_neox_20b_on_v5e_256_plans_a_split_that_fits(capsys):
     """20.6B parameters (41 GB in bf16) on 16 GiB chips: split over 'model', and the per-device total
     within the chips' memory (planned only; lowering it takes ~50 s: the CLI test below, marked slow).
-    At the default 65,536 tokens per chip the step alone does not fit: the refusal says what does."""
+    At the default 65,536 tokens per chip the step alone (~19 GB) does not fit: the default batch is
+    halved to 32,768 per chip, and one line says so; an explicit --batch-tokens is never shrunk."""
     from isojax.run.dry_run import plan
-    result = plan(dry_args("--target", "tpu-v5e-256", "--model", "random:gpt-neox-20b",
-                           "--batch-tokens", str(256 * 32768)), lower_step=False)
+    result = plan(dry_args("--target", "tpu-v5e-256", "--model", "random:gpt-neox-20b"), lower_step=False)
     mem, mesh = result["memory_per_device"], result["mesh"]
-    assert mesh["model"] > 1 and mesh["data"] * mesh["model"] == 256
+    assert mesh["model"] > 1 and mesh["data"] * mesh["model"] == 256 and result["tokens_per_device"] == 32768
     assert mem["parameters"] == pytest.approx(2 * preset("gpt-neox-20b").param_count() / mesh["model"])
     assert mem["total"] == mem["parameters"] + mem["accumulators"] + mem["step"] <= 0.95 * 16 * GiB
-    with pytest.raises(UserError, match="at 32,768 tokens per chip .* tpu-v5e-128 fits"):
-        plan(dry_args("--target", "tpu-v5e-256", "--model", "random:gpt-neox-20b"), lower_step=False)
+    shrunk = [line for line in capsys.readouterr().err.splitlines() if "default batch" in line]
+    assert shrunk == ["isojax: the default batch (65,536 tokens per device) does not fit gpt-neox-20b on devices of "
+                      "16.0 GiB: 32,768 tokens per device (--batch-tokens sets the batch)"]
+    explicit = plan(dry_args("--target", "tpu-v5e-256", "--model", "random:gpt-neox-20b", "--batch-tokens",
+                             str(256 * 32768)), lower_step=False)
+    assert (explicit["mesh"], explicit["tokens_per_device"]) == (mesh, 32768)
+    with pytest.raises(UserError, match="65,536 tokens per device.* at 32,768 tokens per chip .* tpu-v5e-128 fits"):
+        plan(dry_args("--target", "tpu-v5e-256", "--model", "random:gpt-neox-20b", "--batch-tokens",
+                      str(256 * 65536)), lower_step=False)
+    assert "default batch" not in capsys.readouterr().err
 
 
 def test_a_slice_too_small_names_the_smallest_that_fits():
-    """gpt-neox-20b on tpu-v5e-4: refused, naming the smallest v5e slice that fits at the same tokens per
-    chip; that slice plans, and the one below it is refused."""
+    """gpt-neox-20b on tpu-v5e-4: refused even at one row per chip, naming the smallest v5e slice that
+    fits with the default batch shrunk as a run there shrinks it; that slice plans, and the one below it is
+    refused. With --batch-tokens, the smallest that fits at the same tokens per chip."""
     from isojax.run.dry_run import plan
-    tokens = ["--model", "random:gpt-neox-20b", "--batch-tokens"]
-    with pytest.raises(UserError, match=r"does not fit tpu-v5e-4; the smallest tpu-v5e slice that fits is "
-                                        r"tpu-v5e-(\d+)") as refused:
-        plan(dry_args("--target", "tpu-v5e-4", *tokens, str(4 * 16384)), lower_step=False)
-    chips = int(str(refused.value).split("tpu-v5e-")[-1].split()[0])
-    assert plan(dry_args("--target", f"tpu-v5e-{chips}", *tokens, str(chips * 16384)), lower_step=False)
+    model = ["--model", "random:gpt-neox-20b"]
+    with pytest.raises(UserError, match=r"does not fit tpu-v5e-4 even at one row of 512 tokens per device; the "
+                                        r"smallest tpu-v5e slice that fits is tpu-v5e-(\d+) \(\d+ chips, ([\d,]+) "
+                                        r"tokens per chip\)") as refused:
+        plan(dry_args("--target", "tpu-v5e-4", *model), lower_step=False)
+    text = str(refused.value)
+    chips = int(text.split("is tpu-v5e-")[1].split()[0])
+    tokens = int(text.split("chips, ")[1].split()[0].replace(",", ""))
+    assert plan(dry_args("--target", f"tpu-v5e-{chips}", *model), lower_step=False)["tokens_per_device"] == tokens
     with pytest.raises(UserError, match="does not fit"):
-        plan(dry_args("--target", f"tpu-v5e-{chips // 2}", *tokens, str(chips // 2 * 16384)), lower_step=False)
+        plan(dry_args("--target", f"tpu-v5e-{chips // 2}", *model), lower_step=False)
+    with pytest.raises(UserError, match=r"16,384 tokens per device\) does not fit tpu-v5e-4; the smallest tpu-v5e "
+                                        r"slice that fits is tpu-v5e-(\d+) \(\d+ chips\)") as refused:
+        plan(dry_args("--target", "tpu-v5e-4", *model, "--batch-tokens", str(4 * 16384)), lower_step=False)
+    chips = int(str(refused.value).split("is tpu-v5e-")[-1].split()[0])
+    assert plan(dry_args("--target", f"tpu-v5e-{chips}", *model, "--batch-tokens", str(chips * 16384)),
+                lower_step=False)
+
+
+SAME_DECISION = textwrap.dedent("""
+    import json, sys
+    from isojax.data import load_corpus
+    from isojax.device import memory
+    from isojax.extract import build_parser
+    from isojax.model.config import preset
+    from isojax.run.config import MeasureConfig
+    from isojax.run.dry_run import plan
+    from isojax.run.measure import row_length
+    for name, gib in json.loads(sys.argv[1]):
+        memory.device_memory_bytes = lambda: int(gib * 2**30)  # 8 devices of this memory
+        argv = ["--dry-run", "--out", "/nonexistent", "--model", "random:" + name]
+        planned = plan(build_parser().parse_args(argv), lower_step=False)
+        # the real run's planning (measure(): choose_mesh; make_plan: run_batch), as a run would call them
+        cfg, config, dtype = preset(name), MeasureConfig.build("random:" + name), "bfloat16"
+        corpus, row_len = load_corpus(None, unit="sentence"), row_length(cfg, "sentence", None)
+        mesh = memory.choose_mesh(cfg, config, dtype, corpus)
+        rows = memory.run_batch(cfg, config, dtype, corpus, mesh.size, row_len, mesh.shape["model"], say=True)[1]
+        print(json.dumps({"dry": [planned["mesh"], planned["tokens_per_device"], planned["dtype"]],
+                          "run": [dict(mesh.shape), rows // mesh.size * row_len, dtype]}))
+""")
+
+
+def test_the_dry_run_plans_what_a_run_chooses():
+    """On 8 devices of a given memory (CPU devices, their memory overridden; accelerator defaults): the dry
+    run's mesh and tokens per device are those the real run's planning chooses. qwen2-1.5b on 16 GiB: the
+    default sample (counted by both) takes it to model=2 (a run used to choose model=1); pythia-1.4b on
+    8 GiB: both shrink the default batch (a run used to refuse), and both say so."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO), ISOJAX_DEFAULTS="tpu")
+    cases = [["qwen2-1.5b", 16], ["pythia-1.4b", 8]]
+    done = subprocess.run([sys.executable, "-c", SAME_DECISION, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    qwen, pythia = [json.loads(line) for line in done.stdout.splitlines()[-2:]]
+    assert qwen["dry"] == qwen["run"] == [{"data": 4, "model": 2}, 65536, "bfloat16"]
+    assert pythia["dry"] == pythia["run"] and pythia["run"][1] < 65536
+    shrunk = [line for line in done.stderr.splitlines() if "default batch (65,536 tokens per device)" in line]
+    assert len(shrunk) == 2 and shrunk[0] == shrunk[1] and "pythia-1.4b on devices of 8.0 GiB" in shrunk[0]
 
 
 MEMORY_CHECK = textwrap.dedent("""
@@ -191,19 +251,24 @@ def test_cli_plans_pythia_1_4b_for_tpu_v5p_64_offline(tmp_path):
     assert plan["lowered"]["custom_calls"]["tpu_custom_call"] >= 1 and plan["model"]["layers"] == 24
 
 
-def test_cli_refuses_an_unknown_kind_and_target_without_dry_run(tmp_path):
-    for argv in (["--dry-run", "--target", "tpu-v7-8"], ["--target", "tpu-v5e-8"]):
-        done = extract(*argv, "--model", "random:pythia-70m", "--out", str(tmp_path))
+def test_cli_refuses_an_unknown_kind_a_target_without_dry_run_and_a_slice_too_small(tmp_path):
+    for argv, model in ((["--dry-run", "--target", "tpu-v7-8"], "pythia-70m"),
+                        (["--target", "tpu-v5e-8"], "pythia-70m"), (["--dry-run", "--target", "tpu-v5e-4"], "gpt-neox-20b")):
+        done = extract(*argv, "--model", f"random:{model}", "--out", str(tmp_path))
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    assert "the smallest tpu-v5e slice that fits is tpu-v5e-32 (32 chips" in done.stderr
     assert not (tmp_path / "plan.json").exists()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target, model, extra", [
-    ("tpu-v5e-256", "gpt-neox-20b", ["--batch-tokens", str(256 * 32768)]), ("tpu-v4-8", "llama-1b", [])])
-def test_cli_plans_and_lowers_at_full_size(tmp_path, target, model, extra):
-    done = extract("--dry-run", "--target", target, "--model", f"random:{model}", *extra, "--out", str(tmp_path))
+@pytest.mark.parametrize("target, model, mesh", [
+    ("tpu-v5e-256", "gpt-neox-20b", "data=4,model=64"), ("tpu-v4-8", "llama-1b", "data=4,model=1")])
+def test_cli_plans_and_lowers_at_full_size(tmp_path, target, model, mesh):
+    """At the default batch: gpt-neox-20b's shrunk to fit v5e-256's 16 GiB chips (one line says so)."""
+    done = extract("--dry-run", "--target", target, "--model", f"random:{model}", "--out", str(tmp_path))
     assert done.returncode == 0 and "the step was lowered for TPU" in done.stderr, done.stderr[-2000:]
+    assert f"mesh {mesh} over" in done.stderr
+    assert ("default batch" in done.stderr) == (model == "gpt-neox-20b")
 
 
 PER_DEVICE_ATTENTION = textwrap.dedent("""

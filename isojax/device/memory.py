@@ -81,33 +81,94 @@ def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens
                         "bytes, split over the devices) or a smaller model")
 
 
-def choose_mesh(cfg, token_stats: bool, dtype: str, sizes: dict | None = None, batch_tokens: int | None = None):
-    """The mesh of `sizes` (both named: the first data x model devices; one named: all devices),
-    else all devices on 'data' with the smallest 'model' axis that makes parameters,
-    accumulators and the step (batch_tokens, or the default batch) fit."""
+def choose_mesh(cfg, config, dtype: str, corpus):
+    """The mesh of config's sizes (both named: the first data x model devices; one named: all
+    devices), else all devices on 'data' with the smallest 'model' axis that makes parameters,
+    accumulators, the sample and the step fit (run_batch: the default batch shrinks to fit); refuses
+    (check_fits) what cannot fit."""
     import jax
 
     from isojax.device import mesh as parallel
-    sizes = dict(sizes or {})
-    n = jax.device_count()
-    on_accel = defaults_platform() != "cpu"
-    per_device = lambda k: -(-batch_tokens // k) if batch_tokens else device_batch_tokens(cfg, on_accel)
+    from isojax.run.measure import row_length
+    sizes = dict(config.devices.mesh or {})
+    row_len = row_length(cfg, config.data.unit, config.data.seq_len) if cfg is not None else 0
     if cfg is not None and not sizes:
-        sizes["model"] = smallest_model_axis(cfg, token_stats, dtype, n, per_device(n),
-                                             device_memory_bytes() or host_memory_bytes()) or 1
+        sizes["model"] = run_batch(cfg, config, dtype, corpus, jax.device_count(), row_len)[0] or 1
     mesh = parallel.make_mesh(sizes)
     if cfg is not None:
-        check_fits(cfg, token_stats, dtype, 1, mesh, per_device(mesh.size))
+        rows = run_batch(cfg, config, dtype, corpus, mesh.size, row_len, mesh.shape["model"])[1]
+        check_fits(cfg, config.stats.token_stats, dtype, groups(corpus, config.data.sources), mesh,
+                   rows * row_len // mesh.size,
+                   sample_size=sample_size(cfg, dtype, config.stats.sample_states, defaults_platform() != "cpu"))
     return mesh
 
 
-def smallest_model_axis(cfg, token_stats: bool, dtype: str, n: int, tokens_per_device: int, limit: int,
-                        num_groups: int = 1, sample_size: int = 0) -> int | None:
-    """The smallest 'model' axis (dividing n) that makes parameters, accumulators and the step fit n
-    devices of `limit` bytes each; None where none does."""
-    fits = lambda m: sum(memory_per_device(cfg, token_stats, dtype, num_groups, n, m, sample_size)) + step_bytes(
-        cfg, dtype, tokens_per_device, m) <= FIT * limit
-    return next((m for m in range(1, n + 1) if n % m == 0 and fits(m)), None)
+def run_batch(cfg, config, dtype: str, corpus, n: int, row_len: int, model_axis: int | None = None,
+              say: bool = False) -> tuple[int | None, int]:
+    """(model axis, rows per batch) of config's run (a MeasureConfig) on n of this machine's devices:
+    fit_batch with the sources and sample counted as the dry run counts them (run/dry_run.py) and the
+    default batch shrunk to fit; say: log the shrink (make_plan, where the rows are chosen)."""
+    on_accel = defaults_platform() != "cpu"
+    limit = device_memory_bytes() or host_memory_bytes()
+    m, rows = fit_batch(cfg, config.stats.token_stats, dtype, n, limit, row_len, batch_tokens=config.data.batch_tokens,
+                        model_axis=model_axis, on_accel=on_accel, num_groups=groups(corpus, config.data.sources),
+                        sample_size=sample_size(cfg, dtype, config.stats.sample_states, on_accel))
+    if say and m is not None and not config.data.batch_tokens:
+        log_shrink(cfg, batch_rows(n * device_batch_tokens(cfg, on_accel), n, row_len) // n * row_len,
+                   rows // n * row_len, limit)
+    return m, rows
+
+
+def known_labels(corpus, sources) -> list[str] | None:
+    """The sources a memory plan counts before any record is read: text files' (from their paths),
+    else those --source names; None: not known (one counted)."""
+    if all(inp.kind in ("txt", "default") for inp in corpus.inputs):
+        return corpus.labels()
+    return sorted(sources) if sources else None
+
+
+def groups(corpus, sources) -> int:
+    return len(known_labels(corpus, sources) or [None])
+
+
+def sample_size(cfg, dtype: str, sample_states: int | None, on_accel: bool) -> int:
+    """The sample a memory plan counts: sample_states (0: none), else the default sample on accelerators
+    (run/plan.py; a corpus shorter than it gets fewer)."""
+    from isojax.run.plan import default_sample_size
+    return default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
+
+
+def batch_rows(batch_tokens: int, n: int, row_len: int) -> int:
+    """Rows per batch of about batch_tokens token slots: whole rows, the same number on each of n devices,
+    at least one."""
+    return -(-max(1, batch_tokens // row_len) // n) * n
+
+
+def fit_batch(cfg, token_stats: bool, dtype: str, n: int, limit: int, row_len: int, *, batch_tokens: int | None = None,
+              model_axis: int | None = None, on_accel: bool = True, num_groups: int = 1,
+              sample_size: int = 0) -> tuple[int | None, int]:
+    """(model axis, rows per batch) that make parameters, accumulators (num_groups, sample_size) and the
+    step fit n devices of `limit` bytes: model_axis (--mesh), else the smallest that fits. batch_tokens
+    is kept as given; without it, the default tokens per device (device_batch_tokens) are halved, down to
+    one row each, until a model axis fits. The model axis is None where nothing fits (rows: the fewest tried)."""
+    axes = [model_axis] if model_axis else [m for m in range(1, n + 1) if n % m == 0]
+    fits = lambda m, rows: sum(memory_per_device(cfg, token_stats, dtype, num_groups, n, m, sample_size)) + step_bytes(
+        cfg, dtype, rows // n * row_len, m) <= FIT * limit
+    if batch_tokens:
+        tried = [batch_rows(batch_tokens, n, row_len)]
+    else:
+        per_device = device_batch_tokens(cfg, on_accel)
+        tried = list(dict.fromkeys(batch_rows(n * (per_device >> k), n, row_len)
+                                   for k in range(max(1, per_device.bit_length()))))
+    return next(((m, rows) for rows in tried for m in axes if fits(m, rows)), (None, tried[-1]))
+
+
+def log_shrink(cfg, default: int, tokens_per_device: int, limit: int) -> None:
+    """The one line a run (or dry run) logs where the default batch (`default` tokens per device, in
+    whole rows) was shrunk to fit."""
+    if tokens_per_device < default:
+        log(f"the default batch ({default:,} tokens per device) does not fit {cfg.name or 'the model'} on devices of "
+            f"{limit / 2**30:.1f} GiB: {tokens_per_device:,} tokens per device (--batch-tokens sets the batch)")
 
 
 def device_memory_bytes() -> int | None:

@@ -25,21 +25,22 @@ class Machine:
     platform: str  # tpu, gpu or cpu
     devices: int
     memory: int  # bytes per device
-    hopper: bool = False  # sm_90 GPUs: the fused MLP kernel's
+    hopper: bool  # sm_90 GPUs: the fused MLP kernel's
+    defaults: str  # the platform whose defaults a run takes (dtype, batch, sample): memory.defaults_platform
 
 
 def target_machine(target) -> Machine:
     return Machine(target.name, target.platform, target.chips, target.chip_memory,
-                   target.kind in ("gpu-h100", "gpu-h200"))
+                   target.kind in ("gpu-h100", "gpu-h200"), target.platform)
 
 
 def this_machine() -> Machine:
     import jax
 
-    from isojax.device.memory import device_memory_bytes, host_memory_bytes
+    from isojax.device.memory import defaults_platform, device_memory_bytes, host_memory_bytes
     from isojax.kernels import mlp
     return Machine("this machine", jax.default_backend(), jax.device_count(),
-                   device_memory_bytes() or host_memory_bytes(), mlp.available())
+                   device_memory_bytes() or host_memory_bytes(), mlp.available(), defaults_platform())
 
 
 def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: int) -> tuple[str, str, str]:
@@ -77,38 +78,45 @@ def memory(cfg, args, dtype, groups, n, model_axis, tokens_per_device, sample) -
     return {"parameters": weights, "accumulators": acc, "step": step, "total": weights + acc + step}
 
 
-def device_tokens(cfg, args, machine: Machine) -> int:
-    """Token slots per device and batch, before rounding to whole rows (as run/plan.py)."""
-    from isojax.device.memory import device_batch_tokens
-    if args.batch_tokens:
-        return -(-args.batch_tokens // machine.devices)
-    return device_batch_tokens(cfg, machine.platform != "cpu")
+def fit(cfg, args, dtype, machine: Machine, row_len: int, groups: int, sample: int, model_axis: int | None = None,
+        per_chip: int | None = None) -> tuple[int | None, int]:
+    """(model axis, rows per batch) as a run there chooses them (memory.fit_batch, as run_batch; None: nothing
+    fits): --batch-tokens as given (or per_chip tokens on each chip), else the default batch shrunk to fit."""
+    from isojax.device.memory import fit_batch
+    return fit_batch(cfg, not args.no_token_stats, dtype, machine.devices, machine.memory, row_len,
+                     batch_tokens=per_chip * machine.devices if per_chip else args.batch_tokens,
+                     model_axis=model_axis, on_accel=machine.defaults != "cpu", num_groups=groups, sample_size=sample)
 
 
-def model_axis(cfg, args, dtype, machine: Machine, tokens: int, groups: int, sample: int) -> int | None:
-    """The smallest 'model' axis that makes the run fit the machine (memory.choose_mesh's rule, the
-    sample and sources counted); None where nothing fits."""
-    from isojax.device.memory import smallest_model_axis
-    return smallest_model_axis(cfg, not args.no_token_stats, dtype, machine.devices, tokens, machine.memory,
-                               num_groups=groups, sample_size=sample)
-
-
-def does_not_fit(cfg, args, dtype, machine: Machine, target, groups: int, sample: int) -> UserError:
-    """The refusal, naming the smallest slice of the target's kind that fits (at the same tokens per chip)."""
+def does_not_fit(cfg, args, dtype, machine: Machine, target, row_len: int, groups: int, sample: int) -> UserError:
+    """The refusal, naming the smallest slice of the target's kind that fits (at the same tokens per chip
+    where --batch-tokens is given, else with the default batch shrunk as a run there shrinks it)."""
     from isojax.device import targets
-    tokens = device_tokens(cfg, args, machine)
-    what = f"{cfg.name} ({cfg.param_count() / 1e9:.1f}B parameters, {tokens:,} tokens per device)"
+    from isojax.device.memory import batch_rows
+    n = machine.devices
+    per_chip = batch_rows(args.batch_tokens, n, row_len) // n * row_len if args.batch_tokens else None
+    what = f"{cfg.name} ({cfg.param_count() / 1e9:.1f}B parameters" + (f", {per_chip:,} tokens per device)" if per_chip
+                                                                       else ")")
+    even = "" if per_chip else f" even at one row of {row_len:,} tokens per device"
     if target is None:
-        return UserError(f"{what} does not fit {machine.devices} device(s) of {machine.memory / 2**30:.1f} GiB; "
+        return UserError(f"{what} does not fit {n} device(s) of {machine.memory / 2**30:.1f} GiB{even}; "
                          "use --target to plan for other hardware, --batch-tokens or --no-token-stats")
-    smallest = lambda per_chip: next((t for t in targets.slices(target) if model_axis(
-        cfg, args, dtype, target_machine(t), per_chip, groups, sample)), None)
-    if (fits := smallest(tokens)) is not None:
-        return UserError(f"{what} does not fit {target.name}; the smallest {target.kind} slice that fits is "
-                         f"{fits.name} ({fits.chips} chips)")
-    per_chip = next((t for t in (2 ** k for k in range(20, 8, -1)) if t < tokens and smallest(t)), None)
-    hint = f"; at {per_chip:,} tokens per chip (--batch-tokens) {smallest(per_chip).name} fits" if per_chip else ""
-    return UserError(f"{what} fits no {target.kind} slice{hint}")
+
+    def smallest(tokens):  # (slice, tokens per chip there)
+        for t in targets.slices(target):
+            m, rows = fit(cfg, args, dtype, target_machine(t), row_len, groups, sample, per_chip=tokens)
+            if m is not None:
+                return t, rows // t.chips * row_len
+        return None, None
+
+    fits, tokens = smallest(per_chip)
+    if fits is not None:
+        there = "" if per_chip else f", {tokens:,} tokens per chip"
+        return UserError(f"{what} does not fit {target.name}{even}; the smallest {target.kind} slice that fits is "
+                         f"{fits.name} ({fits.chips} chips{there})")
+    fewer = next((t for t in (2 ** k for k in range(20, 8, -1)) if per_chip and t < per_chip and smallest(t)[0]), None)
+    hint = f"; at {fewer:,} tokens per chip (--batch-tokens) {smallest(fewer)[0].name} fits" if fewer else ""
+    return UserError(f"{what} fits no {target.kind} slice{even}{hint}")
 
 
 def step_layout(cfg, dtype: str, chosen: tuple, mesh, platform: str, **kwargs):
@@ -156,10 +164,9 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     from isojax.data import load_corpus
     from isojax.device import mesh as parallel
     from isojax.device import targets
-    from isojax.device.memory import FIT
+    from isojax.device.memory import batch_rows, device_batch_tokens, known_labels, log_shrink, sample_size
     from isojax.hf.loading import abstract_params
     from isojax.run.measure import DEFAULT_MODEL, peek_config, row_length
-    from isojax.run.plan import default_sample_size
     from isojax.run.results import output_bytes
 
     target = targets.parse(args.target) if args.target else None
@@ -171,11 +178,10 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     if cfg is None:
         raise UserError(f"--dry-run needs the model's config without downloading: a preset, random:<preset> or a "
                         f"folder with config.json, not {model!r}")
-    platform = machine.platform
-    dtype = args.dtype or ("bfloat16" if platform != "cpu" else "float32")
+    platform, on_accel = machine.platform, machine.defaults != "cpu"
+    dtype = args.dtype or ("bfloat16" if on_accel else "float32")
     corpus = load_corpus(args.data, unit=args.unit, sources=args.source)  # checks the paths; reads no records
-    text_only = all(inp.kind in ("txt", "default") for inp in corpus.inputs)
-    labels = corpus.labels() if text_only else sorted(args.source) if args.source else None
+    labels = known_labels(corpus, args.source)
     groups = len(labels) if labels else 1
     row_len = row_length(cfg, args.unit, args.seq_len)
     sizes = parallel.parse_mesh(args.mesh)
@@ -183,18 +189,19 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     if n > machine.devices or machine.devices % sizes.get("model", sizes.get("data", 1)):
         raise UserError(f"--mesh {args.mesh} does not divide the {machine.devices} devices of {machine.name}")
     machine = dataclasses.replace(machine, devices=n)
-    tokens = device_tokens(cfg, args, machine)
-    sample = 0 if args.no_sample else args.sample_states or (default_sample_size(cfg, dtype) if platform != "cpu"
-                                                             else 0)
-    m = sizes.get("model") or (n // sizes["data"] if "data" in sizes else
-                               model_axis(cfg, args, dtype, machine, tokens, groups, sample))
+    sample = sample_size(cfg, dtype, 0 if args.no_sample else args.sample_states, on_accel)
+    fixed = sizes.get("model") or (n // sizes["data"] if "data" in sizes else None)
+    m, rows = fit(cfg, args, dtype, machine, row_len, groups, sample, model_axis=fixed)
+    if m is None and fixed is None:
+        raise does_not_fit(cfg, args, dtype, machine, target, row_len, groups, sample)
+    per_device = memory(cfg, args, dtype, groups, n, m or fixed, rows * row_len // n, sample)
     if m is None:
-        raise does_not_fit(cfg, args, dtype, machine, target, groups, sample)
-    rows = -(-max(1, (args.batch_tokens or n * tokens) // row_len) // n) * n
-    per_device = memory(cfg, args, dtype, groups, n, m, rows * row_len // n, sample)
-    if per_device["total"] > FIT * machine.memory:
-        raise UserError(f"mesh data={n // m},model={m} needs {per_device['total'] / 2**30:.1f} GiB per device of "
-                        f"{machine.memory / 2**30:.1f} GiB on {machine.name}")
+        raise UserError(f"mesh data={n // fixed},model={fixed} needs {per_device['total'] / 2**30:.1f} GiB per device "
+                        f"of {machine.memory / 2**30:.1f} GiB on {machine.name} at {rows * row_len // n:,} tokens per "
+                        "device")
+    if not args.batch_tokens:
+        log_shrink(cfg, batch_rows(n * device_batch_tokens(cfg, on_accel), n, row_len) // n * row_len,
+                   rows * row_len // n, machine.memory)
     chosen = kernels(args, cfg, machine, dtype, row_len, rows // n * row_len)
 
     # off a GPU the GPU kernels run as stand-ins (packed attention and the norm pair in Pallas' interpret

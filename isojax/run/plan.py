@@ -60,7 +60,7 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are)."""
     from isojax.data import TokenStream
     from isojax.device import ahead
-    from isojax.device.memory import defaults_platform, device_batch_tokens
+    from isojax.device.memory import defaults_platform, run_batch
     from isojax.device.runner import Layout
     from isojax.hf.loading import abstract_params, build_module, cache_root
     from isojax.kernels.select import RECHECK, CheckRecord, choose_attention, choose_mlp_kernel, choose_norm_kernel
@@ -69,7 +69,7 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     start, seconds = time.time(), {}
     on_accel = defaults_platform() != "cpu"
     n_dev = mesh.size
-    rows = -(-max(1, (config.data.batch_tokens or n_dev * device_batch_tokens(cfg, on_accel)) // row_len) // n_dev) * n_dev
+    rows = run_batch(cfg, config, dtype, corpus, n_dev, row_len, mesh.shape["model"], say=True)[1]  # choose_mesh's
     device_rows = rows // n_dev * row_len
     record = CheckRecord(cache_root() / "kernel_checks")
     choose = lambda check: (lambda: choose_attention(attention, auto_attention, cfg, dtype, row_len, check, record),
