@@ -13,7 +13,7 @@ import pytest
 from conftest import TOKENIZER_JSON, max_rel_error
 from isojax import load_model
 from isojax.errors import UserError
-from isojax.model.config import from_hf_dict
+from isojax.hf.family import from_hf_dict
 
 VOCAB = 320
 

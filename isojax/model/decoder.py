@@ -7,7 +7,7 @@ attention's heads and biases, the MLP and the residual layout; GPTNeoX stays its
 Axes as in isojax.model.gpt_neox, plus N = H + 2G projected heads (H query heads, then G key
 heads, then G value heads; each key/value head serves H / G consecutive query heads, as Hugging
 Face's repeat_kv). Every family's q, k, v projection is stored in that one layout by its reader
-(isojax.hf.families), whatever the checkpoint's, so the model has one fused product per layer.
+(isojax.hf.family), whatever the checkpoint's, so the model has one fused product per layer.
 """
 
 from __future__ import annotations
