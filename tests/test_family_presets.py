@@ -22,6 +22,7 @@ FAMILY_PRESETS = {
     "qwen2-1.5b": ("qwen2", 1.54e9, "Qwen/Qwen2-1.5B"),
     "olmo-1b": ("olmo", 1.18e9, "allenai/OLMo-1B-hf"),
     "olmo2-1b": ("olmo2", 1.48e9, "allenai/OLMo-2-0425-1B"),
+    "gemma-2b": ("gemma", 2.51e9, "google/gemma-2b"),
 }
 
 

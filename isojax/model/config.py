@@ -48,6 +48,8 @@ class ModelConfig:
     qk_norm: bool = False               # OLMo-2: RMSNorm over all heads of q and of k before rotary
     clip_qkv: float | None = None       # OLMo: q, k, v clamped to [-clip, clip]
     tie_word_embeddings: bool = False
+    norm_plus_one: bool = False         # Gemma: RMSNorm's gain is 1 + the weight, applied in float32
+    embed_scale: bool = False           # Gemma: embeddings times sqrt(hidden_size) (rounded to the weights' dtype)
 
     def __post_init__(self):
         if self.attention_head_dim is None and self.hidden_size % self.num_heads:

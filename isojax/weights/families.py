@@ -12,8 +12,9 @@ transformers) are one matrix, measured once. Where a tied checkpoint stores an u
 anyway, transformers ties the two only if they are equal, and so does `locate`'s caller
 (`command.analyze_checkpoint`).
 
-Final norms: `layernorm` (weight g and bias b), `rmsnorm` (Llama, Mistral, Qwen2, OLMo-2:
-weight only; every statistic of b is null), `layernorm_no_affine` (OLMo-1, or OPT with
+Final norms: `layernorm` (weight g and bias b), `rmsnorm` (Llama, Mistral, Qwen2, OLMo-2, Gemma:
+weight only; every statistic of b is null; Gemma's gain g is 1 + its stored weight, `norm_offset`),
+`layernorm_no_affine` (OLMo-1, or OPT with
 `layer_norm_elementwise_affine` false: no weights at all; every statistic is null) and `none`
 (OPT-350m and other OPT with `do_layer_norm_before` false: no final norm).
 """
@@ -40,6 +41,7 @@ class Tensors:
     norm: str                  # layernorm | rmsnorm | layernorm_no_affine | none
     norm_g: str | None
     norm_b: str | None
+    norm_offset: float = 0.0   # g = norm_offset + the stored weight
 
 
 def all_names() -> list[str]:
@@ -98,4 +100,4 @@ def locate(cfg: dict, names, where) -> Tensors:
     norm = fam.final_norm(cfg)
     has = norm in ("layernorm", "rmsnorm")
     return Tensors(model_type, tied, need(fam.embed), unembed, norm, need(fam.norm_g) if has else None,
-                   need(fam.norm_b) if norm == "layernorm" else None)
+                   need(fam.norm_b) if norm == "layernorm" else None, fam.norm_offset)

@@ -154,6 +154,7 @@ class WeightNames:
     norm_g: str | None = None  # under prefix
     norm_b: str | None = None
     tied: bool = False         # transformers' default of tie_word_embeddings
+    norm_offset: float = 0.0   # the gain applied is norm_offset + the stored weight (Gemma: 1)
     # the final norm's kind where config.json changes it (OPT), else `norm`
     norm_of: Callable[[dict], str] | None = None
 
