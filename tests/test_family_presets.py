@@ -23,6 +23,7 @@ FAMILY_PRESETS = {
     "olmo-1b": ("olmo", 1.18e9, "allenai/OLMo-1B-hf"),
     "olmo2-1b": ("olmo2", 1.48e9, "allenai/OLMo-2-0425-1B"),
     "gemma-2b": ("gemma", 2.51e9, "google/gemma-2b"),
+    "phi-2": ("phi", 2.78e9, "microsoft/phi-2"),
 }
 
 

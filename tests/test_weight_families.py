@@ -53,6 +53,8 @@ CASES = {
               "rmsnorm", "model.norm.weight", None),
     "gemma": (lambda: T.GemmaConfig(**SMALL, head_dim=16, num_key_value_heads=1), T.GemmaForCausalLM,
               "model.embed_tokens.weight", None, "rmsnorm", "model.norm.weight", None),
+    "phi": (lambda: T.PhiConfig(**SMALL), T.PhiForCausalLM, "model.embed_tokens.weight", "lm_head.weight", "layernorm",
+            "model.final_layernorm.weight", "model.final_layernorm.bias"),
     "gpt_neox-tied": (lambda: T.GPTNeoXConfig(**SMALL, tie_word_embeddings=True), T.GPTNeoXForCausalLM,
                       "gpt_neox.embed_in.weight", None, "layernorm", "gpt_neox.final_layer_norm.weight",
                       "gpt_neox.final_layer_norm.bias"),
@@ -155,7 +157,7 @@ def test_unknown_family_and_missing_tensors(tmp_path, capsys):
     assert run_cli(["--model", tmp_path / "m", "--out", tmp_path / "o"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config.json has model_type 'bert'; the weights command knows " \
-        "falcon, gemma, gpt2, gpt_neox, llama, mistral, olmo, olmo2, opt, qwen2 (use --tensor NAME" in err
+        "falcon, gemma, gpt2, gpt_neox, llama, mistral, olmo, olmo2, opt, phi, qwen2 (use --tensor NAME" in err
     out = measure(tmp_path / "m", tmp_path / "o", "--tensor", "lm_head.weight")  # --tensor: any family
     close(out["tensors"]["lm_head.weight"], ref_matrix(t["lm_head.weight"]))
     cfg_path.write_text(json.dumps(cfg))

@@ -50,6 +50,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     norm_plus_one: bool = False         # Gemma: RMSNorm's gain is 1 + the weight, applied in float32
     embed_scale: bool = False           # Gemma: embeddings times sqrt(hidden_size) (rounded to the weights' dtype)
+    unembed_bias: bool = False          # Phi: the lm_head has a bias (a parameter no state reads)
 
     def __post_init__(self):
         if self.attention_head_dim is None and self.hidden_size % self.num_heads:
@@ -101,7 +102,7 @@ class ModelConfig:
 
     def param_count(self) -> int:
         embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size + self.position_table_rows()
-        return self.non_embedding_params() + embeddings * self.hidden_size
+        return self.non_embedding_params() + embeddings * self.hidden_size + self.unembed_bias * self.vocab_size
 
     def flops_per_token(self, gram: bool = True) -> float:
         """Forward matmul FLOPs per token (2 x non-embedding params) plus 2d^2 per state for a Gram."""

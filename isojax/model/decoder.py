@@ -221,6 +221,8 @@ class Decoder(nn.Module):
         embed_VxD = self.param("embed_in", init, (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
         if not cfg.tie_word_embeddings:  # no metric needs logits, but the weights belong to the model
             self.param("embed_out", init, (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
+        if cfg.unembed_bias:
+            self.param("embed_out_bias", nn.initializers.zeros_init(), (cfg.vocab_size,), self.param_dtype)
         x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0)
         if cfg.embed_scale:  # Gemma: the normalizer sqrt(d) in float32, rounded to the weights' dtype, as HF
             x_BxTxD = x_BxTxD * jnp.asarray(np.float32(cfg.hidden_size ** 0.5), self.param_dtype)

@@ -13,12 +13,13 @@ from typing import Callable
 import numpy as np
 
 from isojax.errors import UserError
-from isojax.hf.family import falcon, gemma, gpt2, gpt_neox, llama, olmo, opt
+from isojax.hf.family import falcon, gemma, gpt2, gpt_neox, llama, olmo, opt, phi
 from isojax.hf.family.base import Family
 from isojax.model.config import ModelConfig
 
 FAMILIES: dict[str, Family] = {**gpt_neox.FAMILIES, **llama.FAMILIES, **olmo.FAMILIES, **gpt2.FAMILIES,
-                               **opt.FAMILIES, **falcon.FAMILIES, **gemma.FAMILIES}
+                               **opt.FAMILIES, **falcon.FAMILIES, **gemma.FAMILIES,
+                               **phi.FAMILIES}
 
 
 def from_hf_dict(raw: dict, name: str = "") -> ModelConfig:

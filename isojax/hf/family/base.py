@@ -140,6 +140,9 @@ def finish(cfg: ModelConfig, layout: Layout, layer: dict) -> Layout:
     if not cfg.tie_word_embeddings:
         layout.shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
         layout.params.append((("embed_out",), ["lm_head.weight"], linear))
+    if cfg.unembed_bias:
+        layout.shapes["lm_head.bias"] = (cfg.vocab_size,)
+        layout.params.append((("embed_out_bias",), ["lm_head.bias"], as_is))
     return layout
 
 
