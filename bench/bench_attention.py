@@ -24,7 +24,7 @@ from bench.common import pack_in_memory
 from bench.common import random_sentences, sentence_lengths
 
 from isojax.kernels import packed_attention
-from isojax.model.config import preset
+from isojax.hf.family.presets import preset
 from isojax.model.ops import apply_rotary, rotary_tables, segment_mask
 
 

@@ -61,7 +61,7 @@ def build_checkpoint(directory: Path, shape: str) -> None:
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
 
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     cfg = preset(shape)
     hf = GPTNeoXConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                        num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,

@@ -50,7 +50,7 @@ TINY = dict(width=64, layers=2, heads=4, vocab=512)
 
 
 def preset_json(name: str) -> dict:
-    from isojax.model.config import CONFIGS_DIR
+    from isojax.hf.family.presets import CONFIGS_DIR
     return json.loads((CONFIGS_DIR / f"{name}.json").read_text())
 
 
@@ -76,7 +76,8 @@ def tiny(raw: dict, cfg) -> dict:
 
 def family_models(families: list[str], shrink: bool) -> list[tuple[str, str, dict, object]]:
     """(family, preset, config.json dict, ModelConfig) of each family asked for."""
-    from isojax.model.config import from_hf_dict, preset
+    from isojax.hf.family import from_hf_dict
+    from isojax.hf.family.presets import preset
     out = []
     for family in families:
         name = FAMILIES[family]

@@ -71,7 +71,7 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
 
     from isojax.device import checkpoints as checkpointing
     from isojax.device import mesh as parallel
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     from isojax.hf.loading import random_params
     from isojax.model.gpt_neox import GPTNeoX
     from isojax.model.options import ForwardOptions

@@ -54,7 +54,8 @@ def bf16_matmul_rate(n: int = 8192) -> float:
 def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token_stats, mlp_kernel="xla",
                norm_kernel="xla", gram_block=512, warmup=2, dtype="bfloat16"):
     """isojax's step over the packed workload: `name` a preset or a ModelConfig of any family."""
-    from isojax.model.config import ModelConfig, preset
+    from isojax.model.config import ModelConfig
+    from isojax.hf.family.presets import preset
     from isojax.hf.loading import random_params
     from isojax.device import mesh as parallel
     from isojax.model.decoder import model_class

@@ -36,7 +36,7 @@ from bench.common import random_sentences, sentence_lengths
 import dataclasses
 
 from isojax.device import mesh as parallel
-from isojax.model.config import preset
+from isojax.hf.family.presets import preset
 from isojax.hf.loading import random_params
 from isojax.model.gpt_neox import GPTNeoX
 from isojax.model.options import ForwardOptions

@@ -17,7 +17,7 @@ import numpy as np
 from isojax.device import mesh as parallel
 from isojax.model.options import ForwardOptions
 from isojax.stats.options import StatsOptions
-from isojax.model.config import preset
+from isojax.hf.family.presets import preset
 from isojax.hf.loading import random_params
 from isojax.model.gpt_neox import GPTNeoX
 from isojax.device.runner import Runner

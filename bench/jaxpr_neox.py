@@ -16,7 +16,7 @@ import hashlib
 import jax
 import jax.numpy as jnp
 
-from isojax.model.config import preset
+from isojax.hf.family.presets import preset
 from isojax.model.gpt_neox import GPTNeoX, collect_states, param_shapes
 from isojax.model.options import ForwardOptions
 

@@ -50,7 +50,7 @@ def measure(sizes: list[str], tokens: float | None, peer: bool) -> dict:
     from bench.common import random_sentences, sentence_lengths
     from isojax.device.memory import device_batch_tokens
     from isojax.kernels import mlp as mlp_kernel
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     rate = bt.bf16_matmul_rate()
     out = {"card": jax.devices()[0].device_kind, "jax": jax.__version__, "bf16_flops": rate, "sizes": {}}
     for size in sizes:
@@ -90,7 +90,7 @@ def per_gpu_rates(measured: dict, who: str) -> dict[str, tuple[float, bool]]:
     around it, or the nearest measured size's beyond them."""
     import numpy as np
 
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     got = {s: r[who]["tokens_per_s"] for s, r in measured["sizes"].items() if r.get(who)}
     if not got:
         return {}

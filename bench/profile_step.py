@@ -118,7 +118,7 @@ def main() -> int:
     import jax.numpy as jnp
     from bench.common import pack_in_memory
     from bench.common import random_sentences, sentence_lengths
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     from isojax.hf.loading import random_params
     from isojax.model.gpt_neox import GPTNeoX
     from isojax.device.runner import Runner

@@ -20,7 +20,7 @@ def main(argv=None) -> int:
 
 
 def convert(args) -> None:
-    from isojax.model.config import base_preset, hub_id
+    from isojax.hf.family.presets import base_preset, hub_id
     from isojax.hf.files import resolve_checkpoint
     from isojax.hf.orbax_io import convert_dir
     from isojax.run.outdir import refuse_earlier

@@ -19,7 +19,7 @@ import importlib
 # Loaded on first use: the tokenizer's worker processes import isojax.data alone, without JAX
 # (importing JAX in each of 16 workers held back a first run's first tokens by seconds).
 _WHERE = {"Results": "isojax.run.measure", "measure": "isojax.run.measure", "ModelConfig": "isojax.model.config",
-          "preset": "isojax.model.config", "preset_names": "isojax.model.config", "UserError": "isojax.errors",
+          "preset": "isojax.hf.family.presets", "preset_names": "isojax.hf.family.presets", "UserError": "isojax.errors",
           "LoadedModel": "isojax.hf.loading", "load_model": "isojax.hf.loading",
           "MeasureConfig": "isojax.run.config", "load": "isojax.run.frames"}
 

@@ -27,7 +27,7 @@ def test_ahead_equals_lazy_on_one_and_two_devices_in_float32_and_bfloat16(tmp_pa
         from isojax.device import mesh as parallel
         from isojax.device.runner import Layout
         from isojax.hf.loading import abstract_params, build_module, random_params
-        from isojax.model.config import preset
+        from isojax.hf.family.presets import preset
         from isojax.run.plan import step_module
         from isojax.device.runner import Runner
         cfg = dataclasses.replace(preset("pythia-70m"), hidden_size=32, intermediate_size=64, num_layers=2,

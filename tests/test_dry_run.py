@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from isojax.errors import UserError
-from isojax.model.config import preset
+from isojax.hf.family.presets import preset
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILY_PRESETS = ["pythia-70m", "llama-1b", "mistral-1b", "falcon-mqa-1b", "olmo-1b", "olmo2-1b", "opt-1.3b",
@@ -180,7 +180,7 @@ MEMORY_CHECK = textwrap.dedent("""
     from isojax.device import ahead, mesh as parallel
     from isojax.extract import build_parser
     from isojax.hf.loading import abstract_params
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     from isojax.run.dry_run import plan, step_layout
     name, mesh_spec, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     args = build_parser().parse_args(["--dry-run", "--out", "/nonexistent", "--model", "random:" + name, "--mesh",

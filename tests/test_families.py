@@ -13,7 +13,7 @@ import pytest
 from conftest import TOKENIZER_JSON, max_rel_error
 from isojax import load_model
 from isojax.errors import UserError
-from isojax.model.config import from_hf_dict
+from isojax.hf.family import from_hf_dict
 
 VOCAB = 320
 
@@ -47,13 +47,24 @@ SHAPES = {
                     new_decoder_architecture=True, num_kv_heads=2, bias=True, ffn_hidden_size=96),
                dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                     new_decoder_architecture=True, num_kv_heads=1, num_ln_in_parallel_attn=1)],
+    # multi-query with head_dim given (gemma-2b: 8 heads of 256, 1 key/value head); grouped, untied,
+    # the released files' legacy hidden_act "gelu" (the tanh GELU in transformers)
+    "gemma": [dict(LLAMA, num_key_value_heads=1, head_dim=32),
+              dict(LLAMA, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, hidden_act="gelu",
+                   tie_word_embeddings=False)],
+    # partial rotary (phi-2: 0.4 of heads of 80; here 0.5 of 16 and 0.25 of 32), parallel attention and
+    # MLP through one LayerNorm, gelu_new; grouped key/value heads in the second
+    "phi": [dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+            dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=2,
+                 num_key_value_heads=1, partial_rotary_factor=0.25, hidden_act="gelu")],
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "olmo": ("OlmoConfig", "OlmoForCausalLM"),
            "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
-           "opt": ("OPTConfig", "OPTForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
+           "opt": ("OPTConfig", "OPTForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM"),
+           "gemma": ("GemmaConfig", "GemmaForCausalLM"), "phi": ("PhiConfig", "PhiForCausalLM")}
 CASES = [(family, i) for family, shapes in SHAPES.items() for i in range(len(shapes))]
-FAST = {("llama", 0), ("falcon", 0), ("gpt2", 0)}  # pytest -m "not slow": one per reader's code path
+FAST = {("llama", 0), ("falcon", 0), ("gpt2", 0), ("gemma", 0), ("phi", 0)}  # pytest -m "not slow": one per reader's code path
 
 
 def build(directory, family: str, seed: int = 0, tokenizer: bool = False, **kwargs):
@@ -125,6 +136,20 @@ def test_states_match_hugging_face(tmp_path, family, shape):
     assert max_rel_error(packed[:, 0, 29:47], ref_b) < 1e-5
 
 
+def test_gemma_embedding_normalizer_is_rounded_to_the_weights_dtype(tmp_path):
+    """Gemma's embeddings times sqrt(d) with the normalizer in the weights' dtype, as transformers:
+    in bfloat16, sqrt(48) = 6.928 is 6.9375, and the embed state is Hugging Face's bit for bit (the
+    product by the float32 normalizer, rounded once, differs)."""
+    import torch
+
+    model = build(tmp_path, "gemma", **dict(SHAPES["gemma"][0], hidden_size=48, head_dim=12))
+    ids = np.arange(3, 40)
+    with torch.no_grad():
+        ref = model.to(torch.bfloat16).base_model(torch.as_tensor(ids)[None], output_hidden_states=True)
+    got = load_model(tmp_path, dtype="bfloat16").hidden_states(ids)
+    np.testing.assert_array_equal(got[0], ref.hidden_states[0][0].float().numpy())
+
+
 def test_parameter_counts_match_hugging_face(tmp_path):
     """ModelConfig.param_count (FLOPs and the manifest use it) counts what transformers builds."""
     for family, shape in CASES:
@@ -140,7 +165,7 @@ GOOD = {"model_type": "llama", "vocab_size": 10, "hidden_size": 32, "num_hidden_
 
 
 @pytest.mark.parametrize("bad,message", [
-    ({"model_type": "bloom"}, "gpt_neox, llama, mistral, qwen2, olmo, olmo2, gpt2, opt, falcon"),
+    ({"model_type": "bloom"}, "gpt_neox, llama, mistral, qwen2, olmo, olmo2, gpt2, opt, falcon, gemma, phi"),
     ({"some_new_feature": 1}, "some_new_feature"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
@@ -153,6 +178,11 @@ GOOD = {"model_type": "llama", "vocab_size": 10, "hidden_size": 32, "num_hidden_
     ({"model_type": "opt", "word_embed_proj_dim": 16, "ffn_dim": 16}, "word_embed_proj_dim"),
     ({"model_type": "falcon", "alibi": True}, "alibi"),
     ({"model_type": "falcon", "new_decoder_architecture": True, "parallel_attn": False}, "parallel_attn"),
+    ({"model_type": "gemma", "head_dim": 8, "hidden_activation": "gelu"}, "hidden_activation"),
+    ({"model_type": "gemma", "head_dim": 8, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"model_type": "gemma", "num_key_value_heads": 2}, "lacks head_dim"),
+    ({"model_type": "phi", "qk_layernorm": True}, "qk_layernorm"),
+    ({"model_type": "phi", "hidden_act": "gelu_10"}, "hidden_act"),
 ])
 def test_config_refusals_name_the_attribute(bad, message):
     raw = {**GOOD, **bad}
@@ -180,7 +210,7 @@ def test_mismatched_weights_are_refused_by_name(tmp_path):
         load_model(tmp_path)
 
 
-EXTRACT_CASES = [("llama", 0), ("olmo2", 0), ("gpt2", 0), ("opt", 0), ("falcon", 2)]
+EXTRACT_CASES = [("llama", 0), ("olmo2", 0), ("gpt2", 0), ("opt", 0), ("falcon", 2), ("gemma", 0), ("phi", 1)]
 
 
 @pytest.mark.parametrize("family,shape", [pytest.param(f, s, marks=[] if f == "llama" else pytest.mark.slow)
@@ -245,10 +275,20 @@ def test_kernel_choice_per_family(capsys, monkeypatch):
     with pytest.raises(UserError, match="other norms"):
         choose_norm_kernel("pallas", falcon_7b, "bfloat16", 65536)
     assert choose_norm_kernel("auto", falcon_7b, "bfloat16", 65536) == "xla"
+    gemma = family_config("gemma", 0)  # GeGLU and RMSNorm: XLA's MLP and norms; rotary heads of 32: packed
+    assert (gemma.head_dim, gemma.kv_heads, gemma.hidden_act) == (32, 1, "gelu_pytorch_tanh")
+    assert choose_mlp_kernel("auto", gemma, "bfloat16", 65536) == "xla" and not layer_norm_pair(gemma)
+    assert choose_norm_kernel("auto", gemma, "bfloat16", 65536) == "xla"
+    assert choose_attention("packed", False, gemma, "bfloat16", 128) == "packed"
+    phi = family_config("phi", 0)  # tanh GELU, one shared LayerNorm: XLA's; rotary dims 8 (< 16): cuDNN
+    assert (phi.head_dim, phi.rotary_dims, phi.shared_input_norm) == (16, 8, True)
+    assert choose_mlp_kernel("auto", phi, "bfloat16", 65536) == "xla" and not layer_norm_pair(phi)
+    assert choose_norm_kernel("auto", phi, "bfloat16", 65536) == "xla"
+    assert choose_attention("packed", True, phi, "bfloat16", 128) == "cudnn"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,shape", [("llama", 1), ("falcon", 2)])
+@pytest.mark.parametrize("family,shape", [("llama", 1), ("falcon", 2), ("gemma", 0)])
 def test_packed_attention_states_equal_plain_attention(family, shape):
     """The bf16 model with the grouped packed kernel (interpret mode) on packed rows: the states of
     plain attention within bf16 rounding (as GPT-NeoX's, tests/test_packed_attention.py)."""
@@ -324,7 +364,7 @@ def test_extract_refuses_an_unsupported_family_or_attribute_in_one_line(tmp_path
     (tmp_path / "bloom").mkdir()
     (tmp_path / "bloom" / "config.json").write_text(json.dumps({"model_type": "bloom", "hidden_size": 64}))
     for model, needle in ((tmp_path / "bloom", "isojax runs gpt_neox, llama, mistral, qwen2, olmo, olmo2, gpt2, "
-                                                "opt, falcon"), (tmp_path / "llama", "some_new_feature")):
+                                                "opt, falcon, gemma, phi"), (tmp_path / "llama", "some_new_feature")):
         assert main(["--model", str(model), "--out", str(tmp_path / "out"), "--max-tokens", "64"]) == 2
         err = capsys.readouterr().err
         assert "error:" in err and needle in err and "Traceback" not in err, err

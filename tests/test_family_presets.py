@@ -10,7 +10,7 @@ import json
 import pytest
 
 from isojax.errors import UserError
-from isojax.model.config import CONFIGS_DIR, base_preset, hub_id, preset, preset_names, shape_only
+from isojax.hf.family.presets import CONFIGS_DIR, base_preset, hub_id, preset, preset_names, shape_only
 
 # preset -> (family, nominal parameters (the hub model's published size, or the scaled target), hub id)
 FAMILY_PRESETS = {
@@ -22,6 +22,8 @@ FAMILY_PRESETS = {
     "qwen2-1.5b": ("qwen2", 1.54e9, "Qwen/Qwen2-1.5B"),
     "olmo-1b": ("olmo", 1.18e9, "allenai/OLMo-1B-hf"),
     "olmo2-1b": ("olmo2", 1.48e9, "allenai/OLMo-2-0425-1B"),
+    "gemma-2b": ("gemma", 2.51e9, "google/gemma-2b"),
+    "phi-2": ("phi", 2.78e9, "microsoft/phi-2"),
 }
 
 
@@ -88,14 +90,14 @@ def test_random_shape_only_preset_measures_offline(tmp_path, monkeypatch):
     """measure("random:<shape-only preset>") end to end, offline: a tiny Mistral-shaped preset
     (vocabulary 320, below the bundled tokenizer's) gets the cut tokenizer and every id in range."""
     import isojax
-    from isojax.model import config
+    from isojax.hf.family import presets
     configs = tmp_path / "configs"
     configs.mkdir()
     raw = json.loads((CONFIGS_DIR / "mistral-1b.json").read_text())
     raw.update(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, intermediate_size=224)
     (configs / "tiny-mistral.json").write_text(json.dumps(raw))
-    monkeypatch.setattr(config, "CONFIGS_DIR", configs)
+    monkeypatch.setattr(presets, "CONFIGS_DIR", configs)
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40 + "Naïve café, 日本語. " * 20)

@@ -253,7 +253,7 @@ def test_tokenizer_comes_from_the_requested_revision(hub, env, repos, tmp_path):
     hub.add_model("tiny-org/neox-c", {"main": main, "step0": repos["a"]["step0"]})
     code = f"""
 import json
-from isojax.model.config import read_hf_config
+from isojax.hf.family import read_hf_config
 from isojax.hf.tokenizer import load_tokenizer
 cfg = read_hf_config(__import__("pathlib").Path({str(main)!r}))
 tok, desc = load_tokenizer(None, cfg, hub_repo="tiny-org/neox-c", hub_revision="step0")

@@ -13,7 +13,7 @@ import pytest
 
 from isojax.kernels import mlp, norm, packed_attention, select
 from isojax.kernels.select import CheckRecord
-from isojax.model.config import preset
+from isojax.hf.family.presets import preset
 
 
 def fake_kernel(tmp_path, why=None):

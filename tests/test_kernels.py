@@ -59,7 +59,7 @@ def test_rounding_bound_holds_for_xla_and_catches_a_wrong_result():
 
 def test_mosaic_refused_where_it_cannot_run():
     from isojax.kernels.select import check_mlp_kernel, choose_mlp_kernel
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     from isojax.errors import UserError
     if kernels.available():
         pytest.skip("this machine has a Hopper GPU")

@@ -113,3 +113,12 @@ def test_no_two_way_arrows_between_folders():
     for m, deps in g.items():
         if folder(m) == "kernels":
             assert {d for d in deps if folder(d) == "model"} <= {"isojax.model.ops", "isojax.model.config"}, (m, deps)
+
+
+def test_model_reads_no_hugging_face_files():
+    """model/ holds the shapes and the Flax modules; Hugging Face's config.json files, checkpoints and
+    the presets are read by hf/ (isojax.hf.family), which imports model/, never the other way."""
+    for m, deps in graph().items():
+        if folder(m) == "model":
+            assert not {d for d in deps if folder(d) == "hf"}, (m, deps)
+            assert "json" not in (PACKAGE / "model" / f"{m.split('.')[-1]}.py").read_text().split(), m

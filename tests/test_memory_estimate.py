@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from isojax.model.config import from_hf_dict
+from isojax.hf.family import from_hf_dict
 
 
 def test_layer_params_count_a_gated_layer():

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import build_hf_checkpoint, hf_states, max_rel_error
 from isojax import load_model
-from isojax.model.config import preset, preset_names, from_hf_dict
+from isojax.hf.family import from_hf_dict
+from isojax.hf.family.presets import preset, preset_names
 from isojax.errors import UserError
 from isojax.model.gpt_neox import param_shapes
 

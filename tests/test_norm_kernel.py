@@ -125,7 +125,7 @@ def test_model_states_with_the_kernel(residual):
 
 def test_chosen_on_gpus_only(tmp_path):
     from isojax.kernels.select import check_norm_kernel, choose_norm_kernel
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     from isojax.errors import UserError
     with pytest.raises(UserError, match="norm_kernel must be"):
         check_norm_kernel("triton", "bfloat16")

@@ -215,7 +215,7 @@ def test_sharded_rows_go_to_the_kernel_per_device():
 def test_explicit_packed_refused_without_a_gpu(tmp_path):
     from isojax.kernels.select import choose_attention
     from isojax.run.measure import measure
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     from isojax.errors import UserError
     if jax.default_backend() != "gpu":
         with pytest.raises(UserError, match="GPU kernel"):

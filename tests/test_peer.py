@@ -146,7 +146,7 @@ def test_pythia_parameter_counts():
 
 
 def test_flops_agree_with_isojax_config():
-    config = pytest.importorskip("isojax.model.config")
+    config = pytest.importorskip("isojax.hf.family.presets")
     for name, shape in workload.PYTHIA_SHAPES.items():
         cfg = config.preset(name)
         assert shape == (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.vocab_size,

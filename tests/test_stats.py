@@ -357,7 +357,7 @@ def test_the_compiled_step_updates_grams_and_token_sums_in_place():
     import dataclasses
     import re
 
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     from isojax.hf.loading import random_params
     from isojax.model.gpt_neox import GPTNeoX
     from isojax.device.runner import Runner

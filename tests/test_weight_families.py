@@ -51,6 +51,10 @@ CASES = {
              "layernorm_no_affine", None, None),
     "olmo2": (lambda: T.Olmo2Config(**SMALL), T.Olmo2ForCausalLM, "model.embed_tokens.weight", "lm_head.weight",
               "rmsnorm", "model.norm.weight", None),
+    "gemma": (lambda: T.GemmaConfig(**SMALL, head_dim=16, num_key_value_heads=1), T.GemmaForCausalLM,
+              "model.embed_tokens.weight", None, "rmsnorm", "model.norm.weight", None),
+    "phi": (lambda: T.PhiConfig(**SMALL), T.PhiForCausalLM, "model.embed_tokens.weight", "lm_head.weight", "layernorm",
+            "model.final_layernorm.weight", "model.final_layernorm.bias"),
     "gpt_neox-tied": (lambda: T.GPTNeoXConfig(**SMALL, tie_word_embeddings=True), T.GPTNeoXForCausalLM,
                       "gpt_neox.embed_in.weight", None, "layernorm", "gpt_neox.final_layer_norm.weight",
                       "gpt_neox.final_layer_norm.bias"),
@@ -105,8 +109,9 @@ def test_family(case, tmp_path):
     assert set(ln) == {"norm", "tensor_g", "tensor_b"} | set(isotropy.NORM_KEYS)
     if norm == "layernorm":
         close(ln, ref_ln(t[g], t[b]))
-    elif norm == "rmsnorm":  # weight only: what needs a bias is null, not 0
-        close(ln, {"avgnorm_g": np.linalg.norm(t[g].astype(np.float64)) / np.sqrt(t[g].size)})
+    elif norm == "rmsnorm":  # weight only: what needs a bias is null, not 0; Gemma's gain is 1 + its weight
+        gain = t[g].astype(np.float64) + (1.0 if family == "gemma" else 0.0)
+        close(ln, {"avgnorm_g": np.linalg.norm(gain) / np.sqrt(t[g].size)})
         assert all(ln[k] is None for k in B_KEYS)
     else:  # no weights at all (OLMo's LayerNorm) or no final norm (OPT-350m)
         assert all(ln[k] is None for k in isotropy.NORM_KEYS)
@@ -152,7 +157,7 @@ def test_unknown_family_and_missing_tensors(tmp_path, capsys):
     assert run_cli(["--model", tmp_path / "m", "--out", tmp_path / "o"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config.json has model_type 'bert'; the weights command knows " \
-        "falcon, gpt2, gpt_neox, llama, mistral, olmo, olmo2, opt, qwen2 (use --tensor NAME" in err
+        "falcon, gemma, gpt2, gpt_neox, llama, mistral, olmo, olmo2, opt, phi, qwen2 (use --tensor NAME" in err
     out = measure(tmp_path / "m", tmp_path / "o", "--tensor", "lm_head.weight")  # --tensor: any family
     close(out["tensors"]["lm_head.weight"], ref_matrix(t["lm_head.weight"]))
     cfg_path.write_text(json.dumps(cfg))

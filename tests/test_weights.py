@@ -347,10 +347,11 @@ def test_random_preset_offline(monkeypatch, tmp_path):
 def test_random_weights_are_load_models(monkeypatch):
     from isojax.model import config
     from isojax.hf import loading
+    from isojax.hf.family import presets
 
     tiny = config.ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
                                 intermediate_size=32, name="tiny")
-    monkeypatch.setattr(config, "preset", lambda name: tiny)
+    monkeypatch.setattr(presets, "preset", lambda name: tiny)
     r = weights.RandomWeights("tiny")
     p = loading.random_params(tiny)
     np.testing.assert_array_equal(r.read("gpt_neox.embed_in.weight"), np.asarray(p["embed_in"]))

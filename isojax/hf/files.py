@@ -30,7 +30,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' num
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from isojax.model.config import base_preset, hub_id
+from isojax.hf.family.presets import base_preset, hub_id
 from isojax.errors import UserError
 from isojax.hf.network import LOGIN_HINT, hub_error, status_of, transient_api_error  # noqa: F401 (LOGIN_HINT: data's)
 from isojax.log import log

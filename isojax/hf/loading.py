@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from isojax.hf.families import read_hf_tensors, tensors_to_params
+from isojax.hf.checkpoint import read_hf_tensors
+from isojax.hf.family import tensors_to_params
+from isojax.hf.family.presets import base_preset, hub_id, preset, shape_only
 from isojax.hf.orbax_io import is_converted, load_converted
-from isojax.model.config import ModelConfig, base_preset, hub_id, preset, shape_only
+from isojax.model.config import ModelConfig
 from isojax.errors import UserError
 from isojax.model.ops import DTYPES
 from isojax.model.decoder import model_class
@@ -188,7 +190,7 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
         raise UserError(f"{name} is a preset of shapes with no hub model behind it: random:{name} runs it "
                         "with random weights")
     if "/" not in repo:
-        from isojax.model.config import preset_names
+        from isojax.hf.family.presets import preset_names
         raise UserError(f"unknown model {name!r}: not a directory, a hub id (org/name), or a preset "
                         f"({', '.join(preset_names())}, their -deduped variants, random:<preset>)")
     from isojax.hf.files import resolve_model

@@ -57,7 +57,8 @@ def convert_dir(src: Path, dst: Path, source: dict | None = None) -> Path:
 
     import numpy as np
 
-    from isojax.hf.families import read_hf_tensors, tensors_to_params
+    from isojax.hf.checkpoint import read_hf_tensors
+    from isojax.hf.family import tensors_to_params
     from isojax.atomic import staged_dir
     dst = Path(dst)
     cfg, tensors, checksum = read_hf_tensors(Path(src))

@@ -7,7 +7,7 @@ attention's heads and biases, the MLP and the residual layout; GPTNeoX stays its
 Axes as in isojax.model.gpt_neox, plus N = H + 2G projected heads (H query heads, then G key
 heads, then G value heads; each key/value head serves H / G consecutive query heads, as Hugging
 Face's repeat_kv). Every family's q, k, v projection is stored in that one layout by its reader
-(isojax.hf.families), whatever the checkpoint's, so the model has one fused product per layer.
+(isojax.hf.family), whatever the checkpoint's, so the model has one fused product per layer.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from isojax.model.config import ACTIVATIONS, ModelConfig
 from isojax.model.gpt_neox import (DenseGelu, GPTNeoX, LayerNorm, ObservedBlock, Observer, _matmul,
@@ -36,14 +37,18 @@ class Norm(nn.Module):
     # RMSNorm: OLMo-2 scales in float32 and rounds once ((w * y).to(dtype)); Llama rounds y
     # first (w * y.to(dtype)). The same in float32, not in bfloat16.
     scale_in_float32: bool = False
+    plus_one: bool = False  # Gemma's RMSNorm: y * (1 + w) in float32, rounded once
 
     @nn.compact
     def __call__(self, x_BxTxD):
         d = x_BxTxD.shape[-1]
         x = x_BxTxD.astype(jnp.float32)
         if self.kind == "rms":
-            scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype)
+            init = nn.initializers.zeros if self.plus_one else nn.initializers.ones  # a gain of 1, as HF's init
+            scale = self.param("scale", init, (d,), self.param_dtype)
             y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
+            if self.plus_one:
+                return (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
             if self.scale_in_float32:
                 return (scale.astype(jnp.float32) * y).astype(self.dtype)
             return scale.astype(self.dtype) * y.astype(self.dtype)
@@ -55,7 +60,8 @@ def make_norm(cfg: ModelConfig, dtype, param_dtype, name: str) -> nn.Module:
     """The family's norm: GPT-NeoX's LayerNorm (scale and bias), else a Norm."""
     if cfg.norm == "layer":
         return LayerNorm(cfg.layer_norm_eps, dtype, param_dtype, name=name)
-    return Norm(cfg.norm, cfg.layer_norm_eps, dtype, param_dtype, scale_in_float32=cfg.family == "olmo2", name=name)
+    return Norm(cfg.norm, cfg.layer_norm_eps, dtype, param_dtype, scale_in_float32=cfg.family == "olmo2",
+                plus_one=cfg.norm_plus_one, name=name)
 
 
 class Projection(nn.Module):
@@ -215,7 +221,12 @@ class Decoder(nn.Module):
         embed_VxD = self.param("embed_in", init, (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
         if not cfg.tie_word_embeddings:  # no metric needs logits, but the weights belong to the model
             self.param("embed_out", init, (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
-        x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(self.dtype)
+        if cfg.unembed_bias:
+            self.param("embed_out_bias", nn.initializers.zeros_init(), (cfg.vocab_size,), self.param_dtype)
+        x_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0)
+        if cfg.embed_scale:  # Gemma: the normalizer sqrt(d) in float32, rounded to the weights' dtype, as HF
+            x_BxTxD = x_BxTxD * jnp.asarray(np.float32(cfg.hidden_size ** 0.5), self.param_dtype)
+        x_BxTxD = x_BxTxD.astype(self.dtype)
         cos_BxTxR = sin_BxTxR = None
         if cfg.learned_positions:  # hidden_states[0] = token + position embedding (GPT-2, OPT)
             table_PxD = self.param("position_embeddings", init, (cfg.position_table_rows(), cfg.hidden_size),

@@ -117,7 +117,8 @@ def use_compilation_cache() -> None:
 
 def peek_config(name: str):
     """The model's config without loading weights, where that is cheap (presets, local dirs)."""
-    from isojax.model.config import base_preset, preset, read_hf_config
+    from isojax.hf.family import read_hf_config
+    from isojax.hf.family.presets import base_preset, preset
     if name.startswith("random:") or base_preset(name):
         return preset(name.removeprefix("random:"))
     path = Path(name).expanduser()
@@ -181,7 +182,7 @@ def check_skip_positions(tokens, skip: int) -> None:
 def tokenizer_without_weights(model, cfg):
     """(tokenizer, description) where it is found without loading the weights (random presets,
     local checkpoint directories, a LoadedModel), so that tokenizing starts while they load; else None."""
-    from isojax.model.config import hub_id
+    from isojax.hf.family.presets import hub_id
     from isojax.hf.loading import LoadedModel
     from isojax.hf.tokenizer import load_tokenizer
     if isinstance(model, LoadedModel):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from isojax.model.config import base_preset, hub_id
+from isojax.hf.family.presets import base_preset, hub_id
 from isojax.steps import step_of
 
 

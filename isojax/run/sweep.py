@@ -52,7 +52,7 @@ def check_revisions(model: str, revisions: list[str | None]) -> None:
         for r in revisions:
             local_revision(model, r)
         return
-    from isojax.model.config import base_preset, hub_id
+    from isojax.hf.family.presets import base_preset, hub_id
     from isojax.hf.network import hub_reachable
     wanted = [r for r in revisions if r is not None and not re.fullmatch(r"[0-9a-f]{40}", r)]
     if not wanted or model.startswith("random:") or not hub_reachable():

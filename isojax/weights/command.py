@@ -127,7 +127,7 @@ def _final_norm(reader, t: families.Tensors, source) -> dict:
     head = {"norm": t.norm, "tensor_g": t.norm_g, "tensor_b": t.norm_b}
     if t.norm_g is None:
         return {**head, **dict.fromkeys(isotropy.NORM_KEYS)}
-    g = reader.read(t.norm_g)
+    g = reader.read(t.norm_g) + t.norm_offset
     b = None if t.norm_b is None else reader.read(t.norm_b)
     if g.ndim != 1 or g.size == 0 or b is not None and g.shape != b.shape:
         shapes = f"weight {g.shape}" + ("" if b is None else f" and bias {b.shape}")

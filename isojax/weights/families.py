@@ -1,20 +1,20 @@
 """Which tensors of a checkpoint are its embedding, unembedding and final norm, per model family.
 
-The family is config.json's `model_type`. This table is apart from isojax.hf.families (the
-whole forward's tensors) on purpose: `weights` reads three tensors of any checkpoint of a family,
-also of configurations the forward refuses (a Llama-3 rope scaling, OPT-350m's projections).
-Names are those transformers' modeling files give
-(`*ForCausalLM`), checked against checkpoints written by `save_pretrained`. A name under the
-base model (`transformer.wte.weight`) is also found without that prefix (`wte.weight`): the base
-model saved alone, and older hub uploads of GPT-2 and OPT, store it so.
+The family is config.json's `model_type`; each family's names are its file's (isojax.hf.family:
+`WeightNames`). They are apart from the family's whole forward layout on purpose: `weights` reads
+three tensors of any checkpoint of a family, also of configurations the forward refuses (a
+Llama-3 rope scaling, OPT-350m's projections). A name under the base model
+(`transformer.wte.weight`) is also found without that prefix (`wte.weight`): the base model saved
+alone, and older hub uploads of GPT-2 and OPT, store it so.
 
 Tied embeddings (config.json's `tie_word_embeddings`, else the family's default in
 transformers) are one matrix, measured once. Where a tied checkpoint stores an unembedding
 anyway, transformers ties the two only if they are equal, and so does `locate`'s caller
 (`command.analyze_checkpoint`).
 
-Final norms: `layernorm` (weight g and bias b), `rmsnorm` (Llama, Mistral, Qwen2, OLMo-2:
-weight only; every statistic of b is null), `layernorm_no_affine` (OLMo-1, or OPT with
+Final norms: `layernorm` (weight g and bias b), `rmsnorm` (Llama, Mistral, Qwen2, OLMo-2, Gemma:
+weight only; every statistic of b is null; Gemma's gain g is 1 + its stored weight, `norm_offset`),
+`layernorm_no_affine` (OLMo-1, or OPT with
 `layer_norm_elementwise_affine` false: no weights at all; every statistic is null) and `none`
 (OPT-350m and other OPT with `do_layer_norm_before` false: no final norm).
 """
@@ -26,35 +26,9 @@ import json
 import pathlib
 
 from isojax.errors import UserError
+from isojax.hf.family import FAMILIES as _REGISTRY
 
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    prefix: str                # the base model's prefix of embed and norm names
-    embed: str                 # under prefix
-    unembed: tuple[str, ...]   # untied unembedding, top level; the first is the usual name
-    norm: str                  # layernorm | rmsnorm | layernorm_no_affine
-    norm_g: str | None = None  # under prefix
-    norm_b: str | None = None
-    tied: bool = False         # transformers' default of tie_word_embeddings
-
-
-_LLAMA = Family("model.", "embed_tokens.weight", ("lm_head.weight",), "rmsnorm", "norm.weight")
-FAMILIES = {
-    "gpt_neox": Family("gpt_neox.", "embed_in.weight", ("embed_out.weight", "lm_head.weight"), "layernorm",
-                       "final_layer_norm.weight", "final_layer_norm.bias"),
-    "gpt2": Family("transformer.", "wte.weight", ("lm_head.weight",), "layernorm", "ln_f.weight", "ln_f.bias",
-                   tied=True),
-    "opt": Family("model.", "decoder.embed_tokens.weight", ("lm_head.weight",), "layernorm",
-                  "decoder.final_layer_norm.weight", "decoder.final_layer_norm.bias", tied=True),
-    "falcon": Family("transformer.", "word_embeddings.weight", ("lm_head.weight",), "layernorm", "ln_f.weight",
-                     "ln_f.bias", tied=True),
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _LLAMA,
-    "olmo": Family("model.", "embed_tokens.weight", ("lm_head.weight",), "layernorm_no_affine"),
-    "olmo2": _LLAMA,
-}
+FAMILIES = {model_type: family.weights for model_type, family in _REGISTRY.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +41,7 @@ class Tensors:
     norm: str                  # layernorm | rmsnorm | layernorm_no_affine | none
     norm_g: str | None
     norm_b: str | None
+    norm_offset: float = 0.0   # g = norm_offset + the stored weight
 
 
 def all_names() -> list[str]:
@@ -92,15 +67,6 @@ def read_config(directory: pathlib.Path) -> dict:
     if not isinstance(cfg, dict):
         raise UserError(f"{path}: not a JSON object")
     return cfg
-
-
-def _norm(model_type: str, fam: Family, cfg: dict) -> str:
-    if model_type == "opt":  # transformers' OPTDecoder
-        if not cfg.get("do_layer_norm_before", True) or cfg.get("_remove_final_layer_norm", False):
-            return "none"
-        if cfg.get("layer_norm_elementwise_affine", True) is False:
-            return "layernorm_no_affine"
-    return fam.norm
 
 
 def locate(cfg: dict, names, where) -> Tensors:
@@ -131,7 +97,7 @@ def locate(cfg: dict, names, where) -> Tensors:
     unembed = next((n for n in fam.unembed if n in names), None)
     if unembed is None and not tied:
         need(fam.unembed[0], prefixed=False)
-    norm = _norm(model_type, fam, cfg)
+    norm = fam.final_norm(cfg)
     has = norm in ("layernorm", "rmsnorm")
     return Tensors(model_type, tied, need(fam.embed), unembed, norm, need(fam.norm_g) if has else None,
-                   need(fam.norm_b) if norm == "layernorm" else None)
+                   need(fam.norm_b) if norm == "layernorm" else None, fam.norm_offset)

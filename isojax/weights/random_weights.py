@@ -20,7 +20,7 @@ class RandomWeights:
     def __init__(self, preset_name: str, only=None):
         import jax
 
-        from isojax.model.config import preset
+        from isojax.hf.family.presets import preset
         from isojax.hf.loading import random_params
 
         for name in only or ():
