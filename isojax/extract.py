@@ -189,7 +189,7 @@ def check_free_space(out: Path, args) -> None:
         return
     from isojax.device.memory import defaults_platform
     from isojax.run.measure import peek_config
-    from isojax.run.plan import default_sample_size
+    from isojax.device.memory import default_sample_size
     from isojax.run.results import output_bytes
     cfg = peek_config((args.model or [DEFAULT_MODEL])[0])
     if cfg is None:

@@ -138,7 +138,7 @@ SAME_DECISION = textwrap.dedent("""
     from isojax.data import load_corpus
     from isojax.device import memory
     from isojax.extract import build_parser
-    from isojax.model.config import preset
+    from isojax.hf.family.presets import preset
     from isojax.run.config import MeasureConfig
     from isojax.run.dry_run import plan
     from isojax.run.measure import row_length
@@ -149,7 +149,7 @@ SAME_DECISION = textwrap.dedent("""
         # the real run's planning (measure(): choose_mesh; make_plan: run_batch), as a run would call them
         cfg, config, dtype = preset(name), MeasureConfig.build("random:" + name), "bfloat16"
         corpus, row_len = load_corpus(None, unit="sentence"), row_length(cfg, "sentence", None)
-        mesh = memory.choose_mesh(cfg, config, dtype, corpus)
+        mesh = memory.choose_mesh(cfg, config, dtype, corpus, row_len)
         rows = memory.run_batch(cfg, config, dtype, corpus, mesh.size, row_len, mesh.shape["model"], say=True)[1]
         print(json.dumps({"dry": [planned["mesh"], planned["tokens_per_device"], planned["dtype"]],
                           "run": [dict(mesh.shape), rows // mesh.size * row_len, dtype]}))

@@ -81,7 +81,7 @@ def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens
                         "bytes, split over the devices) or a smaller model")
 
 
-def choose_mesh(cfg, config, dtype: str, corpus):
+def choose_mesh(cfg, config, dtype: str, corpus, row_len: int):
     """The mesh of config's sizes (both named: the first data x model devices; one named: all
     devices), else all devices on 'data' with the smallest 'model' axis that makes parameters,
     accumulators, the sample and the step fit (run_batch: the default batch shrinks to fit); refuses
@@ -89,9 +89,7 @@ def choose_mesh(cfg, config, dtype: str, corpus):
     import jax
 
     from isojax.device import mesh as parallel
-    from isojax.run.measure import row_length
     sizes = dict(config.devices.mesh or {})
-    row_len = row_length(cfg, config.data.unit, config.data.seq_len) if cfg is not None else 0
     if cfg is not None and not sizes:
         sizes["model"] = run_batch(cfg, config, dtype, corpus, jax.device_count(), row_len)[0] or 1
     mesh = parallel.make_mesh(sizes)
@@ -133,9 +131,19 @@ def groups(corpus, sources) -> int:
 
 def sample_size(cfg, dtype: str, sample_states: int | None, on_accel: bool) -> int:
     """The sample a memory plan counts: sample_states (0: none), else the default sample on accelerators
-    (run/plan.py; a corpus shorter than it gets fewer)."""
-    from isojax.run.plan import default_sample_size
+    (a corpus shorter than it gets fewer: run/plan.py)."""
     return default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
+
+
+SAMPLE_BYTES = 2e9  # the default sample (batch anisotropy) takes at most this much per device
+
+
+def default_sample_size(cfg, dtype: str) -> int:
+    """16,384 tokens (4 batches of 4096), fewer for models whose states would take more than
+    SAMPLE_BYTES per device; a multiple of 4096, at least 4096."""
+    from isojax.stats.finalize import BATCH
+    per_token = cfg.num_states * cfg.hidden_size * (2 if dtype == "bfloat16" else 4)
+    return max(BATCH, min(4 * BATCH, int(SAMPLE_BYTES / per_token) // BATCH * BATCH))
 
 
 def batch_rows(batch_tokens: int, n: int, row_len: int) -> int:

@@ -274,7 +274,7 @@ def measure(model=None, data=None, **kwargs) -> Results:
     with timings("load"):
         name = model if isinstance(model, str) or model is None else None
         early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
-        mesh = choose_mesh(early, config, dtype, corpus)  # refuses what cannot fit before allocating
+        mesh = choose_mesh(early, config, dtype, corpus, row_length(early, unit, seq_len) if early is not None else 0)
         found = tokenizer_without_weights(model, early)
     tokens, planned = None, None
     plan_for = lambda cfg, row_len: plan_in_background(cfg, config, dtype=dtype, attention=attention,

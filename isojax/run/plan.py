@@ -14,7 +14,6 @@ from isojax.errors import UserError
 from isojax.log import log
 
 CPU_DEFAULT_MAX_TOKENS = 16_384  # the offline demo on 2 CPU cores: well under 30 s end to end
-SAMPLE_BYTES = 2e9  # the default sample (batch anisotropy) takes at most this much per device
 
 
 @dataclasses.dataclass
@@ -47,20 +46,12 @@ def step_module(module, mesh):
     return module.clone(options=dataclasses.replace(module.options, activation_sharding=parallel.rows(mesh)))
 
 
-def default_sample_size(cfg, dtype: str) -> int:
-    """16,384 tokens (4 batches of 4096), fewer for models whose states would take more than
-    SAMPLE_BYTES per device; a multiple of 4096, at least 4096."""
-    from isojax.stats.finalize import BATCH
-    per_token = cfg.num_states * cfg.hidden_size * (2 if dtype == "bfloat16" else 4)
-    return max(BATCH, min(4 * BATCH, int(SAMPLE_BYTES / per_token) // BATCH * BATCH))
-
-
 def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, mesh, row_len: int, corpus,
               tokens) -> StepPlan:
     """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are)."""
     from isojax.data import TokenStream
     from isojax.device import ahead
-    from isojax.device.memory import defaults_platform, run_batch
+    from isojax.device.memory import default_sample_size, defaults_platform, run_batch
     from isojax.device.runner import Layout
     from isojax.hf.loading import abstract_params, build_module, cache_root
     from isojax.kernels.select import RECHECK, CheckRecord, choose_attention, choose_mlp_kernel, choose_norm_kernel
