@@ -152,6 +152,26 @@ class Corpus:
                 if (self.sources is None or label in self.sources) and not (skip is not None and skip(label)):
                     yield label, text
 
+    def shareable(self) -> bool:
+        """Whether the processes of a multi-host run can each read a share of the input files
+        (data/shares.py): local files only, and no token budget (which one process meets by reading
+        a prefix of the corpus: split over hosts, each would read its whole share to find its end)."""
+        return self.max_tokens is None and self.max_tokens_per_source is None and \
+            all(inp.kind in ("txt", "jsonl", "parquet") for inp in self.inputs)
+
+    def share(self, index: int, count: int) -> Corpus:
+        """The corpus that process `index` of `count` reads: a contiguous run of the input files,
+        the file whose middle byte falls in the index-th count-th of all bytes going to it (a file
+        is never split). In process order the shares are the inputs in order, so their records,
+        concatenated, are the corpus's."""
+        sizes = [os.path.getsize(inp.path) for inp in self.inputs]
+        total, before, mine = max(sum(sizes), 1), 0, []
+        for inp, size in zip(self.inputs, sizes):
+            if min(int((before + size / 2) * count / total), count - 1) == index:
+                mine.append(inp)
+            before += size
+        return dataclasses.replace(self, inputs=tuple(mine), bad_records=0, seen_sources=set())
+
     def budget(self) -> tuple[int | None, int | None]:
         """(each source's share of tokens, the number of sources): max_tokens // sources, at most
         max_tokens_per_source; max_tokens_per_source alone; (None, None) without a budget. The
