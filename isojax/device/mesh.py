@@ -11,10 +11,10 @@ distinct tokens: a contiguous split gave the first of 8 devices 2.9 times its sh
 text).
 
 Multi-host: one process per host, `jax.distributed.initialize` (explicit coordinator or the
-cluster's environment), every process plans the same batches and supplies the rows of its own
-devices (`local_rows`); global arrays are assembled from process-local data. Where each
-process reads only its share of the corpus (data/shares.py), the processes trade what they read
-through `exchange`.
+cluster's environment), every process supplies the rows of its own devices (`local_rows`) of the
+same steps; global arrays are assembled from process-local data. Each process fills its rows from
+its own share of the corpus (data/shares.py; the processes trade what they read through
+`exchange`), or, where the corpus is not split, every process plans the same batches.
 """
 
 from __future__ import annotations
