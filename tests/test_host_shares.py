@@ -22,38 +22,62 @@ from tokenizers import Tokenizer
 from conftest import TOKENIZER_JSON, build_hf_checkpoint
 from isojax.data import load_corpus, pack_batches, tokenize_corpus
 from isojax.data.shares import HostShare
+from isojax.errors import UserError
 from test_parallel import _assert_same, _env, _free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the of and to in a is that for it as was with be by on not he this are or his from".split()
 
 
-def write_corpus(folder: Path, seed: int = 0) -> None:
-    """Seven JSON lines files of unequal sizes: two Pile sources in some, a source named after its
-    folder in the records without meta; one file holds a source no earlier file has."""
+def write_corpus(folder: Path, seed: int = 0, one_file: bool = False) -> None:
+    """Seven JSON lines files of unequal sizes (one_file: their lines in one file, and a small text
+    file after it): two Pile sources in some, a source named after its folder (or file) in the
+    records without meta; the fifth file holds a source no earlier file has."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True)
     for f, n_docs in enumerate([30, 5, 18, 40, 9, 25, 12]):
-        with open(folder / f"shard{f}.jsonl", "w") as out:
+        with open(folder / ("big.jsonl" if one_file else f"shard{f}.jsonl"), "a") as out:
             for i in range(n_docs):
                 rec = {"text": " ".join(rng.choice(WORDS, size=int(rng.integers(2, 60))))}
                 if (i + f) % 3:
                     rec["meta"] = {"pile_set_name": ["Enron Emails", "HackerNews"][i % 2] if f != 4 else "Late"}
                 out.write(json.dumps(rec) + "\n")
+    if one_file:
+        (folder / "z.txt").write_text("a small text file after it")
 
 
 def test_shares_are_the_inputs_in_order_balanced_by_bytes(tmp_path):
+    """The shares' records, in process order, are the corpus's; no share holds more than two
+    count-ths of the bytes (a file larger than one is split)."""
     write_corpus(tmp_path / "c")
     corpus = load_corpus([str(tmp_path / "c")], unit="document")
-    sizes = [os.path.getsize(inp.path) for inp in corpus.inputs]
+    whole, total = list(corpus.documents()), sum(os.path.getsize(inp.path) for inp in corpus.inputs)
     for count in (1, 2, 3, 4, 7, 9):
-        shares = [corpus.share(p, count).inputs for p in range(count)]
-        assert [inp for share in shares for inp in share] == list(corpus.inputs), count  # contiguous, in order
-        if count <= len(sizes):
-            share_bytes = [sum(os.path.getsize(i.path) for i in share) for share in shares]
-            assert max(share_bytes) <= sum(sizes) / count + max(sizes), (count, share_bytes)
+        shares = [corpus.share(p, count) for p in range(count)]
+        assert [doc for share in shares for doc in share.documents()] == whole, count
+        size = lambda inp: inp.byte_range[1] - inp.byte_range[0] if inp.byte_range else os.path.getsize(inp.path)
+        assert max(sum(map(size, share.inputs)) for share in shares) <= 2 * total / count, count
     assert corpus.shareable()
     assert not load_corpus([str(tmp_path / "c")], max_tokens=1000).shareable()  # a budget: every process reads it
+
+
+def test_a_large_json_lines_file_is_split_by_lines(tmp_path):
+    """A plain .jsonl larger than a process's part is read in byte ranges, each the lines that start
+    in it: the shares' records, in process order, are the file's; a bad record keeps its line."""
+    write_corpus(tmp_path / "c", one_file=True)
+    corpus = load_corpus([str(tmp_path / "c")], unit="document")
+    whole = list(corpus.documents())
+    for count in (2, 3, 4, 7, 50):
+        shares = [corpus.share(p, count) for p in range(count)]
+        assert [doc for share in shares for doc in share.documents()] == whole, count
+        assert sum(len(share.inputs) for share in shares) == count + 1, count  # the text file is one piece
+    lines = (tmp_path / "c" / "big.jsonl").read_text().splitlines(keepends=True)
+    lines[100] = "{not json\n"
+    (tmp_path / "c" / "big.jsonl").write_text("".join(lines))
+    corpus = load_corpus([str(tmp_path / "c")], unit="document", max_bad_records=0)
+    with pytest.raises(UserError, match=r"big.jsonl:101: malformed JSON"):
+        for p in range(4):
+            list(corpus.share(p, 4).documents())
 
 
 def _hosts(corpus, count, tmp_path, max_len):
@@ -102,12 +126,13 @@ def _tokens(batches_per_host, names):
     return seen, steps
 
 
-@pytest.mark.parametrize("count", [2, 4])
-def test_every_token_once_under_its_one_process_index(tmp_path, count):
-    """Each host tokenizes only its files; over all hosts' rows every token of the whole corpus's
-    cache comes once, with its one-process sequence index (the sample's key), position and source;
-    a step's counts are every host's; a cursor resumes at the same step on every host."""
-    write_corpus(tmp_path / "c")
+@pytest.mark.parametrize("count,one_file", [(2, False), (4, False), (3, True)])
+def test_every_token_once_under_its_one_process_index(tmp_path, count, one_file):
+    """Each host tokenizes only its files (or lines of one file); over all hosts' rows every token of
+    the whole corpus's cache comes once, with its one-process sequence index (the sample's key),
+    position and source; a step's counts are every host's; a cursor resumes at the same step on
+    every host."""
+    write_corpus(tmp_path / "c", one_file=one_file)
     corpus = load_corpus([str(tmp_path / "c")], unit="document")
     whole = tokenize_corpus(corpus, Tokenizer.from_file(str(TOKENIZER_JSON)), cache_dir=tmp_path / "whole", max_len=16)
     hosts = _hosts(corpus, count, tmp_path, 16)
@@ -142,15 +167,17 @@ def test_every_token_once_under_its_one_process_index(tmp_path, count):
 
 
 def test_a_host_without_text_feeds_padding_and_errors_name_their_process(tmp_path):
-    """More processes than files: the last ones have no share and feed padding; a bad file fails
-    its own process with its error and the others with the same line, naming the process."""
-    write_corpus(tmp_path / "c")
-    corpus = load_corpus([str(tmp_path / "c")], unit="document")
-    hosts = _hosts(corpus, 9, tmp_path, 64)
-    assert sum(h.local is None for h in hosts) >= 2
-    seen, _ = _tokens(_each(hosts, lambda h: list(pack_batches(h, rows=9, row_len=64, row_subset=[0], prefetch=0))),
+    """More processes than text files: two have no share and feed padding; a bad file fails its
+    own process with its error and the others with the same line, naming the process."""
+    (tmp_path / "t").mkdir()
+    for name in "abc":
+        (tmp_path / "t" / f"{name}.txt").write_text(" ".join([name * 3] * 40))
+    hosts = _hosts(load_corpus([str(tmp_path / "t")], unit="sentence"), 5, tmp_path, 64)
+    assert sum(h.local is None for h in hosts) == 2 and hosts[0].n_tokens > 0
+    seen, _ = _tokens(_each(hosts, lambda h: list(pack_batches(h, rows=5, row_len=64, row_subset=[0], prefetch=0))),
                       hosts[0].source_names)
     assert sum(seen.values()) == hosts[0].n_tokens
+    write_corpus(tmp_path / "c")
     (tmp_path / "c" / "shard6.jsonl").write_bytes(b"\xff\n" * 200)  # 200 bad records: over the limit
     corpus = load_corpus([str(tmp_path / "c")], unit="document", max_bad_records=3)
     hosts = _hosts(corpus, 2, tmp_path, 64)
@@ -194,13 +221,14 @@ def _check_shares(setup, out: Path, errs: list[str], count: int, one: dict) -> N
             assert value is None and other is None or abs(value - other) <= 1e-4 * value, (a["name"], key)
         assert abs(a["centered_inter_sim"] - b["centered_inter_sim"]) <= 1e-6
     shares = json.loads((out / "manifest.json").read_text())["host_shares"]
-    assert sum(s["tokens"] for s in shares) == one["tokens"] and sum(s["files"] for s in shares) == 7
+    total = sum(f.stat().st_size for f in (setup / "corpus").iterdir())
+    assert sum(s["tokens"] for s in shares) == one["tokens"] and sum(s["bytes"] for s in shares) == total
     # what each process's own token cache holds (ISOJAX_CACHE per process): its share's tokens, no more
     cached = [sum(json.loads(m.read_text())["n_tokens"] for m in (setup / f"cache{count}-{p}").rglob("meta.json"))
               for p in range(count)]
     assert cached == [s["tokens"] for s in shares] and max(cached) < one["tokens"]
     for p, err in enumerate(errs):
-        assert f"process {p} of {count}: its share, {shares[p]['files']} of 7 input files" in err, err[-2000:]
+        assert f"process {p} of {count}: its share, {shares[p]['bytes']:,} of {total:,} bytes" in err, err[-2000:]
 
 
 def _free_slurm_port() -> int:
@@ -241,12 +269,13 @@ def test_two_processes_read_their_shares_and_equal_one(setup, one, tmp_path):
 @pytest.mark.multiprocess
 def test_four_processes_distributed_killed_and_resumed_equal_one(setup, one, tmp_path):
     """Four processes of one device each, `--distributed` in SLURM's environment, each SIGKILLed
-    once its first checkpoint is written, then resumed: one process's metrics."""
+    once its second checkpoint is written (or ended by a peer's death: every process has begun
+    the first by then, and a failing process finishes it), then resumed: one process's metrics."""
     port = _free_slurm_port()
     slurm = lambda p: ({"SLURM_JOB_ID": str(port - 61440), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "4",
                         "SLURM_PROCID": str(p), "SLURM_LOCALID": str(p), "SLURM_STEP_NUM_NODES": "1"}, ["--distributed"])
     out = tmp_path / "four"
-    procs = _launch(setup, out, 4, lambda p: ({**slurm(p)[0], "ISOJAX_FAULT": "checkpoint_written:1"}, slurm(p)[1]),
+    procs = _launch(setup, out, 4, lambda p: ({**slurm(p)[0], "ISOJAX_FAULT": "checkpoint_written:2"}, slurm(p)[1]),
                     "--checkpoint-every-tokens", "1000")
     for p in procs:
         try:
@@ -258,9 +287,10 @@ def test_four_processes_distributed_killed_and_resumed_equal_one(setup, one, tmp
             p.send_signal(signal.SIGKILL)
             p.communicate()
     assert not (out / "metrics.json").exists() and any((out / "checkpoint").iterdir())
+    written = sorted(str(p.relative_to(out)) for p in (out / "checkpoint").glob("*/*"))
     procs = _launch(setup, out, 4, slurm, "--resume")
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    assert "resuming after" in outs[0][1]
+    assert "resuming after" in outs[0][1], (written, outs[0][1][:3000])
     _check_shares(setup, out, [err for _, err in outs], 4, one)

@@ -1,7 +1,8 @@
 """Each host reads only its share: the corpus of a multi-process run, split over the processes.
 
 Process p of P reads, tokenizes and caches only `Corpus.share(p, P)`: a contiguous run of the input
-files (a file whole; the shares balanced by bytes), in its own token cache (its key hashes its
+files, balanced by bytes (a plain .jsonl larger than a P-th of them split into byte ranges, each
+the lines that start in it), in its own token cache (its key hashes its
 files, so the hosts' caches never collide, even on a shared filesystem). In process order the
 shares are the inputs in order, and the token cache holds each unit (windowed per unit) as a
 whole-corpus cache does, so the whole corpus's sequences are the shares' sequences one after the
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import threading
 
 import numpy as np
@@ -85,14 +87,14 @@ class HostShare:
                 self.exchange(self._name, json.dumps({"error": str(e) or type(e).__name__}).encode())
                 raise
             self.local = local
-            mine = {"files": len(self.corpus.inputs), "names": [], "sequences": 0, "tokens": 0, "counts": {},
+            mine = {"pieces": len(self.corpus.inputs), "bytes": _bytes(self.corpus), "names": [], "sequences": 0, "tokens": 0, "counts": {},
                     "bad_records": 0, "from_cache": True}
             if local is not None:
                 mine.update(names=local.source_names, sequences=local.n_sequences, tokens=local.n_tokens,
                             counts=local.source_counts(), bad_records=local.meta.get("bad_records", 0),
                             from_cache=local.from_cache)
-            log(f"process {self.index} of {self.count}: its share, {mine['files']} of {len(self.whole.inputs)} input "
-                f"files, {mine['tokens']:,} tokens in {mine['sequences']:,} {self.corpus.unit}s"
+            log(f"process {self.index} of {self.count}: its share, {mine['bytes']:,} of {_bytes(self.whole):,} bytes "
+                f"({mine['pieces']} files or parts), {mine['tokens']:,} tokens in {mine['sequences']:,} {self.corpus.unit}s"
                 + ("" if local is None else " (from its token cache)" if local.from_cache else " tokenized"))
             self.hosts = [json.loads(v) for v in self.exchange(self._name, json.dumps(mine).encode())]
             for p, host in enumerate(self.hosts):
@@ -192,6 +194,11 @@ class HostShare:
             local_rows = rows * jax.local_device_count() // jax.device_count()
         steps = self._steps(rows, local_rows, row_len)
         return PackStats(len(steps), self.n_tokens, len(steps) * rows * row_len)
+
+
+def _bytes(corpus: Corpus) -> int:
+    return sum(inp.byte_range[1] - inp.byte_range[0] if inp.byte_range else os.path.getsize(inp.path)
+               for inp in corpus.inputs)
 
 
 def _group_plan(cache: TokenCache, group: int, rows: int, row_len: int):
