@@ -273,7 +273,8 @@ def test_four_processes_distributed_killed_and_resumed_equal_one(setup, one, tmp
     the first by then, and a failing process finishes it), then resumed: one process's metrics."""
     port = _free_slurm_port()
     slurm = lambda p: ({"SLURM_JOB_ID": str(port - 61440), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "4",
-                        "SLURM_PROCID": str(p), "SLURM_LOCALID": str(p), "SLURM_STEP_NUM_NODES": "1"}, ["--distributed"])
+                        "SLURM_PROCID": str(p), "SLURM_LOCALID": str(p), "SLURM_STEP_NUM_NODES": "1"},
+                       ["--distributed"])
     out = tmp_path / "four"
     procs = _launch(setup, out, 4, lambda p: ({**slurm(p)[0], "ISOJAX_FAULT": "checkpoint_written:2"}, slurm(p)[1]),
                     "--checkpoint-every-tokens", "1000")

@@ -87,14 +87,15 @@ class HostShare:
                 self.exchange(self._name, json.dumps({"error": str(e) or type(e).__name__}).encode())
                 raise
             self.local = local
-            mine = {"pieces": len(self.corpus.inputs), "bytes": _bytes(self.corpus), "names": [], "sequences": 0, "tokens": 0, "counts": {},
-                    "bad_records": 0, "from_cache": True}
+            mine = {"pieces": len(self.corpus.inputs), "bytes": _bytes(self.corpus), "names": [], "sequences": 0,
+                    "tokens": 0, "counts": {}, "bad_records": 0, "from_cache": True}
             if local is not None:
                 mine.update(names=local.source_names, sequences=local.n_sequences, tokens=local.n_tokens,
                             counts=local.source_counts(), bad_records=local.meta.get("bad_records", 0),
                             from_cache=local.from_cache)
             log(f"process {self.index} of {self.count}: its share, {mine['bytes']:,} of {_bytes(self.whole):,} bytes "
-                f"({mine['pieces']} files or parts), {mine['tokens']:,} tokens in {mine['sequences']:,} {self.corpus.unit}s"
+                f"({mine['pieces']} files or parts), {mine['tokens']:,} tokens in {mine['sequences']:,} "
+                f"{self.corpus.unit}s"
                 + ("" if local is None else " (from its token cache)" if local.from_cache else " tokenized"))
             self.hosts = [json.loads(v) for v in self.exchange(self._name, json.dumps(mine).encode())]
             for p, host in enumerate(self.hosts):
@@ -150,7 +151,8 @@ class HostShare:
                 for g in range(len(self.source_names)):
                     per = [h.get(g, [[], []]) for h in hosts]
                     for k in range(max(len(t) for t, _ in per)):
-                        steps.append((g, sum(t[k] for t, _ in per if k < len(t)), sum(s[k] for _, s in per if k < len(s))))
+                        steps.append((g, sum(t[k] for t, _ in per if k < len(t)),
+                                      sum(s[k] for _, s in per if k < len(s))))
                 self._schedules[rows, local_rows, row_len] = steps
             return self._schedules[rows, local_rows, row_len]
 
@@ -163,7 +165,8 @@ class HostShare:
         every step; a Batch's tokens and sequences are the step's, over every process."""
         skip = 0
         if start_cursor is not None:
-            want = self._cursor(rows, row_len, start_cursor.get("next_batch") if isinstance(start_cursor, dict) else None)
+            asked = start_cursor.get("next_batch") if isinstance(start_cursor, dict) else None
+            want = self._cursor(rows, row_len, asked)
             if start_cursor != want or not isinstance(want["next_batch"], int):
                 raise UserError(f"data cursor {start_cursor} does not match this corpus, its shares over "
                                 f"{self.count} processes and packing (rows {rows}, row_len {row_len})")

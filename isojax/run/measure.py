@@ -414,7 +414,8 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     manifest["tokens_per_second"] = loop_rate  # the rate the last log line gives
     manifest["bad_records_skipped"] = cache.meta["bad_records"]  # a cached run reads no records
     if hasattr(cache, "hosts"):  # what each process read (data/shares.py)
-        manifest["host_shares"] = [{k: h[k] for k in ("bytes", "tokens", "sequences", "from_cache")} for h in cache.hosts]
+        manifest["host_shares"] = [{k: h[k] for k in ("bytes", "tokens", "sequences", "from_cache")}
+                                   for h in cache.hosts]
     sums = runner.token_sums if save_token_sums and token_stats else None
     return Results(metrics, manifest, final, cfg.state_names, timings, sums, config)
 
