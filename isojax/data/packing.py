@@ -19,7 +19,8 @@ repeated.
 
 The plan is a fold over the sequences in order, so it can follow a token cache that is still
 being written (tokens.TokenStream): batches close as the sequences arrive and are exactly those
-of the finished cache.
+of the finished cache. Where each process of a multi-process run reads only its share of the
+corpus, shares.py packs each process's rows of a step by these rules from its own sequences.
 """
 
 from __future__ import annotations
@@ -269,12 +270,16 @@ def pack_batches(cache: TokenCache | TokenStream, *, rows: int, row_len: int, st
     """Packed [rows, row_len] batches of `cache`, each of a single source (`Batch.group`).
 
     `cache`: a TokenCache, or a TokenStream still being written: the batches follow it as it
-    grows (waiting for more) and are those of the finished cache; its builder's error is raised.
+    grows (waiting for more) and are those of the finished cache; its builder's error is raised;
+    or a shares.HostShare (a multi-process run's share of the corpus: its own schedule of steps).
     `start_cursor`: a `Batch.cursor`; yields exactly the batches after that one.
     `prefetch`: batches a background thread keeps ready (0 = produce in the caller's thread).
     `row_subset`: global row indices to materialize (a process's share of every batch; the
     batches' token and sequence counts stay those of the whole batch); None: all rows.
     """
+    if not isinstance(cache, (TokenCache, TokenStream)):  # a process's share of the corpus (data/shares.py)
+        return cache.pack(rows=rows, row_len=row_len, row_subset=row_subset, start_cursor=start_cursor,
+                          prefetch=prefetch)
     skip = _check(cache, rows, row_len, start_cursor)
     stop = threading.Event()
     return BatchIterator(_batches(cache, rows, row_len, skip, row_subset, stop), prefetch, stop)
@@ -282,6 +287,8 @@ def pack_batches(cache: TokenCache | TokenStream, *, rows: int, row_len: int, st
 
 def plan_stats(cache: TokenCache, *, rows: int, row_len: int) -> PackStats:
     """Batches, tokens and padding fraction of a whole pass, from the plan alone (no tokens read)."""
+    if not isinstance(cache, TokenCache):  # a process's share of the corpus (data/shares.py)
+        return cache.plan_stats(rows=rows, row_len=row_len)
     _check(cache, rows, row_len, None)
     lengths = np.diff(cache.offsets)
     stats = PackStats()

@@ -43,6 +43,7 @@ class Input:
     config: str | None = None
     split: str | None = None
     revision: str | None = None
+    byte_range: tuple[int, int] | None = None  # a share of a plain .jsonl: the lines that start in these bytes
 
 
 def _suffix_kind(name: str) -> str | None:
@@ -124,7 +125,8 @@ class Corpus:
                 stats = [_stat(p) for p in sorted(local.rglob("*")) if p.is_file()] if local.is_dir() else []
                 parts.append([inp.kind, inp.path, inp.config, inp.split, inp.revision, stats])
             else:
-                parts.append([inp.kind, inp.label, *_stat(Path(inp.path))])
+                piece = [list(inp.byte_range)] if inp.byte_range else []
+                parts.append([inp.kind, inp.label, *_stat(Path(inp.path)), *piece])
         key = {"inputs": parts, "unit": self.unit, "splitter": SPLITTER if self.unit == "sentence" else None,
                "sources": sorted(self.sources) if self.sources is not None else None, "text_field": self.text_field}
         if self.max_tokens is not None or self.max_tokens_per_source is not None:  # absent: the whole corpus
@@ -138,7 +140,8 @@ class Corpus:
         return sum(os.path.getsize(inp.path) if inp.kind != "default" else 500_000 for inp in self.inputs)
 
     def describe(self) -> str:
-        names = [inp.path for inp in self.inputs]
+        names = [inp.path + (" (bytes {:,}-{:,})".format(*inp.byte_range) if inp.byte_range else "")
+                 for inp in self.inputs]
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     def documents(self, skip=None) -> Iterator[tuple[str, str]]:
@@ -154,6 +157,33 @@ class Corpus:
                 self.seen_sources.add(label)
                 if (self.sources is None or label in self.sources) and not (skip is not None and skip(label)):
                     yield label, text
+
+    def shareable(self) -> bool:
+        """Whether the processes of a multi-host run can each read a share of the input files
+        (data/shares.py): local files only, and no token budget (which one process meets by reading
+        a prefix of the corpus: split over hosts, each would read its whole share to find its end)."""
+        return self.max_tokens is None and self.max_tokens_per_source is None and \
+            all(inp.kind in ("txt", "jsonl", "parquet") for inp in self.inputs)
+
+    def share(self, index: int, count: int) -> Corpus:
+        """The corpus that process `index` of `count` reads: a contiguous run of pieces of the
+        input, the piece whose middle byte falls in the index-th count-th of all bytes going to it.
+        A piece is a file, or, of a plain .jsonl larger than a count-th of the bytes, the lines that
+        start in one of its count-th parts. In process order the shares are the inputs in order, so
+        their records, concatenated, are the corpus's."""
+        sizes = [os.path.getsize(inp.path) for inp in self.inputs]
+        total, pieces = max(sum(sizes), 1), []
+        for inp, size in zip(self.inputs, sizes):
+            parts = count if inp.path.endswith(".jsonl") and size * count > total else 1
+            cuts = [size * k // parts for k in range(parts + 1)]
+            pieces += [(dataclasses.replace(inp, byte_range=(a, b)) if parts > 1 else inp, b - a)
+                       for a, b in zip(cuts, cuts[1:])]
+        before, mine = 0, []
+        for piece, size in pieces:
+            if min(int((before + size / 2) * count / total), count - 1) == index:
+                mine.append(piece)
+            before += size
+        return dataclasses.replace(self, inputs=tuple(mine), bad_records=0, seen_sources=set())
 
     def budget(self) -> tuple[int | None, int | None]:
         """(each source's share of tokens, the number of sources): max_tokens // sources, at most
@@ -270,11 +300,37 @@ def _open_binary(path: str):
     return open(path, "rb")
 
 
+def _skip_to_line(f, start: int) -> int:
+    """Move f to the first line that starts at byte `start` or after; the lines before it (read, not
+    parsed, so that a bad record is named by its line in the file)."""
+    lines, pos, last = 0, 0, b"\n"
+    while pos < start:
+        chunk = f.read(min(1 << 20, start - pos))
+        if not chunk:
+            return lines
+        lines, pos, last = lines + chunk.count(b"\n"), pos + len(chunk), chunk[-1:]
+    if last != b"\n":  # the line that holds byte start - 1 is the piece's before
+        lines += f.readline().endswith(b"\n")
+    return lines
+
+
+def _lines_until(f, pos: int, end: int):
+    """The lines of f from byte pos on that start before byte end."""
+    for raw in f:
+        if pos >= end:
+            return
+        yield raw
+        pos += len(raw)
+
+
 def _read_jsonl(corpus: Corpus, inp: Input):
     lineno = 0
     with _open_binary(inp.path) as f:
+        if inp.byte_range is not None:
+            lineno = _skip_to_line(f, inp.byte_range[0])
+            f = _lines_until(f, f.tell(), inp.byte_range[1])
         try:
-            for lineno, raw in enumerate(f, 1):
+            for lineno, raw in enumerate(f, lineno + 1):
                 if not raw.strip():
                     continue
                 where = f"{inp.path}:{lineno}"

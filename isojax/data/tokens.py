@@ -269,6 +269,10 @@ class _Cancelled(Exception):
     pass
 
 
+class NoText(UserError):
+    """The corpus holds no token (a host's share may: data/shares.py)."""
+
+
 def _build(corpus: Corpus, tok: Tokenizer, tmp: Path, workers: int, progress: bool, publish=None,
            stop: threading.Event | None = None) -> dict:
     """Tokenize into tmp's files. publish(lengths, source ids, names), when given, is called after
@@ -352,7 +356,7 @@ def _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc) -> di
     if n_tok == 0:
         what = f" with sources {sorted(corpus.sources)} (sources seen: {sorted(corpus.seen_sources)})" \
             if corpus.sources is not None else ""
-        raise UserError(f"{corpus.describe()}: corpus has no text{what}")
+        raise NoText(f"{corpus.describe()}: corpus has no text{what}")
     _warn_empty(list(names), [counts.get(i, 0) for i in range(len(names))])
     return {"version": CACHE_VERSION, "source_names": list(names), "n_tokens": n_tok, "n_sequences": n_seq,
             "unit": corpus.unit, "corpus": corpus.describe(), "bad_records": corpus.bad_records, "crc32": crc,

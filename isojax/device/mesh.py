@@ -11,8 +11,10 @@ distinct tokens: a contiguous split gave the first of 8 devices 2.9 times its sh
 text).
 
 Multi-host: one process per host, `jax.distributed.initialize` (explicit coordinator or the
-cluster's environment), every process plans the same batches and supplies the rows of its own
-devices (`local_rows`); global arrays are assembled from process-local data.
+cluster's environment), every process supplies the rows of its own devices (`local_rows`) of the
+same steps; global arrays are assembled from process-local data. Each process fills its rows from
+its own share of the corpus (data/shares.py; the processes trade what they read through
+`exchange`), or, where the corpus is not split, every process plans the same batches.
 """
 
 from __future__ import annotations
@@ -168,6 +170,26 @@ def global_rows(local_LxT: np.ndarray, mesh: Mesh, total_rows: int) -> jax.Array
         block = np.arange(total_rows)[idx[0]]
         shards.append(jax.device_put(local_LxT[[where[r] for r in block]], device))
     return jax.make_array_from_single_device_arrays(shape, rows(mesh), shards)
+
+
+def exchange(name: str, value: bytes) -> list[bytes]:
+    """Every process's `value` published under `name`, in process order; each process calls it once
+    per name. Through jax.distributed's key-value store, so from any thread and with no device
+    involved; it waits (without a deadline: a process that dies ends the run) for the others."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax._src.distributed import global_state
+    client = global_state.client
+    client.key_value_set_bytes(f"isojax/{name}/{jax.process_index()}", value)
+    out = []
+    for p in range(jax.process_count()):
+        while len(out) == p:
+            try:
+                out.append(client.blocking_key_value_get_bytes(f"isojax/{name}/{p}", 60_000))
+            except Exception as e:  # noqa: BLE001 -- the wait's deadline: process p is still at work
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+    return out
 
 
 def is_main_process() -> bool:

@@ -205,10 +205,16 @@ def row_length(cfg, unit: str, seq_len) -> int:
 def open_tokens(corpus, tokenizer, row_len: int, progress: bool):
     """The corpus's token cache, or a TokenStream building it (a first run) that the devices
     follow. A hub dataset is tokenized first: knowing its sources up front (Corpus.labels)
-    would cost a second download."""
+    would cost a second download. In a multi-process run each process reads only its share
+    (data/shares.py), where the corpus allows (Corpus.shareable)."""
+    import jax
+
     from isojax.data import stream_tokens, tokenize_corpus
+    from isojax.data.shares import HostShare
     from isojax.hf.loading import cache_root
     where = dict(cache_dir=cache_root() / "tokens", max_len=row_len)
+    if jax.process_count() > 1 and corpus.shareable():
+        return HostShare(corpus, tokenizer, progress=progress, **where)
     if any(inp.kind == "hub" for inp in corpus.inputs):
         return tokenize_corpus(corpus, tokenizer, progress=progress, **where)
     return stream_tokens(corpus, tokenizer, **where)
@@ -439,6 +445,9 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     manifest["step_plan_s"] = step.seconds  # made beside the load; "waited": its part in timings' compile
     manifest["tokens_per_second"] = loop_rate  # the rate the last log line gives
     manifest["bad_records_skipped"] = cache.meta["bad_records"]  # a cached run reads no records
+    if hasattr(cache, "hosts"):  # what each process read (data/shares.py)
+        manifest["host_shares"] = [{k: h[k] for k in ("bytes", "tokens", "sequences", "from_cache")}
+                                   for h in cache.hosts]
     sums = runner.token_sums if save_token_sums and token_stats else None
     return Results(metrics, manifest, final, cfg.state_names, timings, sums, config)
 
