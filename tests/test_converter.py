@@ -87,7 +87,7 @@ def test_hub_names_resolve_through_cache(tiny_checkpoint, tmp_path, monkeypatch)
     # the JSON files first, then one copy of the weights (what the real client downloads: test_hub.py)
     assert calls and set(calls) == {("EleutherAI/pythia-70m-deduped", "step1000")}
     assert first.source["name"] == "EleutherAI/pythia-70m-deduped"
-    assert first.source["revision"] == "step1000" and first.weights == "pretrained"
+    assert first.source["revision"] == "step1000" and first.weights == "trained"
     assert max_rel_error(first.hidden_states(ids), hf_states(model, ids)) < 1e-5
     assert not (tmp_path / "cache").exists()
 
