@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.common import timed
 from isojax.kernels import norm as norm_kernel
-from isojax.model.gpt_neox import LayerNorm
+from isojax.model.layers import Norm
 
 SHAPES = {"pythia-70m": (262144, 512), "pythia-410m": (262144, 1024), "pythia-1.4b": (65536, 2048)}
 
@@ -36,7 +36,7 @@ def main() -> int:
         keys = jax.random.split(jax.random.key(0), 5)
         x = (jax.random.normal(keys[0], (n, d), jnp.float32) * 2 + 1).astype(jnp.bfloat16)
         s1, b1, s2, b2 = (jax.random.normal(k, (d,), jnp.float32).astype(jnp.bfloat16) for k in keys[1:])
-        ln = lambda x, s, b: LayerNorm(1e-5, jnp.bfloat16, jnp.bfloat16).apply({"params": {"scale": s, "bias": b}}, x)
+        ln = lambda x, s, b: Norm("layer", 1e-5, jnp.bfloat16, jnp.bfloat16).apply({"params": {"scale": s, "bias": b}}, x)
         xla = jax.jit(lambda x, s1, b1, s2, b2: (ln(x, s1, b1), ln(x, s2, b2)))
         want = xla(x, s1, b1, s2, b2)
         times = [timed(xla, x, s1, b1, s2, b2)]

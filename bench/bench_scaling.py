@@ -73,7 +73,7 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     from isojax.device import mesh as parallel
     from isojax.hf.family.presets import preset
     from isojax.hf.loading import random_params
-    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.model.decoder import Decoder
     from isojax.model.options import ForwardOptions
     from isojax.device.runner import Runner
     cfg = preset(name)
@@ -90,7 +90,7 @@ def run(name: str, k: int, steps: int, checkpoint: str | None, row_len: int = 51
     attention, mlp_kernel, norm_kernel = kernels(cfg, attention, mlp_kernel, norm_kernel, rows // k, row_len)
     options = ForwardOptions(attention=attention, mlp_kernel=mlp_kernel, norm_kernel=norm_kernel,
                              activation_sharding=parallel.rows(mesh) if k > 1 else None)
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options)
+    module = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options)
     from isojax.stats.options import StatsOptions
     runner = Runner(module, random_params(cfg, "bfloat16", mesh=mesh), mesh, token_stats=token_stats,
                     options=StatsOptions(exchange_rows=exchange_rows))

@@ -38,7 +38,7 @@ import dataclasses
 from isojax.device import mesh as parallel
 from isojax.hf.family.presets import preset
 from isojax.hf.loading import random_params
-from isojax.model.gpt_neox import GPTNeoX
+from isojax.model.decoder import Decoder
 from isojax.model.options import ForwardOptions
 from isojax.stats.options import StatsOptions
 from isojax.device.runner import Runner
@@ -80,7 +80,7 @@ def run_variant(name, cfg, params, packs):
     name = name.removesuffix(suffix) if suffix else name
     batches = packs(shape)
     forward = ForwardOptions(**{"attention": "cudnn", **CAUSAL, **FORWARD.get(name, {})})
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=forward)
+    module = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=forward)
     stats_options = StatsOptions(**STATS.get(name, {}))
     if name == "full_chunkN":
         stats_options = dataclasses.replace(stats_options, token_chunk=shape[0] * shape[1] + 1)  # one round

@@ -19,7 +19,7 @@ from isojax.model.options import ForwardOptions
 from isojax.stats.options import StatsOptions
 from isojax.hf.family.presets import preset
 from isojax.hf.loading import random_params
-from isojax.model.gpt_neox import GPTNeoX
+from isojax.model.decoder import Decoder
 from isojax.device.runner import Runner
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     seg = np.ones((b, t), np.int32)
     pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
     params = random_params(cfg, "bfloat16")
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=args.attention))
+    module = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=args.attention))
     noop = lambda obs, s, x: obs + x[0, 0, 0].astype(jnp.float32)
     fwd = jax.jit(lambda p, a, c, d: module.apply({"params": p}, a, c, d, jnp.float32(0), noop))
     timed_compile("forward only", fwd, params, tok, seg, pos)
@@ -52,7 +52,7 @@ def main() -> None:
     for token_stats in (False, True):
         for mode in ("scatter", "scan") if token_stats else (None,):
             for c in (one, cfg):
-                m = GPTNeoX(c, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=args.attention))
+                m = Decoder(c, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=args.attention))
                 r = Runner(m, random_params(c, "bfloat16"), parallel.make_mesh(devices=jax.devices()[:1]),
                            token_stats=token_stats, options=StatsOptions(segment_sum=mode or "auto"))
                 rows = jax.device_put((tok, seg, pos), parallel.rows(r.mesh))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from isojax.hf.family.presets import preset
-from isojax.model.gpt_neox import GPTNeoX, collect_states, param_shapes
+from isojax.model.decoder import Decoder, collect_states, param_shapes
 from isojax.model.options import ForwardOptions
 
 PROGRAMS = {"float32-xla": (jnp.float32, ForwardOptions()),
@@ -31,7 +31,7 @@ def jaxprs(model: str) -> dict[str, str]:
     buf = jax.ShapeDtypeStruct((cfg.num_states, 2, 128, cfg.hidden_size), jnp.float32)
     out = {}
     for name, (dtype, options) in PROGRAMS.items():
-        module = GPTNeoX(cfg, dtype=dtype, param_dtype=dtype, options=options)
+        module = Decoder(cfg, dtype=dtype, param_dtype=dtype, options=options)
         forward = lambda p, t, s, q, b: module.apply({"params": p}, t, s, q, b, collect_states)
         out[name] = str(jax.make_jaxpr(forward)(param_shapes(cfg, dtype), rows, rows, rows, buf))
     return out

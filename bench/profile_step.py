@@ -120,7 +120,7 @@ def main() -> int:
     from bench.common import random_sentences, sentence_lengths
     from isojax.hf.family.presets import preset
     from isojax.hf.loading import random_params
-    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.model.decoder import Decoder
     from isojax.device.runner import Runner
     from isojax.device import mesh as parallel
     from isojax.model.options import ForwardOptions
@@ -130,7 +130,7 @@ def main() -> int:
     tokens, offsets = random_sentences(lengths, cfg.vocab_size, seed=2)
     batches = pack_in_memory(tokens, offsets, args.rows, args.row_len)[:n_batches]
     params = random_params(cfg, "bfloat16")
-    module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+    module = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                      options=ForwardOptions(attention=args.attention, cudnn_causal=not args.no_causal,
                                             mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel))
     if args.forward_only:

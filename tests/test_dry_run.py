@@ -277,7 +277,7 @@ PER_DEVICE_ATTENTION = textwrap.dedent("""
     from isojax.device import mesh as parallel
     from isojax.hf.loading import random_params
     from isojax.model.config import ModelConfig
-    from isojax.model.gpt_neox import GPTNeoX, collect_states
+    from isojax.model.decoder import Decoder, collect_states
     from isojax.model.options import ForwardOptions
     cfg = ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                       rotary_pct=0.25, max_position_embeddings=256)
@@ -289,7 +289,7 @@ PER_DEVICE_ATTENTION = textwrap.dedent("""
     pos = np.tile(np.arange(32), 4)[None].repeat(4, 0).astype(np.int32)
     buf = jnp.zeros((cfg.num_states, 4, 128, 64))
     rows = parallel.rows(parallel.make_mesh({"data": 4, "model": 1}))
-    run = lambda options: np.asarray(jax.jit(GPTNeoX(cfg, options=options).apply, static_argnums=5)(
+    run = lambda options: np.asarray(jax.jit(Decoder(cfg, options=options).apply, static_argnums=5)(
         {"params": params}, tokens, seg, pos, buf, collect_states))
     xla = run(ForwardOptions(attention="xla"))
     with pltpu.force_tpu_interpret_mode():

@@ -295,8 +295,7 @@ def test_packed_attention_states_equal_plain_attention(family, shape):
     import jax.numpy as jnp
 
     from isojax.hf.loading import random_params
-    from isojax.model.decoder import Decoder
-    from isojax.model.gpt_neox import collect_states
+    from isojax.model.decoder import Decoder, collect_states
     from isojax.model.options import ForwardOptions
     from test_packed_attention import packed_rows
 
@@ -377,8 +376,7 @@ def test_jax_attention_takes_the_key_value_heads_itself():
     import jax.numpy as jnp
 
     from isojax.hf.loading import random_params
-    from isojax.model.decoder import Decoder
-    from isojax.model.gpt_neox import collect_states
+    from isojax.model.decoder import Decoder, collect_states
     from isojax.model.options import ForwardOptions
     from test_packed_attention import packed_rows
 

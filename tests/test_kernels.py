@@ -15,7 +15,7 @@ import pytest
 from conftest import build_hf_checkpoint, hf_states, max_rel_error
 from isojax import load_model
 from isojax.kernels import mlp as kernels
-from isojax.model.gpt_neox import DenseGelu
+from isojax.model.layers import DenseGelu
 from isojax.model.ops import gelu
 from isojax.model.options import ForwardOptions
 
@@ -120,7 +120,7 @@ SHARDED = r'''
 import jax, jax.numpy as jnp, numpy as np
 from isojax.kernels import mlp as kernels
 from isojax.device import mesh as parallel
-from isojax.model.gpt_neox import DenseGelu
+from isojax.model.layers import DenseGelu
 from isojax.model.ops import gelu
 from isojax.model.options import ForwardOptions
 calls = []

@@ -12,7 +12,7 @@ from isojax import load_model
 from isojax.hf.family import from_hf_dict
 from isojax.hf.family.presets import preset, preset_names
 from isojax.errors import UserError
-from isojax.model.gpt_neox import param_shapes
+from isojax.model.decoder import param_shapes
 
 # (hidden, heads, layers, rotary_pct, parallel residual, activation): head dims 64, 80, 128, 256;
 # pythia-2.8b's 80-dim heads have 20 rotary dims.
@@ -155,7 +155,7 @@ def test_pallas_tpu_attention_with_segment_ids_in_interpret_mode():
 
     from isojax.model.config import ModelConfig
     from isojax.hf.loading import random_params
-    from isojax.model.gpt_neox import GPTNeoX, collect_states
+    from isojax.model.decoder import Decoder, collect_states
     from isojax.model.options import ForwardOptions
 
     cfg = ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
@@ -169,7 +169,7 @@ def test_pallas_tpu_attention_with_segment_ids_in_interpret_mode():
     buf = jnp.zeros((cfg.num_states, 2, 128, 64))
     states = {}
     for attention in ("xla", "pallas"):
-        module = GPTNeoX(cfg, options=ForwardOptions(attention=attention))
+        module = Decoder(cfg, options=ForwardOptions(attention=attention))
         with pltpu.force_tpu_interpret_mode():
             states[attention] = np.asarray(module.apply({"params": params}, tokens, seg, pos, buf, collect_states))
     real = seg > 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from isojax.kernels import norm as norm_kernel
-from isojax.model.gpt_neox import LayerNorm
+from isojax.model.layers import Norm
 
 gpu = pytest.mark.gpu  # skipped without a GPU (conftest)
 
@@ -27,7 +27,7 @@ def inputs(n, d, seed, offset=3.0):
 
 
 def xla_layer_norm(x, scale, bias, eps):
-    return LayerNorm(eps, jnp.bfloat16, jnp.bfloat16).apply({"params": {"scale": scale, "bias": bias}}, x)
+    return Norm("layer", eps, jnp.bfloat16, jnp.bfloat16).apply({"params": {"scale": scale, "bias": bias}}, x)
 
 
 @pytest.mark.parametrize("n,d,offset", [(64, 128, 0.0), pytest.param(32, 512, 3.0, marks=pytest.mark.slow),
@@ -71,7 +71,7 @@ from isojax.kernels import norm as norm_kernel
 from isojax.device import mesh as parallel
 from isojax.model.config import ModelConfig
 from isojax.hf.loading import random_params
-from isojax.model.gpt_neox import GPTNeoX, collect_states
+from isojax.model.decoder import Decoder, collect_states
 from isojax.model.options import ForwardOptions
 calls = []
 kernel = norm_kernel.layer_norm_pair
@@ -93,7 +93,7 @@ tokens = np.random.default_rng(3).integers(0, 300, (4, 64)).astype(np.int32)
 seg = np.ones((4, 64), np.int32)
 pos = np.broadcast_to(np.arange(64), (4, 64)).astype(np.int32)
 buf = jnp.zeros((cfg.num_states, 4, 64, 128), jnp.float32)
-run = lambda options: np.asarray(jax.jit(GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options).apply,
+run = lambda options: np.asarray(jax.jit(Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=options).apply,
                                          static_argnums=5)({"params": params}, tokens, seg, pos, buf, collect_states))
 xla = run(ForwardOptions())
 fused = run(ForwardOptions(norm_kernel="pallas"))

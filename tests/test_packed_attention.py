@@ -151,7 +151,7 @@ def test_model_states_equal_plain_attention():
     plain attention within bf16 rounding (plain attention rounds its scores to bf16; the kernel
     keeps them in float32)."""
     from isojax.hf.loading import random_params
-    from isojax.model.gpt_neox import GPTNeoX, collect_states
+    from isojax.model.decoder import Decoder, collect_states
     from isojax.model.options import ForwardOptions
 
     cfg = ModelConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
@@ -162,7 +162,7 @@ def test_model_states_equal_plain_attention():
     buf = jnp.zeros((cfg.num_states, 2, 128, 128), jnp.float32)
     states = {}
     for attention in ("xla", "packed"):
-        module = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention))
+        module = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention=attention))
         states[attention] = np.asarray(module.apply({"params": params}, tokens, seg, pos, buf, collect_states))
     real = seg > 0
     errors = [max_rel_error(states["packed"][s][real], states["xla"][s][real]) for s in range(cfg.num_states)]
@@ -176,7 +176,7 @@ from isojax.kernels import packed_attention
 from isojax.device import mesh as parallel
 from isojax.hf.loading import random_params
 from isojax.model.config import ModelConfig
-from isojax.model.gpt_neox import GPTNeoX, collect_states
+from isojax.model.decoder import Decoder, collect_states
 from isojax.model.options import ForwardOptions
 calls = []
 kernel = packed_attention.attention
@@ -192,7 +192,7 @@ seg = np.repeat(np.array([[1] * 20 + [2] * 30 + [0] * 14]), 4, 0).astype(np.int3
 pos = np.where(seg == 1, np.arange(64), np.arange(64) - 20) * (seg > 0)
 buf = jnp.zeros((cfg.num_states, 4, 64, 128), jnp.float32)
 mesh = parallel.make_mesh({"data": 2, "model": 2})
-plain = GPTNeoX(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention="packed"))
+plain = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(attention="packed"))
 sharded = plain.clone(options=ForwardOptions(attention="packed", activation_sharding=parallel.rows(mesh)))
 want = plain.apply({"params": params}, tokens, seg, pos, buf, collect_states)
 got = jax.jit(sharded.apply, static_argnums=5)({"params": params}, tokens, seg, pos, buf, collect_states)

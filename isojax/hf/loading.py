@@ -37,8 +37,7 @@ from isojax.hf.orbax_io import is_converted, load_converted
 from isojax.model.config import ModelConfig
 from isojax.errors import UserError
 from isojax.model.ops import DTYPES
-from isojax.model.decoder import model_class
-from isojax.model.gpt_neox import collect_states, single_row
+from isojax.model.decoder import collect_states, model_class, single_row
 from isojax.model.options import ForwardOptions
 from isojax.hf.tokenizer import load_tokenizer
 from isojax.steps import checkpoint_weights, local_revision

@@ -70,6 +70,11 @@ class ModelConfig:
         return self.attention_head_dim or self.hidden_size // self.num_heads
 
     @property
+    def neox_tree(self) -> bool:
+        """GPT-NeoX's parameter tree (isojax.hf.family.gpt_neox; isojax.model.layers says what differs)."""
+        return self.family == "gpt_neox"
+
+    @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
