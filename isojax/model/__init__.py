@@ -1,2 +1,2 @@
-"""The GPT-NeoX model: configuration and presets (config), the forward's options (options), the Flax
-modules (gpt_neox) and the numerics shared with the kernels (ops)."""
+"""The decoder model: its configuration (config), the forward's options (options), the Flax trunk
+(decoder), its layers (layers) and the numerics shared with the kernels (ops)."""

@@ -33,7 +33,7 @@ class ModelConfig:
     use_parallel_residual: bool = True
     name: str = ""
     # The family fields (README "Model families"); their defaults are GPT-NeoX's.
-    family: str = "gpt_neox"            # Hugging Face model_type: which module and tensor reader
+    family: str = "gpt_neox"            # Hugging Face model_type: which tensor reader (and GPT-NeoX's tree)
     num_kv_heads: int | None = None     # key/value heads, each shared by num_heads / num_kv_heads query heads
     attention_head_dim: int | None = None  # None: hidden_size / num_heads
     norm: str = "layer"                 # "layer" (scale and bias), "rms" (RMSNorm) or "layer_no_affine"

@@ -1,4 +1,4 @@
-"""Numerics shared by the Flax model (isojax.model.gpt_neox) and the kernels (isojax.kernels): erf and
+"""Numerics shared by the Flax model (isojax.model.layers) and the kernels (isojax.kernels): erf and
 GELU as Hugging Face computes them, rotary embeddings, the packed-row segment mask and the reference
 attentions. JAX only: importing this module pulls in neither Flax nor the model."""
 

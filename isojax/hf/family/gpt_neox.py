@@ -1,5 +1,5 @@
 """GPT-NeoX (Pythia, GPT-NeoX-20B): its strict config.json reader, its checkpoint's tensors
-(isojax.model.gpt_neox's parameter tree, layer weights stacked on axis 0) and its weight names.
+(isojax.model.decoder's GPT-NeoX parameter tree, layer weights stacked on axis 0) and its weight names.
 
 torch `nn.Linear` stores weight [out, in]; Flax `Dense` stores kernel [in, out]. The fused
 `query_key_value` keeps Hugging Face's column order (per head: q, k, v), which the model's
@@ -86,7 +86,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 
 
 class GPTNeoXFamily(Family):
-    """GPT-NeoX's tensors go to isojax.model.gpt_neox's tree by hand, not through a Layout."""
+    """GPT-NeoX's tensors go to the model's GPT-NeoX tree (cfg.neox_tree) by hand, not through a Layout."""
 
     def hf_tensors(self, read: Callable[[str], np.ndarray], names: list[str], cfg: ModelConfig) -> dict:
         """Every tensor a GPT-NeoX of this config needs, as stored (checked for presence and shape)."""
