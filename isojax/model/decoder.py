@@ -28,19 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from isojax.model.config import ModelConfig
-from isojax.model.layers import MLP, Attention, feed_forward, layer_norm_pair, make_norm
+from isojax.model.layers import MLP, Attention, Part, feed_forward, layer_norm_pair, make_norm
 from isojax.model.ops import rotary_tables, segment_mask
 from isojax.model.options import ForwardOptions
 
 Observer = Callable[[Any, Any, jax.Array], Any]
 
 
-class DecoderBlock(nn.Module):
-    cfg: ModelConfig
-    dtype: Any
-    param_dtype: Any
-    precision: Any
-    options: ForwardOptions
+class DecoderBlock(Part):
+    """One block: its norms, attention and MLP in the family's residual layout."""
 
     @nn.compact
     def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
@@ -71,16 +67,11 @@ class DecoderBlock(nn.Module):
 BARRIER_FROM_WIDTH = 1024
 
 
-class ObservedBlock(nn.Module):
+class ObservedBlock(Part):
     """One scan step: hand the block's input (state s - 1) to the observer, run block s. The
     observer's work does not feed the block, so XLA may overlap the two (the statistics'
     collectives with the block's products)."""
 
-    cfg: ModelConfig
-    dtype: Any
-    param_dtype: Any
-    precision: Any
-    options: ForwardOptions
     observe: Observer
 
     @nn.compact

@@ -180,30 +180,31 @@ def feed_forward(parent: nn.Module, cfg: ModelConfig, options: ForwardOptions, x
     return dense(cfg.hidden_size, down)(u_BxTxF)
 
 
-class MLP(nn.Module):
-    """The MLP of the families other than GPT-NeoX (whose products sit in the block): "up",
-    "down" and SwiGLU's "gate" (feed_forward)."""
+class Part(nn.Module):
+    """A part of the trunk: the config, the compute and parameter dtypes, the products' precision
+    and the forward's options."""
 
     cfg: ModelConfig
     dtype: Any
     param_dtype: Any
     precision: Any
     options: ForwardOptions
+
+
+class MLP(Part):
+    """The MLP of the families other than GPT-NeoX (whose products sit in the block): "up",
+    "down" and SwiGLU's "gate" (feed_forward)."""
+
 
     @nn.compact
     def __call__(self, x_BxTxD):
         return feed_forward(self, self.cfg, self.options, x_BxTxD, "up", "down")
 
 
-class Attention(nn.Module):
+class Attention(Part):
     """Causal attention within packed sequences with G key/value heads for H query heads
     (G = H: multi-head; G = 1: multi-query), from one fused q, k, v projection."""
 
-    cfg: ModelConfig
-    dtype: Any
-    param_dtype: Any
-    precision: Any
-    options: ForwardOptions
 
     @nn.compact
     def __call__(self, x_BxTxD, cos_BxTxR, sin_BxTxR, mask_Bx1xTxT, segment_ids_BxT):
