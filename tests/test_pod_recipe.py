@@ -22,6 +22,7 @@ from conftest import build_hf_checkpoint
 from isojax import storage
 from isojax.device import checkpoints as checkpointing
 from isojax.run import outdir
+from test_dry_run import dry_args
 from test_host_shares import _free_slurm_port, write_corpus
 from test_parallel import _assert_same
 
@@ -83,6 +84,19 @@ def test_a_process_keeps_its_part_of_every_step_after_the_last_whole_one(bucket,
     assert checkpointing.complete_steps(directory) == [3, 2]
     mine = {rel.split("/")[0] for rel in storage.listing(directory) if rel.split("/")[1] == "process_0"}
     assert mine == {"2", "3"}  # the others' parts of step 1 go at their next checkpoint
+
+
+def test_a_dry_run_writes_its_plan_to_gcs(bucket, tmp_path, monkeypatch):
+    """--dry-run --out gs://...: plan.json is an object in the bucket, recorded as a result (it went
+    to a local folder named "gs:" under the working directory)."""
+    from isojax.run.dry_run import dry_run
+    monkeypatch.chdir(tmp_path)
+    out = f"gs://{bucket}/plans/70m"
+    dry_run(dry_args("--target", "tpu-v5p-8", "--model", "random:pythia-70m", "--seq-len", "128", out=out))
+    planned = json.loads(storage.read_bytes(storage.path(out) / "plan.json"))
+    assert planned["target"] == "tpu-v5p-8" and planned["devices"] == 4
+    outdir.check_results(out, reads=("plan.json",))
+    assert list(tmp_path.iterdir()) == []
 
 
 def _wheel_site(tmp_path: Path, line: str) -> Path:
@@ -183,7 +197,7 @@ def test_the_pod_recipe_runs_on_cpu_and_resumes_after_a_preemption(bucket, gcs_s
     errs = _wait([one, dry])
     assert [one.returncode, dry.returncode] == [0, 0], [err[-3000:] for err in errs]
     assert "the step was lowered for TPU" in errs[1], errs[1][-3000:]
-    planned = json.loads(storage.read_bytes(storage.path(f"gs://{bucket}/plans/1.4b/plan.json")))
+    planned = json.loads((tmp_path / "plans" / "1.4b" / "plan.json").read_text())
     assert planned["target"] == "tpu-v5p-32" and planned["devices"] == 16, planned
     assert planned["lowered"]["platform"] == "tpu", planned["lowered"]
 
