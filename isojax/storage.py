@@ -207,6 +207,20 @@ def downloaded(url: GsPath):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def copy_name(path: Path) -> str | None:
+    """For a file of a local copy of gs:// objects (local_copy): its path under the copies' folder,
+    whose first part names the objects and their versions; the same on every host, whatever its
+    cache's place and the copy's time. None for any other file."""
+    path = path.resolve()
+    if "gs" not in path.parts[:-1]:  # no look at the cache (which cache_root would create) for other files
+        return None
+    from isojax.hf.loading import cache_root
+    try:
+        return "gs/" + path.relative_to((cache_root() / "gs").resolve()).as_posix()
+    except ValueError:
+        return None
+
+
 def local_copy(spec: str) -> str:
     """--data gs://...: a local copy of the object (or of every object under the prefix) in isojax's
     cache, under the same last name (a source's label), fetched once per version of the objects

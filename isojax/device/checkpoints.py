@@ -299,8 +299,11 @@ class Checkpointer:
                                 "is intact: free space and rerun with --resume") from None
             raise UserError(f"could not write the checkpoint under {self.directory} ({e.strerror or e}); "
                             "the previous checkpoint is intact") from None
-        # keep this and the step before (which stays whole if another process dies mid-write)
-        for old in sorted(_steps(self.directory))[:-2]:
+        # keep the newest two steps that every process has written (the older for a newest found
+        # damaged) and this process's later ones: until a slower process's upload ends, this step
+        # and the one before it may both lack its part
+        whole = complete_steps(self.directory)
+        for old in [s for s in _steps(self.directory) if len(whole) > 1 and s < whole[1]]:
             discard(self.directory, old)
 
     def wait(self) -> None:

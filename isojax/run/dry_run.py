@@ -231,10 +231,11 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     }
 
 
-def dry_run(args) -> Path:
+def dry_run(args):
     """Plan, print, and write OUT/plan.json (replacing only an earlier plan.json)."""
+    from isojax import storage
     from isojax.run import outdir
-    out = Path(args.out)
+    out = storage.path(args.out)  # a gs:// URL stays one (Path would make it a local folder "gs:")
     with outdir.claim(out, overwrite=True, names={"plan.json"}):  # --out checked (and held) before the work
         result = plan(args)
         result.pop("stablehlo")

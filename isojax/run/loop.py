@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+from isojax import faults
 from isojax.device import mesh as parallel
 from isojax.errors import Preempted, UserError
 from isojax.log import log
@@ -21,8 +22,8 @@ IN_FLIGHT = 2  # steps dispatched ahead of the last finished one: enough to keep
 @contextlib.contextmanager
 def _sigterm_flag():
     """Yields a list that holds True once SIGTERM arrived (a cluster preempting the job), where one
-    process can checkpoint on its own: the main thread of a single-process run. Elsewhere (several
-    processes would stop at different batches) SIGTERM keeps its default action."""
+    process can checkpoint on its own: the main thread of a single-process run. With several
+    processes JAX's preemption service takes SIGTERM (_preempted_together)."""
     flag: list = []
     if jax_processes() > 1 or threading.current_thread() is not threading.main_thread():
         yield flag
@@ -32,6 +33,17 @@ def _sigterm_flag():
         yield flag
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def _preempted_together(step: int) -> bool:
+    """In a multi-process run: whether step is the one at which every process checkpoints and stops,
+    SIGTERM having reached one of them. JAX's preemption service takes SIGTERM there (jax.distributed
+    installs it) and agrees on the step: each process calls this at every step."""
+    if jax_processes() == 1:
+        return False
+    from jax._src.distributed import global_state
+    from jax.experimental import multihost_utils
+    return global_state.preemption_sync_manager is not None and multihost_utils.reached_preemption_sync_point(step)
 
 
 def jax_processes() -> int:
@@ -83,9 +95,12 @@ def consume(runner, batches, done: dict, total: int, *, checkpoint_every=None,
                 done = {"tokens": done["tokens"] + batch.n_tokens, "sequences": done["sequences"] + batch.n_sequences,
                         "batches": done["batches"] + 1}
                 finish(IN_FLIGHT)
+                if save_checkpoint is not None and _preempted_together(done["batches"]):
+                    stop.append(True)
                 if stop or checkpoint_every and done["tokens"] - last_ckpt >= checkpoint_every:
                     save_checkpoint(done, batch.cursor)
                     last_ckpt = done["tokens"]
+                    faults.reached("checkpoint_saved")
                 if stop:
                     raise Preempted(f"stopped by SIGTERM after {done['tokens']:,} tokens; the checkpoint is written: "
                                     "rerun with --resume to continue")
