@@ -31,6 +31,24 @@ def test_layer_count_and_means_against_float64_numpy():
     np.testing.assert_allclose(acc.means(), everything.mean(1), rtol=0, atol=1e-12)
 
 
+def test_runner_gives_the_merged_grams_shape_and_device_for_compile_ahead(tmp_path):
+    """Runner.gram_shape and .readout_device: the shape and device of the second moments that
+    merged_layers hands finalize (per-source Grams: H = 2), which finalize.compile_ahead takes."""
+    from isojax.device import mesh as parallel
+    from isojax.hf.loading import load_model
+    from isojax.run.measure import make_runner
+    from isojax.stats import finalize
+
+    build_hf_checkpoint(tmp_path / "ckpt", vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, tokenizer=False)
+    mesh = parallel.make_mesh({"data": 1, "model": 1})
+    loaded = load_model(tmp_path / "ckpt", mesh=mesh)
+    runner = make_runner(loaded, mesh, token_stats=False, num_groups=2)
+    gram = runner.merged_layers().m2_HxSxDxD.hl
+    assert runner.gram_shape() == gram.shape[:-1] == (2, 3, 32, 32)
+    assert {runner.readout_device()} == gram.devices()
+    finalize.compile_ahead(runner.gram_shape(), 2, 0, runner.readout_device())
+
+
 def _corpus(path, words: int, seed: int):
     rng = np.random.default_rng(seed)
     vocab = ["the", "model", "state", "token", "layer", "corpus", "geometry", "cosine", "mean", "sample"]
