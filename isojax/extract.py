@@ -180,33 +180,32 @@ def check_out(out: Path, args) -> None:
                         "or --overwrite to start over")
 
 
-def check_free_space(out: Path, args) -> None:
-    """Refuse, before any work, a run whose results (and checkpoints) cannot fit the free space of
-    --out's disk; where the model's shapes are not known without loading it, the write itself
-    reports a full disk (on GCS there is no free space to check)."""
+def check_free_space(out: Path, config) -> None:
+    """Refuse, before any work, a run (a MeasureConfig) whose results (and checkpoints) cannot fit
+    the free space of --out's disk: the output size of the sample the run's plan keeps
+    (results.planned_output_bytes); where the model's shapes are not known without loading it, the
+    write itself reports a full disk (on GCS there is no free space to check)."""
     from isojax import storage
     if storage.is_remote(out):
         return
     from isojax.device.memory import defaults_platform
     from isojax.run.measure import peek_config
-    from isojax.device.memory import default_sample_size
-    from isojax.run.results import output_bytes
-    cfg = peek_config((args.model or [DEFAULT_MODEL])[0])
+    from isojax.run.results import planned_output_bytes
+    cfg = peek_config(config.model.model or DEFAULT_MODEL)
     if cfg is None:
         return
-    default_sample = default_sample_size(cfg, "bfloat16") if defaults_platform() != "cpu" else 0
-    sample = 0 if args.no_sample else args.sample_states or default_sample
-    need = output_bytes(cfg, token_stats=not args.no_token_stats, save_token_sums=args.save_token_sums,
-                        sample_states=sample)
-    if args.checkpoint_every_tokens:  # the last two checkpoints kept, a third being written
+    need = planned_output_bytes(cfg, config, defaults_platform() != "cpu")
+    every = config.checkpoint.every_tokens
+    if every:  # the last two checkpoints kept, a third being written
         from isojax.device.runner import per_device_accumulator_bytes
-        need += 3 * per_device_accumulator_bytes(cfg, 1, token_stats=not args.no_token_stats)
+        need += 3 * per_device_accumulator_bytes(cfg, 1, token_stats=config.stats.token_stats)
     base = next(p for p in [out, *out.absolute().parents] if p.exists())
     free = shutil.disk_usage(base).free
     if need > free:
-        raise UserError(f"the results{' and checkpoints' if args.checkpoint_every_tokens else ''} of this run need up "
-                        f"to about {need / 1e9:.1f} GB in {out}, and its disk has {free / 1e9:.1f} GB free; free space "
-                        "or choose another --out" + (" (or leave out --save-token-sums)" if args.save_token_sums else ""))
+        raise UserError(f"the results{' and checkpoints' if every else ''} of this run need up to about "
+                        f"{need / 1e9:.1f} GB in {out}, and its disk has {free / 1e9:.1f} GB free; free space or "
+                        "choose another --out" + (" (or leave out --save-token-sums)" if config.stats.save_token_sums
+                                                 else ""))
 
 
 def run(args) -> Path:
@@ -261,9 +260,10 @@ def run(args) -> Path:
     # held to the end: a second run into this --out is refused before it measures anything
     with outdir.claim(out, overwrite=True, names=names) if parallel.is_main_process() else contextlib.nullcontext():
         check_out(out, args)  # after claim: a commit a killed run left half done is undone first
-        check_free_space(out, args)
-        results = measure(MeasureConfig.build(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
-                                              resume_run=args.resume, **options))
+        config = MeasureConfig.build(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
+                                     resume_run=args.resume, **options)
+        check_free_space(out, config)
+        results = measure(config)
         if parallel.is_main_process():
             results.save(out, overwrite=True, plots=not args.no_plots, parquet=args.format == "parquet")
             checkpointing.remove(out / "checkpoint")  # only what isojax wrote there

@@ -206,6 +206,20 @@ class Runner:
     def load(self, acc) -> None:
         self.acc = acc
 
+    def gram_shape(self) -> tuple[int, int, int, int]:
+        """(H, S, D, D): the merged second moments' shape (merged_layers), all D rows."""
+        return self.acc.gram_slots(), self.cfg.num_states, self.cfg.hidden_size, self.cfg.hidden_size
+
+    def readout_device(self):
+        """The device where merged_layers leaves the second moments of a local read-out."""
+        return self.acc.m2_HxSxDxD.hl.addressable_shards[0].device
+
+    def second_pass(self, centers_SxD, num_groups: int) -> "Runner":
+        """A Runner of the same module, placed params, mesh and statistics' options for a second
+        pass centered on centers_SxD [S, D]: no token stats, no sample."""
+        return Runner(self.module, self.params, self.mesh, token_stats=False, num_groups=num_groups,
+                      centers_SxD=centers_SxD, options=self.options)
+
     def sample(self):
         """(number of sampled tokens K', states(s) -> [K', D] float32 in key order: shuffled)
         of the merged sample over every device and process (a jax array on the devices, or numpy

@@ -38,6 +38,31 @@ def run_max_tokens(config, on_accel: bool) -> int | None:
     return config.data.max_tokens
 
 
+def run_dtype(config, on_accel: bool) -> str:
+    """config's dtype, else bfloat16 on accelerators and float32 on CPU."""
+    return config.model.dtype or ("bfloat16" if on_accel else "float32")
+
+
+def run_sample(cfg, config, on_accel: bool, seen=None) -> int:
+    """The sample config's run of a model of cfg's shapes keeps: sample_states, else on accelerators
+    the default sample (device/memory.py sample_size); at most the tokens the run sees: max_tokens
+    (run_max_tokens) and seen(wanted), the corpus's tokens, at least the `wanted` sample's where it
+    has them (make_plan; a first run waits for them). seen None: the corpus is not read yet (the
+    CLI's free-space check). Refuses sample_states above those tokens or too small for intrinsic_k."""
+    from isojax.device.memory import sample_size
+    sample_states, intrinsic_k = config.stats.sample_states, config.stats.intrinsic_k
+    wanted = sample_size(cfg, run_dtype(config, on_accel), sample_states, on_accel)
+    max_tokens = run_max_tokens(config, on_accel)
+    available = min(n for n in (max_tokens, seen(wanted) if seen else None, float("inf")) if n is not None)
+    if sample_states is None:  # on accelerators: the batch anisotropy costs ~0.1 s; on 2 CPU cores, seconds
+        return min(wanted, available)
+    if sample_states > available:
+        raise UserError(f"sample_states {sample_states:,} is more than the {available:,} tokens this run sees")
+    if sample_states and sample_states <= intrinsic_k + 1:
+        raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
+    return sample_states
+
+
 def step_module(module, mesh):
     """The module as the step runs it: activations split by rows over every device."""
     from isojax.device import mesh as parallel
@@ -51,7 +76,7 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are)."""
     from isojax.data import TokenStream
     from isojax.device import ahead
-    from isojax.device.memory import default_sample_size, defaults_platform, run_batch
+    from isojax.device.memory import defaults_platform, run_batch
     from isojax.device.runner import Layout
     from isojax.hf.loading import abstract_params, build_module, cache_root
     from isojax.kernels.select import RECHECK, CheckRecord, choose_attention, choose_mlp_kernel, choose_norm_kernel
@@ -80,19 +105,11 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     streamed = isinstance(tokens, TokenStream)
     labels = corpus.labels() if streamed else tokens.source_names
     labels = labels or (tokens.result() if streamed else tokens).source_names  # none: the build ends with its error
-    max_tokens, sample_states, intrinsic_k = run_max_tokens(config, on_accel), config.stats.sample_states, \
-        config.stats.intrinsic_k
+    max_tokens = run_max_tokens(config, on_accel)
     if max_tokens is not None and config.data.max_tokens is None:
         log(f"embedded default corpus on CPU: the first {max_tokens:,} tokens (--max-tokens to change)")
-    wanted = default_sample_size(cfg, dtype) if sample_states is None and on_accel else sample_states or 0
-    seen = tokens.tokens_at_least(wanted) if streamed else tokens.n_tokens  # a first run: as many as the sample wants
-    available = min(seen, max_tokens or seen)
-    if sample_states is None:  # on accelerators: the batch anisotropy costs ~0.1 s; on 2 CPU cores, seconds
-        sample_states = min(wanted, available)
-    elif sample_states > available:
-        raise UserError(f"sample_states {sample_states:,} is more than the {available:,} tokens this run sees")
-    elif sample_states and sample_states <= intrinsic_k + 1:
-        raise UserError(f"sample_states {sample_states:,} is too small for {intrinsic_k} neighbours per point")
+    sample_states = run_sample(cfg, config, on_accel,
+                               lambda wanted: tokens.tokens_at_least(wanted) if streamed else tokens.n_tokens)
     seconds["tokens"] = time.time() - t
 
     def compiled(kernels):

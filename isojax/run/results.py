@@ -1,11 +1,13 @@
-"""Writing a run's results: metrics.json, layers.csv, per-token zarr arrays, spectra, manifest,
-plots. Everything is written into a staging folder and committed into OUT in one step
-(isojax.run.outdir), so a failed or killed run never damages earlier results."""
+"""A run's results (Results, what isojax.measure returns) and writing them: metrics.json, layers.csv,
+per-token zarr arrays, spectra, manifest, plots. Everything is written into a staging folder and
+committed into OUT in one step (isojax.run.outdir), so a failed or killed run never damages
+earlier results."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import csv
+import dataclasses
 import json
 import math
 import time
@@ -14,6 +16,66 @@ from pathlib import Path
 import numpy as np
 
 from isojax import storage
+from isojax.run.config import MeasureConfig
+from isojax.run.timings import Timings, in_background
+
+
+@dataclasses.dataclass
+class Results:
+    """What a run measured. metrics: metrics.json's document; manifest: provenance and timings;
+    final: finalize's output (layers, groups, spectra, per-token arrays)."""
+
+    metrics: dict
+    manifest: dict
+    final: dict
+    state_names: list[str]
+    timings: Timings
+    token_sums: object = None  # s -> [V, D] float64 per-token unit sums (save_token_sums=True)
+    config: MeasureConfig | None = None  # the run's config, with the dtype, mesh and kernels it chose
+
+    @property
+    def layers(self) -> list[dict]:
+        return self.metrics["layers"]
+
+    @property
+    def intra_sim_SxV(self) -> np.ndarray | None:
+        """Per-token IntraSim of every state (NaN where a token was seen fewer than 2 times)."""
+        token = self.final.get("token")
+        return None if token is None else token["intra_sim_SxV"]
+
+    @property
+    def token_count_V(self) -> np.ndarray | None:
+        token = self.final.get("token")
+        return None if token is None else token["count_V"]
+
+    @property
+    def spectra(self) -> dict:
+        return self.final.get("spectra", {})
+
+    def save(self, out, *, overwrite: bool = False, plots: bool = True, parquet: bool = False) -> Path:
+        """Write the results into `out` (staged, then committed in one step; isojax.run.outdir):
+        refused where isojax's results are already, unless overwrite; the user's files in `out`
+        are never touched. `parquet`: layers.parquet beside layers.csv."""
+        from isojax.run import outdir
+        out = storage.path(out)
+        names = result_names(self.final, plots, parquet)
+        with outdir.claim(out, overwrite=overwrite, names=names, flag="overwrite=True"):
+            self.manifest["timings"] = self.timings
+            write_results(out, self.metrics, self.manifest, self.final, self.state_names, self.token_sums,
+                          plots=plots, timings=self.timings, parquet=parquet)
+        self.manifest["seconds_wall"] = time.time() - self.timings.start
+        return out
+
+    def join_save(self) -> None:
+        """On the processes other than 0 of a multi-host run: take part, in the same order, in the
+        gathers across processes that `save` makes on process 0 (per-token sums, the sample)."""
+        for gather in (self.token_sums, self.final.get("sample")):
+            for s in range(len(self.state_names) if gather is not None else 0):
+                gather(s)
+
+    def plot(self, out_dir) -> list[Path]:
+        from isojax.plots import plot_metrics
+        return plot_metrics(self.metrics, Path(out_dir))
 
 
 def result_names(final: dict, plots: bool, parquet: bool = False) -> set[str]:
@@ -32,6 +94,14 @@ def output_bytes(cfg, *, token_stats: bool, save_token_sums: bool, sample_states
     S, V, D = cfg.num_states, cfg.vocab_size, cfg.hidden_size
     tokens = 8 * V * (1 + S) + (8 * S * V * D if save_token_sums else 0) if token_stats else 0
     return tokens + 4 * S * sample_states * D + 3 * 8 * S * D + (64 << 20)
+
+
+def planned_output_bytes(cfg, config: MeasureConfig, on_accel: bool) -> int:
+    """output_bytes of config's run of a model of cfg's shapes, with the sample its plan keeps
+    (run/plan.py run_sample) known before the corpus is read: the CLI's free-space check."""
+    from isojax.run.plan import run_sample
+    return output_bytes(cfg, token_stats=config.stats.token_stats, save_token_sums=config.stats.save_token_sums,
+                        sample_states=run_sample(cfg, config, on_accel))
 
 
 def json_safe(x):
@@ -161,7 +231,6 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
     `timings` (run.timings.Timings): gets the seconds of "write" and "plots"; the manifest, written last,
     gets them and the wall time. `parquet`: layers.parquet beside layers.csv (--format parquet)."""
     from isojax.run import outdir
-    from isojax.run.timings import Timings, in_background
     timings = timings if timings is not None else Timings()
     if not storage.is_remote(out):
         out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ float64 as M2 + sum sum^T / n.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 
@@ -102,6 +103,21 @@ class Accumulators:
     tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
     sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (stats/sample.py); K = 0: no sample
     sample_SxKxD: jax.Array  # their states, in the forward's dtype
+
+    def gram_slots(self) -> int:
+        """H: the second moments' slots (G where each group keeps its own, else 1); also of the
+        step's global accumulators, whose fields lead with a device axis."""
+        return self.m2_HxSxDxD.hl.shape[-5]
+
+    def layer_count(self) -> np.ndarray:
+        """[S] int64: the valid positions of each state over every group (merged accumulators)."""
+        n_GxS = (np.asarray(self.count_hi_GxS, np.int64) << _COUNT_BITS) + np.asarray(self.count_lo_GxS, np.int64)
+        return n_GxS.sum(0)
+
+    def means(self) -> np.ndarray:
+        """[S, D] float64: each state's mean over every group, hi + lo in float64 (merged accumulators)."""
+        sums = (np.asarray(self.sum_GxSxD.hi, np.float64) + np.asarray(self.sum_GxSxD.lo, np.float64)).sum(0)
+        return sums / self.layer_count().astype(np.float64)[:, None]
 
 
 def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows):
