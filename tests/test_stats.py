@@ -372,11 +372,11 @@ def test_the_compiled_step_updates_grams_and_token_sums_in_place():
 
     from isojax.hf.family.presets import preset
     from isojax.hf.loading import random_params
-    from isojax.model.gpt_neox import GPTNeoX
+    from isojax.model.decoder import Decoder
     from isojax.device.runner import Runner
     cfg = dataclasses.replace(preset("pythia-70m"), hidden_size=192, intermediate_size=768, num_layers=2,
                               num_heads=4, vocab_size=96)
-    runner = Runner(GPTNeoX(cfg), random_params(cfg), token_stats=True)
+    runner = Runner(Decoder(cfg), random_params(cfg), token_stats=True)
     rows = [np.ones((4, 16), np.int32)] * 4
     hlo = runner._step.lower(runner.params, runner.acc, *rows, jnp.int32(0), runner.centers_SxD).compile().as_text()
     gram = ",".join(map(str, runner.acc.m2_HxSxDxD.hl.shape[-4:]))  # H, S, D, D, 2 without the device axis

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
 from isojax.stats import sample as sample_lib
-from isojax.model.gpt_neox import GPTNeoX
+from isojax.model.decoder import Decoder
 from isojax.stats.options import StatsOptions
 from isojax.device.mesh import ALL
 
@@ -75,7 +75,7 @@ class Layout:
     options and the accumulators' shapes and placement (module docstring). Known before any
     weights load, so the step can compile from it (device/ahead.py)."""
 
-    def __init__(self, module: GPTNeoX, mesh, *, token_stats: bool, num_groups: int, centered: bool = False,
+    def __init__(self, module: Decoder, mesh, *, token_stats: bool, num_groups: int, centered: bool = False,
                  options: StatsOptions | None = None, sample_size: int = 0):
         cfg, n = module.cfg, mesh.size
         self.module, self.mesh, self.centered = module, mesh, centered
@@ -116,7 +116,7 @@ def signature(params, acc, mesh, rows: int, row_len: int, centers_SxD) -> tuple:
 class Runner:
     """Params, accumulators and the compiled step of one model on one mesh."""
 
-    def __init__(self, module: GPTNeoX, params, mesh=None, *, token_stats: bool = True, num_groups: int = 1,
+    def __init__(self, module: Decoder, params, mesh=None, *, token_stats: bool = True, num_groups: int = 1,
                  centers_SxD=None, options: StatsOptions | None = None, sample_size: int = 0):
         cfg = module.cfg
         self.module, self.cfg = module, cfg
@@ -300,7 +300,7 @@ def _stacked(acc):
 
 
 @functools.cache
-def _compiled_step(module: GPTNeoX, mesh, options: StatsOptions, specs, centered: bool):
+def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered: bool):
     d, n = module.cfg.hidden_size, mesh.size
 
     def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plan, group, centers):

@@ -146,7 +146,7 @@ def attention_grouped(qkv_BxTxNxK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_N
                       block_q: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int | None = None,
                       interpret: bool | None = None):
     """`attention` for grouped- and multi-query heads: the projection [B, T, N, K] holds the
-    H = num_heads query heads, then G key heads, then G value heads (N = H + 2G; isojax.model.decoder's
+    H = num_heads query heads, then G key heads, then G value heads (N = H + 2G; isojax.model.layers'
     layout), each key/value head serving H / G consecutive query heads. No head is copied: query
     head j's program reads key and value head j // (H / G) where they lie."""
     b, t, n, k = qkv_BxTxNxK.shape
