@@ -9,7 +9,7 @@ GELU (and older versions read hidden_activation, else took the tanh GELU): both 
 
 from __future__ import annotations
 
-from isojax.hf.family import llama
+from isojax.hf.family.llama import fields, layout
 from isojax.hf.family.base import Family, Fields, WeightNames
 
 
@@ -19,7 +19,7 @@ def read(raw: dict) -> dict:
     c.only("hidden_activation", (None, "gelu_pytorch_tanh"))
     c.only("use_bidirectional_attention", (None, False))
     c.only("mlp_bias", (False,), False)  # GemmaMLP has no biases whatever the file says
-    out = llama.fields(c, "gelu_pytorch_tanh")
+    out = fields(c, "gelu_pytorch_tanh")
     # GemmaConfig's defaults differ from Llama's (8192 positions, head_dim 256, 16 key/value heads):
     # the shapes are taken only from the file
     out.update(num_kv_heads=int(c.need("num_key_value_heads")), attention_head_dim=int(c.need("head_dim")),
@@ -28,5 +28,5 @@ def read(raw: dict) -> dict:
     return c.finish(**out)
 
 
-FAMILIES = {"gemma": Family(read, llama.layout, WeightNames("model.", "embed_tokens.weight", ("lm_head.weight",),
+FAMILIES = {"gemma": Family(read, layout, WeightNames("model.", "embed_tokens.weight", ("lm_head.weight",),
                                                             "rmsnorm", "norm.weight", tied=True, norm_offset=1.0))}

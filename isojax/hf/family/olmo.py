@@ -4,7 +4,8 @@ of q and of k."""
 
 from __future__ import annotations
 
-from isojax.hf.family import llama
+from isojax.hf.family.llama import WEIGHTS, fields
+from isojax.hf.family.llama import layout as llama_layout
 from isojax.hf.family.base import Family, Fields, WeightNames
 from isojax.model.config import ModelConfig
 
@@ -12,7 +13,7 @@ from isojax.model.config import ModelConfig
 def read(raw: dict) -> dict:
     family = raw["model_type"]
     c = Fields(raw, family)
-    out = llama.fields(c, c.only("hidden_act", ("silu",), "silu"))
+    out = fields(c, c.only("hidden_act", ("silu",), "silu"))
     if family == "olmo":
         clip = c.get("clip_qkv")
         # HF's OlmoLayerNorm: F.layer_norm without weight or bias, eps fixed at 1e-5
@@ -24,9 +25,9 @@ def read(raw: dict) -> dict:
 
 def layout(cfg: ModelConfig):
     norms = [] if cfg.family == "olmo" else ["post_attention_layernorm", "post_feedforward_layernorm"]
-    return llama.layout(cfg, norms)
+    return llama_layout(cfg, norms)
 
 
 FAMILIES = {"olmo": Family(read, layout, WeightNames("model.", "embed_tokens.weight", ("lm_head.weight",),
                                                      "layernorm_no_affine")),
-            "olmo2": Family(read, layout, llama.WEIGHTS)}
+            "olmo2": Family(read, layout, WEIGHTS)}
