@@ -26,6 +26,9 @@ processes as wrote it.
 A checkpoint directory on Google Cloud Storage (gs://..., isojax.storage) has no rename: each
 process writes its step into a local temporary folder as above and uploads it file by file,
 meta.json last; a step's part counts once its meta.json is there.
+
+In a run of several processes, `save` first waits until every process has written its previous
+step, so a kill anywhere leaves a whole step behind once any process has written two.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from isojax import faults, storage
+from isojax.device import mesh
 from isojax.atomic import fsync_dir
 from isojax.errors import UserError
 from isojax.log import log
@@ -243,6 +247,10 @@ class Checkpointer:
 
     def save(self, step: int, acc, meta: dict) -> None:
         self.wait()  # never two in flight (nor beside reserve's)
+        # and no process begins a step before every process has written the one before: once any
+        # process has written two steps, some step is whole on all (a process killed mid-write,
+        # or ended by a peer's death, leaves at most its newest step unfinished)
+        mesh.exchange(f"checkpoint-written-before-{step}", b"")
         room = _room_for_copy(acc)
         if room:
             acc = _copy(acc)
