@@ -17,7 +17,7 @@ from conftest import build_hf_checkpoint
 from hub_server import LoopbackHub
 from isojax.errors import UserError
 from isojax.hf import network, verify
-from test_hub import hub_env, last_line, resolve
+from test_hub import hub_env, last_line, py, resolve
 
 REPO_ID = "tiny-org/neox-i"
 
@@ -99,6 +99,31 @@ def test_damaged_bytes_are_an_error_and_leave_the_cache(hub, folder, tmp_path):
     blob.write_bytes(bytes(data))
     p = resolve(REPO_ID, None, dict(env, HF_HUB_OFFLINE="1"))
     assert p.returncode == 2 and "model.safetensors" in last_line(p) and "damaged" in last_line(p), p.stderr[-3000:]
+    assert not blob.exists()
+
+
+def test_a_damaged_tokenizer_from_the_hub_is_an_error_and_leaves_the_cache(hub, folder, tmp_path):
+    """The tokenizer taken from the hub for a checkpoint without one (load_tokenizer's hub_repo, which
+    asks _from_hub) is checked as the weights are: a copy damaged in the cache is one error naming it, and is removed."""
+    env = hub_env(hub.url, tmp_path)
+    code = f"""
+from pathlib import Path
+from isojax.errors import UserError
+from isojax.hf.tokenizer import _from_hub
+try:
+    print("ok", _from_hub({REPO_ID!r}))
+except UserError as e:
+    print("error:", e)
+"""
+    first = py(code, env)
+    assert first.returncode == 0 and first.stdout.startswith("ok "), first.stdout + first.stderr[-2000:]
+    data = (folder / "tokenizer.json").read_bytes()
+    blob = cache_of(env) / "blobs" / hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    damaged = bytearray(blob.read_bytes())
+    damaged[len(damaged) // 2] ^= 1
+    blob.write_bytes(bytes(damaged))
+    again = py(code, dict(env, HF_HUB_OFFLINE="1"))
+    assert again.stdout.startswith("error: tokenizer.json of tiny-org/neox-i@main is damaged"), again.stdout
     assert not blob.exists()
 
 

@@ -17,16 +17,22 @@ from isojax.errors import UserError
 
 
 def _from_hub(repo: str, revision: str | None = None) -> Path | None:
-    """tokenizer.json of the repository at `revision` (None: main), never another revision's."""
+    """tokenizer.json of the repository at `revision` (None: main), never another revision's,
+    checked against the hub's hash (isojax.hf.verify: a damaged copy is an error and leaves the cache)."""
     try:
         from huggingface_hub import hf_hub_download
         from isojax.hf.network import hub_reachable
         try:
-            return Path(hf_hub_download(repo, "tokenizer.json", revision=revision, local_files_only=True))
+            path = Path(hf_hub_download(repo, "tokenizer.json", revision=revision, local_files_only=True))
         except Exception:
-            return Path(hf_hub_download(repo, "tokenizer.json", revision=revision)) if hub_reachable() else None
+            if not hub_reachable():
+                return None
+            path = Path(hf_hub_download(repo, "tokenizer.json", revision=revision))
     except Exception:
         return None
+    from isojax.hf.verify import verify_snapshot
+    verify_snapshot(path.parent, ["tokenizer.json"], f"{repo}@{revision or 'main'}")
+    return path
 
 
 BUNDLED = Path(__file__).resolve().parents[1] / "data" / "gpt-neox-20b-tokenizer.json"
