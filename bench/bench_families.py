@@ -6,7 +6,7 @@ bench/peer_hf.py's run_peer: unit sums and per-token index_add_, no Gram unless 
 the same synthetic tokens (bench/common.py's workload, ids below the family's vocabulary).
 
 Models: the `random:` presets of configs/ (gpt2-xl, opt-1.3b, falcon-mqa-1b, llama-1b, mistral-1b,
-qwen2-1.5b, olmo-1b, olmo2-1b; pythia-1b for GPT-NeoX). All peers run first, then isojax: JAX's
+qwen2-1.5b, olmo-1b, olmo2-1b, gemma-2b, phi-2; pythia-1b for GPT-NeoX). All peers run first, then isojax: JAX's
 allocator keeps what it grows, torch's empty_cache gives it back, and qwen2-1.5b's per-token sums
 (151,936 ids) take ~57 GB in isojax and ~28 GB in the peer, which do not fit one card together.
 
@@ -40,7 +40,7 @@ import jax  # noqa: E402
 
 FAMILIES = {"gpt_neox": "pythia-1b", "gpt2": "gpt2-xl", "opt": "opt-1.3b", "falcon": "falcon-mqa-1b",
             "llama": "llama-1b", "mistral": "mistral-1b", "qwen2": "qwen2-1.5b", "olmo": "olmo-1b",
-            "olmo2": "olmo2-1b"}
+            "olmo2": "olmo2-1b", "gemma": "gemma-2b", "phi": "phi-2"}
 # config.json names of (width, layers, heads, MLP width) by family; the others: the Llama family's
 SHAPE_KEYS = {"gpt2": ("n_embd", "n_layer", "n_head", "n_inner"),
               "opt": ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim"),
