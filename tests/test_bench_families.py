@@ -16,11 +16,11 @@ from bench.peer_hf import build_family_model, decoder_layers  # noqa: E402
 
 def test_tiny_presets_are_the_same_model_on_both_sides():
     """--tiny keeps each family's options (grouping, ratios, biases, ties): transformers' base model of
-    the shrunk config.json has isojax's parameters (less an untied LM head, which AutoModel leaves out)."""
+    the shrunk config.json has isojax's parameters (less an untied LM head and its bias, which AutoModel leaves out)."""
     for family, name, raw, cfg in bench_families.family_models(list(bench_families.FAMILIES), shrink=True):
         assert cfg.family == family and cfg.hidden_size == 64 and cfg.num_layers == 2
         model = build_family_model(raw, device="cpu", dtype=torch.float32)
-        head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+        head = (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size) + cfg.unembed_bias * cfg.vocab_size
         assert sum(p.numel() for p in model.parameters()) == cfg.param_count() - head, name
         assert len(decoder_layers(model)) == 2
 
