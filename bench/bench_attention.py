@@ -25,7 +25,7 @@ from bench.common import random_sentences, sentence_lengths
 
 from isojax.kernels import packed_attention
 from isojax.hf.family.presets import preset
-from isojax.model.ops import apply_rotary, rotary_tables, segment_mask
+from isojax.numerics import apply_rotary, rotary_tables, segment_mask
 
 
 def cudnn_path(qkv, cos, sin, seg):

@@ -92,11 +92,11 @@ def family_models(families: list[str], shrink: bool) -> list[tuple[str, str, dic
 def kernels(cfg, dtype: str, rows: int, row_len: int) -> dict:
     """The kernels `extract` runs for this model and batch (isojax/run/measure.py: attention auto is
     packed on a GPU in bf16, then choose_attention; the MLP and norms auto, per device's rows)."""
-    from isojax.kernels.select import choose_attention, choose_mlp_kernel, choose_norm_kernel
+    from isojax.device.kernel_choice import choose_attention, choose_mlp_kernel, choose_norm_kernel
     attention = {"gpu": "packed" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
-    return dict(attention=choose_attention(attention, True, cfg, dtype, row_len),
-                mlp_kernel=choose_mlp_kernel("auto", cfg, dtype, rows * row_len),
-                norm_kernel=choose_norm_kernel("auto", cfg, dtype, rows * row_len))
+    return dict(attention=choose_attention(attention, True, cfg, dtype, row_len)[0],
+                mlp_kernel=choose_mlp_kernel("auto", cfg, dtype, rows * row_len)[0],
+                norm_kernel=choose_norm_kernel("auto", cfg, dtype, rows * row_len)[0])
 
 
 def memory_estimate(cfg, dtype: str, tokens_per_device: int) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.common import timed
 from isojax.kernels.mlp import Tiles, available, dense_gelu
-from isojax.model.ops import gelu
+from isojax.numerics import gelu
 
 SHAPES = {"pythia-70m": (262144, 512, 2048), "pythia-410m": (262144, 1024, 4096), "pythia-1.4b": (65536, 2048, 8192)}
 

@@ -51,15 +51,15 @@ def fitting_model_axis(cfg, k: int, token_stats: bool, tokens_per_device: int) -
 
 
 def kernels(cfg, attention: str, mlp_kernel: str, norm_kernel: str, device_rows: int, row_len: int):
-    """auto: the kernels isojax.extract would choose here (isojax.kernels.select)."""
-    from isojax.kernels import select
+    """auto: the kernels isojax.extract would choose here (isojax.device.kernel_choice)."""
+    from isojax.device import kernel_choice as select
     if attention == "auto":
-        attention = select.choose_attention("packed", True, cfg, "bfloat16", row_len) \
+        attention = select.choose_attention("packed", True, cfg, "bfloat16", row_len)[0] \
             if jax.default_backend() == "gpu" else "xla"
     if mlp_kernel == "auto":
-        mlp_kernel = select.choose_mlp_kernel("auto", cfg, "bfloat16", device_rows)
+        mlp_kernel = select.choose_mlp_kernel("auto", cfg, "bfloat16", device_rows)[0]
     if norm_kernel == "auto":
-        norm_kernel = select.choose_norm_kernel("auto", cfg, "bfloat16", device_rows)
+        norm_kernel = select.choose_norm_kernel("auto", cfg, "bfloat16", device_rows)[0]
     return attention, mlp_kernel, norm_kernel
 
 

@@ -59,7 +59,7 @@ def run_isojax(name, tokens, offsets, *, row_len, batch_tokens, attention, token
     from isojax.hf.loading import random_params
     from isojax.device import mesh as parallel
     from isojax.model.decoder import model_class
-    from isojax.model.ops import DTYPES
+    from isojax.numerics import DTYPES
     from isojax.model.options import ForwardOptions
     from isojax.stats.options import StatsOptions
     from isojax.device.runner import Runner

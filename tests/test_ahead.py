@@ -101,11 +101,12 @@ def test_a_kernel_whose_check_fails_gets_the_step_compiled_again(tmp_path, monke
     run; where a check chooses otherwise (here the LayerNorm kernel, whose compile also fails on
     CPU), the step compiles for what the checks chose, and the run measures with it."""
     import isojax
-    from isojax.kernels import select
+    from isojax.device import kernel_choice
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=1, num_heads=2)
     write_pile_jsonl(tmp_path / "pile.jsonl", 5, seed=1)
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(select, "choose_norm_kernel", lambda kind, cfg, dtype, rows, check=True, record=None: "xla" if check else "pallas")
+    monkeypatch.setattr(kernel_choice, "choose_norm_kernel", lambda kind, cfg, dtype, rows, check=True, record=None:
+                        ("xla", "its check failed") if check else ("pallas", "expected to pass its check"))
     results = isojax.measure(str(tmp_path / "ckpt"), [str(tmp_path / "pile.jsonl")], unit="document", seq_len=64,
                              batch_tokens=512, progress=False)
     assert results.config.kernels.norm == "xla"

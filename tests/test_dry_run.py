@@ -181,6 +181,7 @@ MEMORY_CHECK = textwrap.dedent("""
     from isojax.extract import build_parser
     from isojax.hf.loading import abstract_params
     from isojax.hf.family.presets import preset
+    from isojax.model.options import KernelChoice
     from isojax.run.dry_run import plan, step_layout
     name, mesh_spec, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     args = build_parser().parse_args(["--dry-run", "--out", "/nonexistent", "--model", "random:" + name, "--mesh",
@@ -188,7 +189,7 @@ MEMORY_CHECK = textwrap.dedent("""
     planned = plan(args, lower_step=False)  # this machine: 8 CPU devices
     cfg, dtype = preset(name), planned["dtype"]
     mesh = parallel.make_mesh(planned["mesh"])
-    layout = step_layout(cfg, dtype, tuple(planned["kernels"].values()), mesh, "cpu", token_stats=True,
+    layout = step_layout(cfg, dtype, KernelChoice(**planned["kernels"]), mesh, "cpu", token_stats=True,
                          num_groups=1, sample_size=planned["sample_states"])
     compiled, _ = ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), planned["rows"], 512)
     m = compiled.memory_analysis()

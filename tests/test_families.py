@@ -256,35 +256,35 @@ def test_kernel_choice_per_family(capsys, monkeypatch):
     the probe is taken as passed.)"""
     from isojax.kernels import packed_attention
     monkeypatch.setattr(packed_attention, "works", lambda head_dim, rotary_dims: None)
-    from isojax.kernels.select import choose_attention, choose_mlp_kernel, choose_norm_kernel, layer_norm_pair
+    from isojax.device.kernel_choice import choose_attention, choose_mlp_kernel, choose_norm_kernel, layer_norm_pair
 
     llama, gpt2, olmo2 = family_config("llama", 1), family_config("gpt2", 0), family_config("olmo2", 0)
     assert llama.head_dim == 32 and llama.kv_heads == 1
-    assert choose_attention("packed", False, llama, "bfloat16", 128) == "packed"
+    assert choose_attention("packed", False, llama, "bfloat16", 128)[0] == "packed"
     for cfg in (gpt2, olmo2):
         with pytest.raises(UserError, match="attention packed is for rotary attention"):
             choose_attention("packed", False, cfg, "bfloat16", 128)
-        assert choose_attention("packed", True, cfg, "bfloat16", 128) == "cudnn"
+        assert choose_attention("packed", True, cfg, "bfloat16", 128)[0] == "cudnn"
     assert "packed attention does not run here" in capsys.readouterr().err
     with pytest.raises(UserError, match="gated"):
         choose_mlp_kernel("mosaic", llama, "bfloat16", 65536)
-    assert choose_mlp_kernel("auto", llama, "bfloat16", 65536) == "xla"
+    assert choose_mlp_kernel("auto", llama, "bfloat16", 65536)[0] == "xla"
     assert "fused MLP kernel does not apply to this llama MLP" in capsys.readouterr().err
     falcon_7b, falcon_40b = family_config("falcon", 0), family_config("falcon", 2)
     assert not layer_norm_pair(falcon_7b) and layer_norm_pair(falcon_40b) and not layer_norm_pair(llama)
     with pytest.raises(UserError, match="other norms"):
         choose_norm_kernel("pallas", falcon_7b, "bfloat16", 65536)
-    assert choose_norm_kernel("auto", falcon_7b, "bfloat16", 65536) == "xla"
+    assert choose_norm_kernel("auto", falcon_7b, "bfloat16", 65536)[0] == "xla"
     gemma = family_config("gemma", 0)  # GeGLU and RMSNorm: XLA's MLP and norms; rotary heads of 32: packed
     assert (gemma.head_dim, gemma.kv_heads, gemma.hidden_act) == (32, 1, "gelu_pytorch_tanh")
-    assert choose_mlp_kernel("auto", gemma, "bfloat16", 65536) == "xla" and not layer_norm_pair(gemma)
-    assert choose_norm_kernel("auto", gemma, "bfloat16", 65536) == "xla"
-    assert choose_attention("packed", False, gemma, "bfloat16", 128) == "packed"
+    assert choose_mlp_kernel("auto", gemma, "bfloat16", 65536)[0] == "xla" and not layer_norm_pair(gemma)
+    assert choose_norm_kernel("auto", gemma, "bfloat16", 65536)[0] == "xla"
+    assert choose_attention("packed", False, gemma, "bfloat16", 128)[0] == "packed"
     phi = family_config("phi", 0)  # tanh GELU, one shared LayerNorm: XLA's; rotary dims 8 (< 16): cuDNN
     assert (phi.head_dim, phi.rotary_dims, phi.shared_input_norm) == (16, 8, True)
-    assert choose_mlp_kernel("auto", phi, "bfloat16", 65536) == "xla" and not layer_norm_pair(phi)
-    assert choose_norm_kernel("auto", phi, "bfloat16", 65536) == "xla"
-    assert choose_attention("packed", True, phi, "bfloat16", 128) == "cudnn"
+    assert choose_mlp_kernel("auto", phi, "bfloat16", 65536)[0] == "xla" and not layer_norm_pair(phi)
+    assert choose_norm_kernel("auto", phi, "bfloat16", 65536)[0] == "xla"
+    assert choose_attention("packed", True, phi, "bfloat16", 128)[0] == "cudnn"
 
 
 @pytest.mark.slow

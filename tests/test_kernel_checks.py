@@ -1,7 +1,8 @@
-"""The kernels' probes kept per machine (select.CheckRecord): a recorded outcome, passed or failed,
-is reused while every part of its key stays (kernel source, card, driver, versions, arguments); a
-changed part, a damaged record or ISOJAX_RECHECK_KERNELS=1 runs the probe again. The probes here
-are counters the test controls, so this runs on CPU where the GPU kernels do not apply."""
+"""The kernels' probes kept per machine (isojax.device.kernel_choice.CheckRecord): a recorded
+outcome, passed or failed, is reused while every part of its key stays (kernel source, card,
+driver, versions, arguments); a changed part, a damaged record or ISOJAX_RECHECK_KERNELS=1 runs the
+probe again. The probes here are counters the test controls, so this runs on CPU where the GPU
+kernels do not apply."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import types
 import jax
 import pytest
 
-from isojax.kernels import mlp, norm, packed_attention, select
-from isojax.kernels.select import CheckRecord
+from isojax.device import kernel_choice
+from isojax.device.kernel_choice import CheckRecord
+from isojax.kernels import mlp, norm, packed_attention
 from isojax.hf.family.presets import preset
 
 
@@ -31,7 +33,7 @@ def fake_kernel(tmp_path, why=None):
 
 @pytest.fixture(autouse=True)
 def no_recheck(monkeypatch):
-    monkeypatch.delenv(select.RECHECK, raising=False)
+    monkeypatch.delenv(kernel_choice.RECHECK, raising=False)
 
 
 def test_a_recorded_outcome_is_reused_by_a_later_run(tmp_path):
@@ -63,9 +65,9 @@ def test_a_changed_key_runs_the_check_again(tmp_path, monkeypatch, change):
     elif change == "args":
         args = dict(head_dim=128, rotary_dims=16)
     else:
-        env = dict(select.environment())
+        env = dict(kernel_choice.environment())
         env[change] = ["jax==99.0", "jaxlib==99.0"] if change == "packages" else "another"
-        monkeypatch.setattr(select, "environment", lambda: env)
+        monkeypatch.setattr(kernel_choice, "environment", lambda: env)
     record = CheckRecord(tmp_path)
     record.outcome(kernel, args)
     assert len(calls) == 2 and calls[1] == args and record.used == []
@@ -101,7 +103,7 @@ def test_a_record_that_contradicts_itself_is_ignored(tmp_path):
 def test_recheck_runs_it_again(tmp_path, monkeypatch, value, runs):
     kernel, calls = fake_kernel(tmp_path)
     CheckRecord(tmp_path).outcome(kernel, {})
-    monkeypatch.setenv(select.RECHECK, value)
+    monkeypatch.setenv(kernel_choice.RECHECK, value)
     CheckRecord(tmp_path).outcome(kernel, {})
     assert len(calls) == runs
 
@@ -142,12 +144,41 @@ def test_the_choices_go_through_the_record(tmp_path, monkeypatch):
 
     def choices(check=True):
         record = CheckRecord(tmp_path)
-        return (select.choose_attention("packed", True, cfg, "bfloat16", 512, check, record),
-                select.choose_mlp_kernel("auto", cfg, "bfloat16", 65536, check, record),
-                select.choose_norm_kernel("auto", cfg, "bfloat16", 65536, check, record)), sorted(record.used)
+        chosen = (kernel_choice.choose_attention("packed", True, cfg, "bfloat16", 512, check, record),
+                  kernel_choice.choose_mlp_kernel("auto", cfg, "bfloat16", 65536, check, record),
+                  kernel_choice.choose_norm_kernel("auto", cfg, "bfloat16", 65536, check, record))
+        return tuple(kernel for kernel, why in chosen), sorted(record.used)
 
     assert choices(check=False) == (("packed", "mosaic", "pallas"), [])  # nothing recorded yet
     assert choices() == (("packed", "mosaic", "xla"), [])
     assert choices() == (("packed", "mosaic", "xla"), ["mlp", "norm", "packed_attention"])
     assert choices(check=False) == (("packed", "mosaic", "xla"), [])
     assert attention == [dict(head_dim=64, rotary_dims=16)] and mlp_calls == [{}] and norm_calls == [dict(d=1024)]
+
+
+def test_the_plans_choice_keeps_each_reason_and_is_compared_by_its_kernels(tmp_path, monkeypatch, capsys):
+    """kernel_choice makes the run's one KernelChoice with the reason given for each kernel (a failed
+    check's, the one the log shows); choices of the same kernels are equal whatever their reasons
+    (the plan's expected choice against its checks'), and the model builder takes one whole."""
+    from isojax.hf.loading import build_module
+    from isojax.model.options import ForwardOptions, KernelChoice
+    cfg = preset("pythia-410m")
+    counting(monkeypatch, mlp)
+    counting(monkeypatch, norm, why="its result is 1 beyond bf16 rounding")
+    monkeypatch.setattr(mlp, "applies", lambda *a, **k: True)
+    monkeypatch.setattr(norm, "applies", lambda *a, **k: True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    record = CheckRecord(tmp_path)
+    k = kernel_choice
+    choice = k.kernel_choice(k.choose_attention("cudnn", False, cfg, "bfloat16", 512, True, record),
+                             k.choose_mlp_kernel("auto", cfg, "bfloat16", 65536, True, record),
+                             k.choose_norm_kernel("auto", cfg, "bfloat16", 65536, True, record))
+    assert (choice.attention, choice.mlp, choice.norm) == ("cudnn", "mosaic", "xla")
+    reasons = dict(choice.reasons)
+    assert reasons == {"attention": "asked for", "mlp": "applies and works here",
+                       "norm": "the LayerNorm kernel does not run here (its result is 1 beyond bf16 rounding): "
+                               "XLA's LayerNorms instead"}
+    assert reasons["norm"] in capsys.readouterr().err
+    same = KernelChoice("cudnn", "mosaic", "xla")
+    assert choice == same and hash(choice) == hash(same) and choice != KernelChoice("cudnn", "mosaic", "pallas")
+    assert build_module(cfg, "bfloat16", choice).options == ForwardOptions("cudnn", mlp_kernel="mosaic")

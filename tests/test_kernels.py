@@ -16,8 +16,8 @@ from conftest import build_hf_checkpoint, hf_states, max_rel_error
 from isojax import load_model
 from isojax.kernels import mlp as kernels
 from isojax.model.layers import DenseGelu
-from isojax.model.ops import gelu
-from isojax.model.options import ForwardOptions
+from isojax.numerics import gelu
+from isojax.model.options import ForwardOptions, KernelChoice
 
 hopper = pytest.mark.skipif(not kernels.available(), reason="needs an sm_90 (Hopper) GPU")
 
@@ -58,7 +58,7 @@ def test_rounding_bound_holds_for_xla_and_catches_a_wrong_result():
 
 
 def test_mosaic_refused_where_it_cannot_run():
-    from isojax.kernels.select import check_mlp_kernel, choose_mlp_kernel
+    from isojax.device.kernel_choice import check_mlp_kernel, choose_mlp_kernel
     from isojax.hf.family.presets import preset
     from isojax.errors import UserError
     if kernels.available():
@@ -69,7 +69,7 @@ def test_mosaic_refused_where_it_cannot_run():
         check_mlp_kernel("mosaic", "float32")
     with pytest.raises(UserError, match="auto, xla or mosaic"):
         check_mlp_kernel("triton", "bfloat16")
-    assert choose_mlp_kernel("auto", preset("pythia-70m"), "bfloat16", 65536) == "xla"
+    assert choose_mlp_kernel("auto", preset("pythia-70m"), "bfloat16", 65536)[0] == "xla"
 
 
 @pytest.mark.gpu
@@ -107,10 +107,8 @@ def test_states_with_the_fused_kernel_within_bfloat16_tolerance(tmp_path):
     model = build_hf_checkpoint(tmp_path, vocab_size=512, hidden_size=256, num_heads=4, num_layers=2, tokenizer=False)
     ids = np.random.default_rng(7).integers(0, 512, size=128)
     ref = hf_states(model, ids)
-    fused = load_model(tmp_path, dtype="bfloat16")
-    fused.mlp_impl = "mosaic"
-    plain = load_model(tmp_path, dtype="bfloat16")
-    got, xla = fused.hidden_states(ids), plain.hidden_states(ids)
+    loaded = load_model(tmp_path, dtype="bfloat16")
+    got, xla = loaded.hidden_states(ids, KernelChoice(mlp="mosaic")), loaded.hidden_states(ids)
     assert max(max_rel_error(got[s], ref[s]) for s in range(len(ref))) < 3e-2
     assert max(max_rel_error(got[s], xla[s]) for s in range(len(ref))) < 1e-2
     assert not np.array_equal(got, xla)  # the kernel ran: one rounding differs somewhere
@@ -121,7 +119,7 @@ import jax, jax.numpy as jnp, numpy as np
 from isojax.kernels import mlp as kernels
 from isojax.device import mesh as parallel
 from isojax.model.layers import DenseGelu
-from isojax.model.ops import gelu
+from isojax.numerics import gelu
 from isojax.model.options import ForwardOptions
 calls = []
 def stand_in(x_NxD, w_DxF, bias_F):  # what the kernel computes, from its 2-D operands

@@ -126,7 +126,7 @@ def test_fast_gelu_of_bfloat16_against_the_float64_gelu():
 
     import jax.numpy as jnp
 
-    from isojax.model.ops import fast_erf, gelu
+    from isojax.numerics import fast_erf, gelu
 
     erf = np.vectorize(math.erf)
     x = np.linspace(-8.0, 8.0, 400_001)

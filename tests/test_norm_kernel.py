@@ -124,7 +124,7 @@ def test_model_states_with_the_kernel(residual):
 
 
 def test_chosen_on_gpus_only(tmp_path):
-    from isojax.kernels.select import check_norm_kernel, choose_norm_kernel
+    from isojax.device.kernel_choice import check_norm_kernel, choose_norm_kernel
     from isojax.hf.family.presets import preset
     from isojax.errors import UserError
     with pytest.raises(UserError, match="norm_kernel must be"):
@@ -133,18 +133,18 @@ def test_chosen_on_gpus_only(tmp_path):
         check_norm_kernel("pallas", "float32")
     with pytest.raises(UserError, match="does not apply"):
         choose_norm_kernel("pallas", preset("pythia-2.8b"), "bfloat16", 65536)
-    assert choose_norm_kernel("auto", preset("pythia-2.8b"), "bfloat16", 65536) == "xla"
+    assert choose_norm_kernel("auto", preset("pythia-2.8b"), "bfloat16", 65536)[0] == "xla"
     sequential = dataclasses.replace(preset("pythia-410m"), use_parallel_residual=False)
     with pytest.raises(UserError, match="sequential residuals"):
         choose_norm_kernel("pallas", sequential, "bfloat16", 65536)
-    assert choose_norm_kernel("auto", sequential, "bfloat16", 65536) == "xla"
-    assert choose_norm_kernel("xla", preset("pythia-410m"), "bfloat16", 65536) == "xla"
+    assert choose_norm_kernel("auto", sequential, "bfloat16", 65536)[0] == "xla"
+    assert choose_norm_kernel("xla", preset("pythia-410m"), "bfloat16", 65536)[0] == "xla"
     if jax.default_backend() != "gpu":
         with pytest.raises(UserError, match="GPU kernel"):
             check_norm_kernel("pallas", "bfloat16")
-        assert choose_norm_kernel("auto", preset("pythia-410m"), "bfloat16", 65536) == "xla"
+        assert choose_norm_kernel("auto", preset("pythia-410m"), "bfloat16", 65536)[0] == "xla"
     else:
-        assert choose_norm_kernel("auto", preset("pythia-410m"), "bfloat16", 65536) == "pallas"
+        assert choose_norm_kernel("auto", preset("pythia-410m"), "bfloat16", 65536)[0] == "pallas"
 
 
 @gpu

@@ -18,7 +18,7 @@ import pytest
 from conftest import max_rel_error
 from isojax.kernels import packed_attention
 from isojax.model.config import ModelConfig
-from isojax.model.ops import apply_rotary, attention_xla, rotary_tables, segment_mask
+from isojax.numerics import apply_rotary, attention_xla, rotary_tables, segment_mask
 
 gpu = pytest.mark.gpu  # skipped without a GPU (conftest)
 
@@ -213,7 +213,7 @@ def test_sharded_rows_go_to_the_kernel_per_device():
 
 
 def test_explicit_packed_refused_without_a_gpu(tmp_path):
-    from isojax.kernels.select import choose_attention
+    from isojax.device.kernel_choice import choose_attention
     from isojax.run.measure import measure
     from isojax.hf.family.presets import preset
     from isojax.errors import UserError
@@ -222,8 +222,8 @@ def test_explicit_packed_refused_without_a_gpu(tmp_path):
             measure("random:pythia-70m", data=[str(tmp_path / "none.txt")], dtype="bfloat16", attention="packed")
     with pytest.raises(UserError, match="powers of two"):
         choose_attention("packed", False, preset("pythia-2.8b"), "bfloat16", 512)
-    assert choose_attention("packed", True, preset("pythia-2.8b"), "bfloat16", 512) == "cudnn"
-    assert choose_attention("packed", True, preset("pythia-2.8b"), "bfloat16", 500) == "xla"
+    assert choose_attention("packed", True, preset("pythia-2.8b"), "bfloat16", 512)[0] == "cudnn"
+    assert choose_attention("packed", True, preset("pythia-2.8b"), "bfloat16", 500)[0] == "xla"
 
 
 @gpu

@@ -384,7 +384,7 @@ def test_the_step_compiles_once_on_two_devices(setup):
         from isojax.device import mesh as parallel
         from isojax.hf.loading import load_model
         mesh = parallel.make_mesh({{"data": 2, "model": 1}})
-        loaded = load_model({str(setup / "ckpt")!r}, dtype="float32", attention_impl="xla", mesh=mesh)
+        loaded = load_model({str(setup / "ckpt")!r}, dtype="float32", mesh=mesh)
         runner = api.make_runner(loaded, mesh, token_stats=False, num_groups=1)
         rng = np.random.default_rng(0)
         for _ in range(3):

@@ -4,6 +4,9 @@ keeps (one decision: run/plan.py run_sample)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -61,8 +64,8 @@ def _corpus(path, words: int, seed: int):
 def test_free_space_check_counts_the_runs_sample_and_measure_leaves_the_model(tmp_path, monkeypatch, defaults):
     """With ISOJAX_DEFAULTS=cpu (no default sample) and =gpu (the default sample, cut to max_tokens):
     the free-space check refuses exactly where the disk holds less than output_bytes of the sample
-    the run kept. measure() of a LoadedModel (bfloat16, centered) leaves its params, dtype and
-    kernels as they were."""
+    the run kept. measure() of a LoadedModel (bfloat16, centered) leaves its params and every
+    other field as they were."""
     import isojax.extract as extract
     from isojax.errors import UserError
     from isojax.hf.loading import load_model
@@ -76,12 +79,17 @@ def test_free_space_check_counts_the_runs_sample_and_measure_leaves_the_model(tm
     data = [str(_corpus(tmp_path / "words.txt", 12000, seed=1))]
     options = dict(seq_len=128, batch_tokens=1024, max_tokens=4096, centered=True)
     loaded = load_model(tmp_path / "ckpt", dtype="float32")
-    params, before = loaded.params, (loaded.dtype, loaded.attention_impl, loaded.mlp_impl, loaded.norm_impl)
+    loaded.tokenizer  # loaded on first use, it adds where it came from to loaded.source
+    fields = lambda: {f.name: getattr(loaded, f.name) for f in dataclasses.fields(loaded) if f.name != "params"}
+    params, before = loaded.params, copy.deepcopy(fields())
     results = measure(loaded, data, dtype="bfloat16", **options)
     assert loaded.params is params
-    assert (loaded.dtype, loaded.attention_impl, loaded.mlp_impl, loaded.norm_impl) == before
+    assert fields() == before  # measure never changes the LoadedModel it is given
     assert results.metrics["dtype"] == "bfloat16"
     assert all(layer["centered_inter_sim"] is not None for layer in results.layers)
+    assert results.manifest["kernels"] == {"attention": "xla", "mlp": "xla", "norm": "xla"}  # CPU
+    assert results.manifest["kernel_reasons"]["attention"] == "auto: xla for this backend and dtype"
+    assert "LayerNorm-pair kernel does not apply" in results.manifest["kernel_reasons"]["norm"]
 
     sample = results.manifest["settings"]["sample_states"]
     assert sample == (4096 if defaults == "gpu" else 0)  # the default sample, cut to max_tokens

@@ -216,7 +216,7 @@ def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
 
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, tokenizer=False)
     mesh = parallel.make_mesh({"data": 1, "model": 1})
-    loaded = load_model(tmp_path / "ckpt", dtype="float32", attention_impl="xla", mesh=mesh)
+    loaded = load_model(tmp_path / "ckpt", dtype="float32", mesh=mesh)
     rng = np.random.default_rng(0)
     batches = []
     for b in range(4):

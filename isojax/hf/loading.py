@@ -36,9 +36,9 @@ from isojax.hf.family.presets import base_preset, hub_id, preset, shape_only
 from isojax.hf.orbax_io import is_converted, load_converted
 from isojax.model.config import ModelConfig
 from isojax.errors import UserError
-from isojax.model.ops import DTYPES
+from isojax.numerics import DTYPES
 from isojax.model.decoder import collect_states, model_class, single_row
-from isojax.model.options import ForwardOptions
+from isojax.model.options import KernelChoice
 from isojax.hf.tokenizer import load_tokenizer
 from isojax.steps import checkpoint_weights, local_revision
 
@@ -69,9 +69,6 @@ class LoadedModel:
     weights: str                      # isojax.steps: "random" | "initialization (step 0)" | "trained"
     source: dict                      # name, revision, path, checksum (+ tokenizer once loaded)
     dtype: str = "float32"
-    attention_impl: str = "xla"
-    mlp_impl: str = "xla"              # ForwardOptions.mlp_kernel
-    norm_impl: str = "xla"             # ForwardOptions.norm_kernel
     tokenizer_dir: Path | None = None  # where tokenizer.json is looked for; None: the hub repo's
     hub_repo: str | None = None
     hub_revision: str | None = None  # the revision whose tokenizer.json is fetched when tokenizer_dir has none
@@ -83,25 +80,22 @@ class LoadedModel:
                                                            hub_revision=self.hub_revision)
         return tok
 
-    @property
-    def module(self):
-        return build_module(self.config, self.dtype, self.attention_impl, self.mlp_impl, self.norm_impl)
-
-    def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT) -> np.ndarray:
-        """All S = L+2 states of packed rows: float32 numpy [S, B, T, D]. Segment ids: 0 for
-        padding, and each sequence's id one contiguous run of its row (what the packed attention
-        kernel assumes, and what isojax's packing makes)."""
+    def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT,
+                             kernels: KernelChoice = KernelChoice()) -> np.ndarray:
+        """All S = L+2 states of packed rows: float32 numpy [S, B, T, D], computed with `kernels`.
+        Segment ids: 0 for padding, and each sequence's id one contiguous run of its row (what the
+        packed attention kernel assumes, and what isojax's packing makes)."""
         b, t = np.shape(tokens_BxT)
         for row in np.asarray(segment_ids_BxT):
             runs = row[np.r_[True, row[1:] != row[:-1]]]
             if len(set(runs[runs != 0].tolist())) != np.count_nonzero(runs):
                 raise UserError("segment ids: each sequence must be one contiguous run of its row")
         buf = jnp.zeros((self.config.num_states, b, t, self.config.hidden_size), jnp.float32)
-        out = _forward_states(self.module, self.params, jnp.asarray(tokens_BxT), jnp.asarray(segment_ids_BxT),
-                              jnp.asarray(positions_BxT), buf)
+        out = _forward_states(build_module(self.config, self.dtype, kernels), self.params, jnp.asarray(tokens_BxT),
+                              jnp.asarray(segment_ids_BxT), jnp.asarray(positions_BxT), buf)
         return np.asarray(out)
 
-    def hidden_states(self, token_ids) -> np.ndarray:
+    def hidden_states(self, token_ids, kernels: KernelChoice = KernelChoice()) -> np.ndarray:
         """States of one sequence, [S, T, D] float32. Longer than the context: consecutive windows."""
         ids = np.asarray(token_ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
@@ -109,7 +103,7 @@ class LoadedModel:
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise UserError(f"token ids must lie in [0, {self.config.vocab_size})")
         ctx = self.config.max_position_embeddings
-        parts = [self.hidden_states_packed(*single_row(ids[i:i + ctx]))[:, 0] for i in range(0, len(ids), ctx)]
+        parts = [self.hidden_states_packed(*single_row(ids[i:i + ctx]), kernels)[:, 0] for i in range(0, len(ids), ctx)]
         return np.concatenate(parts, axis=1)
 
 
@@ -118,11 +112,10 @@ def _forward_states(module, params, tokens, seg, pos, buf):
     return module.apply({"params": params}, tokens, seg, pos, buf, collect_states)
 
 
-def build_module(cfg: ModelConfig, dtype: str, attention: str = "xla", mlp: str = "xla", norm: str = "xla"):
-    """The model's module computing in `dtype` with these kernels (ForwardOptions)."""
+def build_module(cfg: ModelConfig, dtype: str, kernels: KernelChoice = KernelChoice()):
+    """The model's module computing in `dtype` with these kernels."""
     dt = DTYPES[dtype]
-    options = ForwardOptions(attention=attention, mlp_kernel=mlp, norm_kernel=norm)
-    return model_class(cfg)(cfg, dtype=dt, param_dtype=dt, options=options)
+    return model_class(cfg)(cfg, dtype=dt, param_dtype=dt, options=kernels.forward_options())
 
 
 def _init_params(cfg: ModelConfig, dtype: str):
@@ -168,7 +161,7 @@ def place(params, dtype: str, mesh=None, build=None) -> dict:
 
 
 def load_model(name_or_path: str, revision: str | None = None, dtype: str = "float32",
-               attention_impl: str = "xla", mesh=None) -> LoadedModel:
+               mesh=None) -> LoadedModel:
     """Load a checkpoint of any supported family; see module docstring for the accepted names. With a mesh
     the parameters are placed on it (replicated, or split over its "model" axis)."""
     if dtype not in DTYPES:
@@ -178,12 +171,12 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
         cfg = preset(name.split(":", 1)[1])
         params = random_params(cfg, dtype, mesh=mesh)
         source = {"name": name, "revision": None, "path": None, "checksum": "random-seed-0"}
-        return LoadedModel(cfg, params, "random", source, dtype, attention_impl, hub_repo=hub_id(cfg.name))
+        return LoadedModel(cfg, params, "random", source, dtype, hub_repo=hub_id(cfg.name))
     path = Path(name).expanduser()
     if path.exists() or name.startswith((".", "/", "~")):
         if not path.is_dir():
             raise UserError(f"{path}: not a checkpoint directory")
-        return _load_dir(local_revision(path, revision), name, revision, dtype, attention_impl, mesh)
+        return _load_dir(local_revision(path, revision), name, revision, dtype, mesh)
     repo = hub_id(name) if base_preset(name) else name
     if shape_only(name):
         raise UserError(f"{name} is a preset of shapes with no hub model behind it: random:{name} runs it "
@@ -193,12 +186,12 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
         raise UserError(f"unknown model {name!r}: not a directory, a hub id (org/name), or a preset "
                         f"({', '.join(preset_names())}, their -deduped variants, random:<preset>)")
     from isojax.hf.files import resolve_model
-    loaded = _load_dir(resolve_model(repo, revision), repo, revision, dtype, attention_impl, mesh)
+    loaded = _load_dir(resolve_model(repo, revision), repo, revision, dtype, mesh)
     loaded.hub_repo, loaded.hub_revision = repo, revision  # a snapshot without tokenizer.json: the revision's
     return loaded
 
 
-def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str, mesh=None) -> LoadedModel:
+def _load_dir(path: Path, name: str, revision, dtype: str, mesh=None) -> LoadedModel:
     """A checkpoint folder; name and revision: as given (a stand-in repository's folder and revision)."""
     if is_converted(path):
         cfg, params, meta = load_converted(path, DTYPES[dtype])
@@ -216,7 +209,7 @@ def _load_dir(path: Path, name: str, revision, dtype: str, attention_impl: str, 
         del tensors
         source = {"name": name, "revision": revision, "path": str(path), "checksum": checksum}
         weights = checkpoint_weights(revision, path)
-    return LoadedModel(cfg, params, weights, source, dtype, attention_impl, tokenizer_dir=path)
+    return LoadedModel(cfg, params, weights, source, dtype, tokenizer_dir=path)
 
 
 @jax.jit

@@ -11,7 +11,7 @@ compute warpgroup owns whole output tiles and the two take turns, so one's epilo
 store) runs while the other's products keep the tensor cores busy (gains measured in
 bench/RESULTS.md 10b and 10g).
 
-Numbers: the accumulator plus the bias is rounded to bf16 once and GELU (model.ops.fast_erf, in
+Numbers: the accumulator plus the bias is rounded to bf16 once and GELU (isojax.numerics.fast_erf, in
 float32) is applied to that, then rounded again, as PyTorch's bf16 Linear + GELU round. XLA's path
 may round the product before adding the bias, so the two may differ by one bf16 ulp. `works` checks the kernel once per process against the float64 GELU
 (`rounding_error`). Used where `applies` holds (model.DenseGelu): bf16 on an sm_90 GPU and shapes
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from isojax.model.ops import gelu
+from isojax.numerics import gelu
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,7 +125,7 @@ def attention(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=N
               block_k: int = 64, num_warps: int = 4, num_stages: int | None = None, interpret: bool | None = None):
     """Causal attention within segments from Hugging Face's fused projection [B, T, H, 3, K]
     (per head q, k, v) before bias and rotary, and its bias [H, 3, K], added as the kernel loads
-    q, k and v (None: zero); cos/sin [B, T, R] float32 (model.ops.rotary_tables). Returns [B, T, H, K].
+    q, k and v (None: zero); cos/sin [B, T, R] float32 (isojax.numerics.rotary_tables). Returns [B, T, H, K].
     The defaults are the fastest of bench/bench_attention.py's sweep at pythia-70m, 410m and 1.4b
     (stages None: 3 for K <= 64, else 2; bench/RESULTS.md 10c). interpret None: Pallas' interpret mode
     unless the backend is a GPU."""
@@ -205,7 +205,7 @@ def _call(qkv, bias, bias_shape, qkv_bias_specs, h, cos_BxTxR, sin_BxTxR, segmen
 def reference(qkv_BxTxHx3xK, cos_BxTxR, sin_BxTxR, segment_ids_BxT, bias_Hx3xK=None):
     """What the kernel computes, in float64 numpy from the bf16-rotated q and k (the reference
     of works() and of the tests)."""
-    from isojax.model.ops import apply_rotary, segment_mask
+    from isojax.numerics import apply_rotary, segment_mask
     if bias_Hx3xK is not None:
         qkv_BxTxHx3xK = qkv_BxTxHx3xK + bias_Hx3xK.astype(qkv_BxTxHx3xK.dtype)
     q = apply_rotary(qkv_BxTxHx3xK[..., 0, :], cos_BxTxR, sin_BxTxR)

@@ -29,7 +29,7 @@ import numpy as np
 
 from isojax.model.config import ModelConfig
 from isojax.model.layers import MLP, Attention, Part, feed_forward, layer_norm_pair, make_norm
-from isojax.model.ops import rotary_tables, segment_mask
+from isojax.numerics import rotary_tables, segment_mask
 from isojax.model.options import ForwardOptions
 
 Observer = Callable[[Any, Any, jax.Array], Any]

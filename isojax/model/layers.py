@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from isojax.model.config import ACTIVATIONS, ModelConfig
-from isojax.model.ops import apply_rotary, attention_pallas_tpu, attention_xla, gelu
+from isojax.numerics import apply_rotary, attention_pallas_tpu, attention_xla, gelu
 from isojax.model.options import ForwardOptions
 
 
@@ -215,7 +215,7 @@ class Attention(Part):
         qkv_name = "query_key_value" if cfg.neox_tree else "qkv"
         out = linear(self, cfg, d, cfg.out_bias, "dense")
         attention = self.options.attention
-        if attention == "packed":  # bias, rotary and segments inside one kernel (kernels.select: where it applies)
+        if attention == "packed":  # bias, rotary and segments inside one kernel (where: device/kernel_choice.py)
             from isojax.kernels import packed_attention
             product, bias_N = Projection(n * k, cfg.qkv_bias, self.dtype, self.param_dtype, self.precision,
                                          name=qkv_name)(x_BxTxD, split_bias=True)

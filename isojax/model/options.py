@@ -1,5 +1,5 @@
 """Trace-time settings of the forward: one frozen, hashable object handed to the model (the
-statistics' own are isojax.stats.options.StatsOptions)."""
+statistics' own are isojax.stats.options.StatsOptions), and the run's kernels, chosen once."""
 
 from __future__ import annotations
 
@@ -7,6 +7,22 @@ import dataclasses
 from typing import Any
 
 import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """The forward's kernels, chosen once (isojax.device.kernel_choice, by the step's plan) and handed
+    whole to the model builder (isojax.hf.loading.build_module): ForwardOptions' attention,
+    mlp_kernel and norm_kernel. reasons: (kernel, why) pairs, what the plan said of each choice;
+    not part of the choice's identity."""
+
+    attention: str = "xla"
+    mlp: str = "xla"
+    norm: str = "xla"
+    reasons: tuple = dataclasses.field(default=(), compare=False)
+
+    def forward_options(self) -> ForwardOptions:
+        return ForwardOptions(attention=self.attention, mlp_kernel=self.mlp, norm_kernel=self.norm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +36,7 @@ class ForwardOptions:
     # reads the fused projection, rotates q and k itself and skips the key blocks outside each
     # query block's sequences) or "auto" (jax picks)
     attention: str = "xla"
-    # Exact GELU of bf16 activations in float32 with a cheap rational erf (model.ops.gelu); False:
+    # Exact GELU of bf16 activations in float32 with a cheap rational erf (isojax.numerics.gelu); False:
     # jax's erf (bench/breakdown.py measures the difference)
     fast_gelu: bool = True
     # Tell cuDNN that the (already causal) mask is causal, so it skips the blocks above the

@@ -43,11 +43,12 @@ def this_machine() -> Machine:
                    device_memory_bytes() or host_memory_bytes(), mlp.available(), defaults_platform())
 
 
-def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: int) -> tuple[str, str, str]:
-    """(attention, mlp, norm): what extract chooses on `platform` (kernels/select.py, measure()),
-    taken as if each kernel's probe there passes."""
+def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: int):
+    """The KernelChoice extract makes on `platform` (device/kernel_choice.py, measure()), taken as if
+    each kernel's probe there passes."""
+    from isojax.device.kernel_choice import choose_attention, exact_gelu_with_bias, layer_norm_pair
     from isojax.kernels import mlp, norm
-    from isojax.kernels.select import choose_attention, exact_gelu_with_bias, layer_norm_pair
+    from isojax.model.options import KernelChoice
     attention, auto, platform = args.attention, args.attention == "auto", machine.platform
     if attention in ("cudnn", "packed") and dtype != "bfloat16":
         raise UserError(f"attention {attention} needs dtype bfloat16 (its kernel has no float32 version)")
@@ -55,7 +56,7 @@ def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: 
         raise UserError(f"attention {attention} does not run on {platform.upper()}")
     if auto:
         attention = {"gpu": "packed" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(platform, "xla")
-    attention = choose_attention(attention, auto, cfg, dtype, row_len, check=False)
+    attention = choose_attention(attention, auto, cfg, dtype, row_len, check=False)[0]
     bf16_gpu = platform == "gpu" and dtype == "bfloat16"
     t = mlp.Tiles()
     mlp_fits = bf16_gpu and machine.hopper and exact_gelu_with_bias(cfg) and device_rows % t.tile_m == 0 \
@@ -66,8 +67,8 @@ def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: 
     for flag, value, fits in (("mlp-kernel", args.mlp_kernel, mlp_fits), ("norm-kernel", args.norm_kernel, norm_fits)):
         if value not in ("auto", "xla") and not fits:
             raise UserError(f"--{flag} {value} does not apply to this model on {platform.upper()} in {dtype}")
-    return (attention, "mosaic" if mlp_fits and args.mlp_kernel != "xla" else "xla",
-            "pallas" if norm_fits and args.norm_kernel != "xla" else "xla")
+    return KernelChoice(attention, "mosaic" if mlp_fits and args.mlp_kernel != "xla" else "xla",
+                        "pallas" if norm_fits and args.norm_kernel != "xla" else "xla")
 
 
 def memory(cfg, args, dtype, groups, n, model_axis, tokens_per_device, sample) -> dict:
@@ -119,14 +120,15 @@ def does_not_fit(cfg, args, dtype, machine: Machine, target, row_len: int, group
     return UserError(f"{what} fits no {target.kind} slice{even}{hint}")
 
 
-def step_layout(cfg, dtype: str, chosen: tuple, mesh, platform: str, **kwargs):
+def step_layout(cfg, dtype: str, chosen, mesh, platform: str, **kwargs):
     """The step's Layout (device/runner.py) as run/plan.py builds it, for `platform`'s per-token sums
-    (StatsOptions.segment_sum_mode: scatter on GPUs, else scan); kwargs: Layout's."""
+    (StatsOptions.segment_sum_mode: scatter on GPUs, else scan) with the KernelChoice `chosen`;
+    kwargs: Layout's."""
     from isojax.device.runner import Layout
     from isojax.hf.loading import build_module
     from isojax.run.plan import step_module
     from isojax.stats.options import StatsOptions
-    module = step_module(build_module(cfg, dtype, *chosen), mesh)
+    module = step_module(build_module(cfg, dtype, chosen), mesh)
     return Layout(module, mesh, options=StatsOptions(segment_sum="scatter" if platform == "gpu" else "scan"), **kwargs)
 
 
@@ -166,6 +168,7 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     from isojax.device import targets
     from isojax.device.memory import batch_rows, device_batch_tokens, known_labels, log_shrink, sample_size
     from isojax.hf.loading import abstract_params
+    from isojax.model.options import KernelChoice
     from isojax.run.measure import DEFAULT_MODEL, peek_config, row_length
     from isojax.run.results import output_bytes
 
@@ -206,7 +209,7 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
 
     # off a GPU the GPU kernels run as stand-ins (packed attention and the norm pair in Pallas' interpret
     # mode, the fused MLP as XLA's path): lowered here, those are what the module holds
-    interpreted = platform == "gpu" and jax.default_backend() != "gpu" and chosen != ("xla",) * 3
+    interpreted = platform == "gpu" and jax.default_backend() != "gpu" and chosen != KernelChoice()
     parallel.use_gspmd_partitioner()
     mesh = jax.sharding.AbstractMesh((n // m, m), parallel.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
     layout = step_layout(cfg, dtype, chosen, mesh, platform, token_stats=not args.no_token_stats, num_groups=groups,
@@ -218,7 +221,7 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
         "target": machine.name, "platform": platform, "devices": n, "device_memory": machine.memory,
         "model": {"name": model, "family": cfg.family, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                   "heads": cfg.num_heads, "vocab_size": cfg.vocab_size, "parameters": cfg.param_count()},
-        "dtype": dtype, "kernels": dict(zip(("attention", "mlp", "norm"), chosen)),
+        "dtype": dtype, "kernels": {"attention": chosen.attention, "mlp": chosen.mlp, "norm": chosen.norm},
         "segment_sum": layout.options.segment_sum, "mesh": {"data": n // m, "model": m},
         "rows": rows, "row_len": row_len, "tokens_per_batch": rows * row_len, "tokens_per_device": rows * row_len // n,
         "memory_per_device": per_device, "sample_states": sample, "token_stats": not args.no_token_stats,

@@ -24,19 +24,19 @@ def peek_config(name: str):
     return None
 
 
-def load(model, revision, dtype: str, attention: str, mesh):
+def load(model, revision, dtype: str, mesh):
     """The model's weights in `dtype` on `mesh`. A LoadedModel given is left as it is: the run
     gets a copy of it (the tokenizer it loaded kept), its params placed anew."""
     from isojax.hf.loading import LoadedModel, load_model, place
     if isinstance(model, LoadedModel):
         ours = copy.copy(model)
         ours.params, ours.source = place(model.params, dtype, mesh), dict(model.source)
-        ours.dtype, ours.attention_impl = dtype, attention
+        ours.dtype = dtype
         return ours
     if model is not None:
-        return load_model(model, revision=revision, dtype=dtype, attention_impl=attention, mesh=mesh)
+        return load_model(model, revision=revision, dtype=dtype, mesh=mesh)
     try:
-        return load_model(DEFAULT_MODEL, revision=revision, dtype=dtype, attention_impl=attention, mesh=mesh)
+        return load_model(DEFAULT_MODEL, revision=revision, dtype=dtype, mesh=mesh)
     except UserError as e:  # offline and not cached: the demo runs on random weights, saying why
         from isojax.hf.network import hub_reachable
         if hub_reachable():  # the hub answered: its refusal (unknown revision, an error) is the user's to see
@@ -45,7 +45,7 @@ def load(model, revision, dtype: str, attention: str, mesh):
         log("*" * 72)
         log(f"WARNING: RANDOM WEIGHTS of {DEFAULT_MODEL}'s shapes: the results describe an untrained model")
         log("*" * 72)
-        return load_model(f"random:{DEFAULT_MODEL}", dtype=dtype, attention_impl=attention, mesh=mesh)
+        return load_model(f"random:{DEFAULT_MODEL}", dtype=dtype, mesh=mesh)
 
 
 def tokenizer_without_weights(model, cfg):

@@ -34,7 +34,8 @@ def package_versions() -> dict:
     return out
 
 
-def build_manifest(model, cache, corpus, done, plan, seconds, wall, settings) -> dict:
+def build_manifest(model, kernels, cache, corpus, done, plan, seconds, wall, settings) -> dict:
+    """The manifest of a run of the LoadedModel `model` with the plan's KernelChoice `kernels`."""
     dev = jax.devices()[0]
     name, revision = checkpoint_name(model.source["name"], model.source.get("revision"))
     return {
@@ -45,7 +46,8 @@ def build_manifest(model, cache, corpus, done, plan, seconds, wall, settings) ->
         "corpus_sources": cache.source_counts(), "bad_records_skipped": corpus.bad_records,
         "tokens": done["tokens"], "sequences": done["sequences"], "batches": done["batches"],
         "padding_fraction": plan.padding_fraction, "settings": settings,
-        "kernels": {"attention": model.attention_impl, "mlp": model.mlp_impl, "norm": model.norm_impl},
+        "kernels": {"attention": kernels.attention, "mlp": kernels.mlp, "norm": kernels.norm},
+        "kernel_reasons": dict(kernels.reasons),
         "seconds_device_loop": seconds, "seconds_wall": wall,
         "tokens_per_second": done["tokens"] / max(seconds, 1e-9),
         "device": {"platform": dev.platform, "kind": dev.device_kind, "count": settings.get("devices"),

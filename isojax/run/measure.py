@@ -1,7 +1,8 @@
 """`isojax.measure(model, data, **options) -> Results`: the whole extract job as a library call,
 read top down: measure() loads, tokenizes and plans the step (run/plan.py) at once; _measure runs
 it in four steps (_start, _loop, _read_out, _results). Memory planning lives in device/memory.py,
-kernel choice in kernels/select.py, the inputs in run/inputs.py, the centered pass in run/centered.py.
+kernel choice in device/kernel_choice.py, the inputs in run/inputs.py, the centered pass in
+run/centered.py.
 
     results = isojax.measure("pythia-160m", ["enron.jsonl.zst"], revision="step143000", max_tokens=10**7)
     results.layers[-1]["inter_sim"]        # metrics.json's layers
@@ -25,8 +26,9 @@ from isojax import storage
 from isojax.errors import UserError
 from isojax.stats.finalize import massive_ratio, sample_cka, sample_metrics
 from isojax.device.memory import check_fits, choose_mesh, defaults_platform
-from isojax.kernels.select import check_mlp_kernel, check_norm_kernel
+from isojax.device.kernel_choice import check_mlp_kernel, check_norm_kernel
 from isojax.log import log
+from isojax.model.options import KernelChoice
 from isojax.run.config import KernelConfig, MeasureConfig
 from isojax.run.inputs import DEFAULT_MODEL, load, open_tokens, peek_config, row_length, tokenizer_without_weights
 from isojax.run.loop import consume, resume
@@ -56,12 +58,15 @@ def use_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def make_runner(model, mesh, *, token_stats: bool, num_groups: int, sample_size: int = 0, skip_positions: int = 0):
-    """A Runner of a LoadedModel whose activations stay split by rows over every device."""
+def make_runner(model, mesh, *, token_stats: bool, num_groups: int, sample_size: int = 0, skip_positions: int = 0,
+                kernels: KernelChoice = KernelChoice()):
+    """A Runner of a LoadedModel with these kernels, its activations split by rows over every device."""
     from isojax.device.runner import Runner
+    from isojax.hf.loading import build_module
     from isojax.stats.options import StatsOptions
-    return Runner(step_module(model.module, mesh), model.params, mesh, token_stats=token_stats, num_groups=num_groups,
-                  sample_size=sample_size, options=StatsOptions(skip_positions=skip_positions))
+    return Runner(step_module(build_module(model.config, model.dtype, kernels), mesh), model.params, mesh,
+                  token_stats=token_stats, num_groups=num_groups, sample_size=sample_size,
+                  options=StatsOptions(skip_positions=skip_positions))
 
 
 def check_skip_positions(tokens, skip: int) -> None:
@@ -163,7 +168,7 @@ def measure(model=None, data=None, **kwargs) -> Results:
                 tokens = open_tokens(corpus, found[0], row_length(early, unit, seq_len), progress)
             planned = plan_for(early, row_length(early, unit, seq_len))
         with timings("load"):
-            loaded = load(model, revision, dtype, attention, mesh)  # a LoadedModel given is copied, not changed
+            loaded = load(model, revision, dtype, mesh)  # a LoadedModel given is copied, not changed
         if found is not None:
             loaded.source["tokenizer"] = found[1]
         row_len = row_length(loaded.config, unit, seq_len)
@@ -190,9 +195,8 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     from isojax.data import TokenStream, plan_stats
 
     # the kernels chosen once, by the step's plan: the step runs them, and Results.config records them
-    loaded = dataclasses.replace(loaded, attention_impl=step.attention, mlp_impl=step.mlp, norm_impl=step.norm)
     config = config.replace(model={"dtype": loaded.dtype}, devices={"mesh": dict(mesh.shape)},
-                            kernels=KernelConfig(step.attention, step.mlp, step.norm))
+                            kernels=KernelConfig(step.kernels.attention, step.kernels.mlp, step.kernels.norm))
     streamed = isinstance(tokens, TokenStream)
     finished = lambda: tokens.result() if streamed else tokens
     # the padding fraction, from the plan of the finished cache, computed while the devices work
@@ -241,14 +245,14 @@ def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPla
     size = "tokenizing while the devices measure (first run)" if isinstance(tokens, TokenStream) else \
         f"{tokens.n_tokens:,} tokens in {tokens.n_sequences:,} {config.data.unit}s"
     log(f"corpus {corpus.describe()}: {size}, sources: {', '.join(step.labels)}; rows {step.rows} x {row_len}, "
-        f"attention {step.attention}, MLP {step.mlp}, LayerNorms {step.norm}")
+        f"attention {step.kernels.attention}, MLP {step.kernels.mlp}, LayerNorms {step.kernels.norm}")
     skip = int(config.stats.skip_positions)
     check_skip_positions(tokens, skip)
     check_fits(cfg, config.stats.token_stats, dtype, len(step.labels), mesh, step.rows * row_len // mesh.size,
                verbose=True, sample_size=step.sample_states)
     with timings("compile"):  # the step's setup: parameters placed, accumulators allocated (their init compiles)
         runner = make_runner(loaded, mesh, token_stats=config.stats.token_stats, num_groups=len(step.labels),
-                             sample_size=step.sample_states, skip_positions=skip)
+                             sample_size=step.sample_states, skip_positions=skip, kernels=step.kernels)
     if ahead.matches(ahead.runner_signature(runner, step.rows, row_len), step.signature):
         runner.use_compiled(step.executable)
     else:  # e.g. a checkpoint whose parameter tree is not its config's: the step compiles at its first batch
@@ -341,7 +345,8 @@ def _results(loaded, runner, corpus, tokens, cache, plan, timings, config: Measu
     from isojax.run.manifest import build_manifest, build_metrics
     metrics = build_metrics(loaded, config.data.unit, done, final, has_sources)
     loop_s = timings["loop"] + timings["compile"]
-    manifest = build_manifest(loaded, cache, corpus, done, plan, loop_s, time.time() - timings.start, settings)
+    manifest = build_manifest(loaded, step.kernels, cache, corpus, done, plan, loop_s, time.time() - timings.start,
+                              settings)
     manifest["from_cache"] = not isinstance(tokens, TokenStream) and tokens.from_cache
     manifest["step_plan_s"] = step.seconds  # made beside the load; "waited": its part in timings' compile
     manifest["tokens_per_second"] = loop_rate  # the rate the last log line gives

@@ -19,9 +19,7 @@ CPU_DEFAULT_MAX_TOKENS = 16_384  # the offline demo on 2 CPU cores: well under 3
 @dataclasses.dataclass
 class StepPlan:
     cfg: object  # the ModelConfig it was made for
-    attention: str
-    mlp: str
-    norm: str
+    kernels: object  # the KernelChoice (model/options.py) the step runs and the model is built with
     rows: int  # rows per batch, a multiple of the device count
     labels: list[str]  # the corpus's sources
     max_tokens: int | None
@@ -79,7 +77,8 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     from isojax.device.memory import defaults_platform, run_batch
     from isojax.device.runner import Layout
     from isojax.hf.loading import abstract_params, build_module, cache_root
-    from isojax.kernels.select import RECHECK, CheckRecord, choose_attention, choose_mlp_kernel, choose_norm_kernel
+    from isojax.device.kernel_choice import (RECHECK, CheckRecord, choose_attention, choose_mlp_kernel,
+                                             choose_norm_kernel, kernel_choice)
     from isojax.stats.options import StatsOptions
 
     start, seconds = time.time(), {}
@@ -98,7 +97,7 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     checks = [pool.submit(f) for f in choose(True)]
     pool.shutdown(wait=False)
     try:
-        expected = tuple(f() for f in choose(False))
+        expected = kernel_choice(*(f() for f in choose(False)))
     except UserError:  # an explicit kernel that cannot run: its check says so
         expected = None
     t = time.time()
@@ -113,7 +112,7 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     seconds["tokens"] = time.time() - t
 
     def compiled(kernels):
-        module = step_module(build_module(cfg, dtype, *kernels), mesh)
+        module = step_module(build_module(cfg, dtype, kernels), mesh)
         layout = Layout(module, mesh, token_stats=config.stats.token_stats, num_groups=len(labels),
                         sample_size=sample_states, options=StatsOptions(skip_positions=config.stats.skip_positions))
         return ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), rows, row_len)
@@ -123,18 +122,17 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
         step = compiled(expected) if expected is not None else None
     except Exception:  # noqa: BLE001 -- e.g. a kernel that does not run here: its check says so below
         step = None
-    chosen = tuple(check.result() for check in checks)
+    chosen = kernel_choice(*(check.result() for check in checks))
     seconds["kernels"] = time.time() - start
     if record.used:
         log(f"kernel checks: recorded outcomes used for {', '.join(sorted(record.used))} ({RECHECK}=1 runs them again)")
     if chosen != expected or step is None:
-        log(f"kernel checks chose {'/'.join(chosen)}: compiling the step for them")
+        log(f"kernel checks chose {chosen.attention}/{chosen.mlp}/{chosen.norm}: compiling the step for them")
         step = compiled(chosen)
     executable, signature = step
-    attention, mlp, norm = chosen
     seconds["compile"] = time.time() - t
     seconds["total"] = time.time() - start
-    return StepPlan(cfg, attention, mlp, norm, rows, labels, max_tokens, sample_states, executable, signature, seconds)
+    return StepPlan(cfg, chosen, rows, labels, max_tokens, sample_states, executable, signature, seconds)
 
 
 def plan_in_background(*args, **kwargs) -> concurrent.futures.Future:

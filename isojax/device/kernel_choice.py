@@ -1,5 +1,6 @@
 """Which kernel runs where, decided in one place before any weights load (check_*) and once the
-rows per device are known (choose_*): the fused MLP (mlp), the LayerNorm pair (norm) and attention
+rows per device are known (choose_*, each a (kernel, reason) pair; run/plan.py makes the run's one
+KernelChoice of them): the fused MLP (isojax.kernels.mlp), the LayerNorm pair (norm) and attention
 over packed rows (packed_attention), each where it applies and its probe (`works`) passes here,
 else XLA's path. An explicit choice that cannot run is a UserError. A probe's outcome is kept
 (CheckRecord) per card, driver, versions, kernel source and arguments, so a machine pays it once."""
@@ -13,11 +14,12 @@ import json
 import os
 from pathlib import Path
 
+from isojax import numerics
 from isojax.atomic import write_atomic
 from isojax.errors import UserError
 from isojax.log import log
-from isojax.model import ops
 from isojax.model.config import ACTIVATIONS
+from isojax.model.options import KernelChoice
 
 RECHECK = "ISOJAX_RECHECK_KERNELS"  # set (not 0): every probe runs again, and its record is rewritten
 
@@ -45,7 +47,7 @@ def source_hash(*files) -> str:
 
 class CheckRecord:
     """Kernel probes' outcomes kept in `folder` (None: none kept), one JSON file per key: the
-    kernel, its arguments, the bytes of its module and of model/ops.py, and environment(). A record
+    kernel, its arguments, the bytes of its module and of isojax/numerics.py, and environment(). A record
     that cannot be read or does not hold its key is ignored (the probe runs and rewrites it); one
     that cannot be written is skipped. `used`: the kernels whose recorded outcome was taken."""
 
@@ -59,7 +61,7 @@ class CheckRecord:
         if self.folder is None:
             return kernel.works(**args) if run else None
         name = kernel.__name__.rpartition(".")[2]
-        key = dict(kernel=kernel.__name__, args=args, source=source_hash(kernel.__file__, ops.__file__),
+        key = dict(kernel=kernel.__name__, args=args, source=source_hash(kernel.__file__, numerics.__file__),
                    **environment())
         path = self.folder / f"{name}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
         if os.environ.get(RECHECK, "0") in ("", "0"):
@@ -99,29 +101,36 @@ def check_mlp_kernel(mlp_kernel: str, dtype: str) -> None:
 
 
 def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True,
-                      record: CheckRecord = NO_RECORD) -> str:
-    """auto: the Mosaic kernel (isojax.kernels.mlp) where it applies (bfloat16, Hopper GPUs, a
-    device's rows and the model's widths tile) and works, else XLA's path; mosaic where it does not
-    apply: an error. check=False: what it chooses if the kernel works, without trying it or saying
-    anything (run/plan.py compiles the step for that while the check runs), or as `record` holds it."""
+                      record: CheckRecord = NO_RECORD) -> tuple[str, str]:
+    """(kernel, why). auto: the Mosaic kernel (isojax.kernels.mlp) where it applies (bfloat16, Hopper
+    GPUs, a device's rows and the model's widths tile) and works, else XLA's path; mosaic where it
+    does not apply: an error. check=False: what it chooses if the kernel works, without trying it or
+    saying anything (run/plan.py compiles the step for that while the check runs), or as `record`
+    holds it."""
     from isojax.kernels import mlp as kernels
     if mlp_kernel == "xla":
-        return "xla"
-    fits = kernels.applies(device_rows, cfg.hidden_size, cfg.intermediate_size, ops.DTYPES[dtype]) \
-        and exact_gelu_with_bias(cfg)
+        return "xla", "asked for"
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    shape = f"{cfg.hidden_act}{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'}"
+    fits = kernels.applies(device_rows, d, f, numerics.DTYPES[dtype]) and exact_gelu_with_bias(cfg)
     if mlp_kernel == "mosaic" and not fits:
-        raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of "
-                        f"[{cfg.hidden_size}] x [{cfg.hidden_size}, {cfg.intermediate_size}] ({cfg.hidden_act}"
-                        f"{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'})")
-    if not exact_gelu_with_bias(cfg) and check:
-        log(f"the fused MLP kernel does not apply to this {cfg.family} MLP ({cfg.hidden_act}"
-            f"{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'}, {device_rows} rows per "
-            "device): XLA's path")
-    if fits and (why := record.outcome(kernels, {}, run=check)) is not None:
+        raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of [{d}] x [{d}, {f}] "
+                        f"({shape})")
+    if not exact_gelu_with_bias(cfg):
+        why = f"the fused MLP kernel does not apply to this {cfg.family} MLP ({shape}, {device_rows} rows per " \
+              "device): XLA's path"
         if check:
-            log(f"the fused MLP kernel does not run here ({why}): XLA's path instead")
-        return "xla"
-    return "mosaic" if fits else "xla"
+            log(why)
+        return "xla", why
+    if not fits:
+        return "xla", f"the fused MLP kernel does not apply to {device_rows} rows per device of [{d}] x [{d}, {f}] " \
+                      f"in {dtype} here: XLA's path"
+    if (failed := record.outcome(kernels, {}, run=check)) is not None:
+        why = f"the fused MLP kernel does not run here ({failed}): XLA's path instead"
+        if check:
+            log(why)
+        return "xla", why
+    return "mosaic", "applies and works here"
 
 
 def exact_gelu_with_bias(cfg) -> bool:
@@ -145,10 +154,10 @@ def check_norm_kernel(norm_kernel: str, dtype: str) -> None:
 
 
 def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True,
-                       record: CheckRecord = NO_RECORD) -> str:
-    """auto: one Pallas kernel for a parallel-residual block's two LayerNorms (isojax.kernels.norm)
-    where it applies (bfloat16 on a GPU, a power-of-two width) and works, else XLA's; pallas where
-    it does not apply: an error. check=False: as choose_mlp_kernel's."""
+                       record: CheckRecord = NO_RECORD) -> tuple[str, str]:
+    """(kernel, why). auto: one Pallas kernel for a parallel-residual block's two LayerNorms
+    (isojax.kernels.norm) where it applies (bfloat16 on a GPU, a power-of-two width) and works, else
+    XLA's; pallas where it does not apply: an error. check=False: as choose_mlp_kernel's."""
     import jax
 
     from isojax.kernels import norm as kernel
@@ -156,53 +165,67 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int, chec
         raise UserError("norm kernel pallas fuses a parallel-residual block's two LayerNorms; this model "
                         "has sequential residuals or other norms")
     if norm_kernel == "xla":
-        return "xla"
+        return "xla", "asked for"
     if not layer_norm_pair(cfg):
+        why = f"the LayerNorm-pair kernel does not apply to this {cfg.family} block: XLA's norms"
         if cfg.family != "gpt_neox" and check:  # GPT-NeoX's sequential blocks are told apart by their config already
-            log(f"the LayerNorm-pair kernel does not apply to this {cfg.family} block: XLA's norms")
-        return "xla"
+            log(why)
+        return "xla", why
     d = cfg.hidden_size
-    fits = jax.default_backend() == "gpu" and kernel.applies(d, ops.DTYPES[dtype]) \
+    fits = jax.default_backend() == "gpu" and kernel.applies(d, numerics.DTYPES[dtype]) \
         and device_rows % kernel.rows_per_block(d) == 0
     if norm_kernel == "pallas" and not fits:
         raise UserError(f"norm kernel pallas does not apply to {device_rows} rows per device of width {d}")
-    why = record.outcome(kernel, dict(d=d), run=check) if fits else None
-    if why is not None and check:
-        if norm_kernel == "pallas":
-            raise UserError(f"norm kernel pallas does not run here: {why}")
-        log(f"the LayerNorm kernel does not run here ({why}): XLA's LayerNorms instead")
-    return "pallas" if fits and why is None else "xla"
+    if not fits:
+        return "xla", f"the LayerNorm-pair kernel does not apply to {device_rows} rows per device of width {d} " \
+                      f"in {dtype} on {jax.default_backend()}: XLA's norms"
+    if (failed := record.outcome(kernel, dict(d=d), run=check)) is not None:
+        why = f"the LayerNorm kernel does not run here ({failed}): XLA's LayerNorms instead"
+        if check:
+            if norm_kernel == "pallas":
+                raise UserError(f"norm kernel pallas does not run here: {failed}")
+            log(why)
+        return "xla", why
+    return "pallas", "applies and works here"
 
 
 def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int, check: bool = True,
-                     record: CheckRecord = NO_RECORD) -> str:
-    """The attention kernel for these rows. packed (isojax.kernels.packed_attention) where it applies
-    (rotary positions without q/k norms or clipping, powers-of-two head and rotary dims, rows of a
-    multiple of 64; any number of key/value heads) and works here, else, under
+                     record: CheckRecord = NO_RECORD) -> tuple[str, str]:
+    """(kernel, why): the attention kernel for these rows. packed (isojax.kernels.packed_attention)
+    where it applies (rotary positions without q/k norms or clipping, powers-of-two head and rotary
+    dims, rows of a multiple of 64; any number of key/value heads) and works here, else, under
     auto, cuDNN; cuDNN and Pallas's TPU kernel need rows of a multiple of 64 and 128, else, under
     auto, plain XLA. An explicit choice that cannot run is an error. check=False: as
     choose_mlp_kernel's."""
     from isojax.kernels import packed_attention
-    why = None
+    reason = f"auto: {attention} for this backend and dtype" if auto else "asked for"
     if attention == "packed":
         if cfg.learned_positions or cfg.qk_norm or cfg.clip_qkv is not None:
             why = ("is for rotary attention without q/k norms or clipping (this "
                    f"{cfg.family} has {'learned positions' if cfg.learned_positions else 'q/k norms or clip_qkv'})")
-        elif not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, ops.DTYPES[dtype]):
+        elif not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, numerics.DTYPES[dtype]):
             why = (f"needs head and rotary dims that are powers of two >= 16 (here {cfg.head_dim} and "
                    f"{cfg.rotary_dims}) and rows of a multiple of 64 tokens (seq_len {row_len})")
         else:
             why = record.outcome(packed_attention, dict(head_dim=cfg.head_dim, rotary_dims=cfg.rotary_dims), run=check)
         if why is None:
-            return "packed"
+            return "packed", "applies and works here"
         if not auto:
             raise UserError(f"attention packed {why}")
+        reason = f"packed attention does not run here ({why}): cuDNN's instead"
         if check:
-            log(f"packed attention does not run here ({why}): cuDNN's instead")
+            log(reason)
         attention = "cudnn"
     multiple = {"cudnn": 64, "pallas": 128}.get(attention, 1)
     if row_len % multiple:
         if not auto:
             raise UserError(f"attention {attention} needs rows of a multiple of {multiple} tokens (seq_len {row_len})")
-        return "xla"
-    return attention
+        return "xla", f"{reason}; {attention} needs rows of a multiple of {multiple} tokens (seq_len {row_len}): XLA's"
+    return attention, reason
+
+
+def kernel_choice(attention: tuple[str, str], mlp: tuple[str, str], norm: tuple[str, str]) -> KernelChoice:
+    """The run's one KernelChoice of choose_attention's, choose_mlp_kernel's and choose_norm_kernel's
+    (kernel, why) pairs."""
+    return KernelChoice(attention[0], mlp[0], norm[0],
+                        reasons=(("attention", attention[1]), ("mlp", mlp[1]), ("norm", norm[1])))

@@ -1,20 +1,14 @@
-"""Numerics shared by the Flax model (isojax.model.layers) and the kernels (isojax.kernels): erf and
-GELU as Hugging Face computes them, rotary embeddings, the packed-row segment mask and the reference
-attentions. JAX only: importing this module pulls in neither Flax nor the model."""
+"""Numerics shared by the Flax model (isojax.model) and the kernels (isojax.kernels), below both:
+erf and GELU as Hugging Face computes them, rotary embeddings, the packed-row segment mask and the
+reference attentions. JAX only: it imports nothing of isojax, so the kernels import only JAX and it."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the compute dtypes a run may name
-
-if TYPE_CHECKING:
-    from isojax.model.config import ModelConfig
-
 
 # Rational approximation of erf on [-4, 4] (odd degree-13 numerator, even degree-8
 # denominator; Eigen's generic_fast_erf_float): |error| <= 4.5e-7 against float64 erf.
@@ -54,8 +48,9 @@ def gelu(u, approximate: bool, fast: bool = True):
     return (uf * (0.5 + 0.5 * fast_erf(uf * np.float32(np.sqrt(0.5))))).astype(u.dtype)
 
 
-def rotary_tables(positions_BxT, cfg: ModelConfig):
-    """cos, sin [B, T, R] in float32, as Hugging Face: freqs = pos * inv_freq, emb = [freqs, freqs]."""
+def rotary_tables(positions_BxT, cfg):
+    """cos, sin [B, T, R] in float32, as Hugging Face: freqs = pos * inv_freq, emb = [freqs, freqs]
+    (cfg: a ModelConfig, read for rotary_dims and rotary_emb_base)."""
     r = cfg.rotary_dims
     inv_freq_R2 = (1.0 / cfg.rotary_emb_base ** (np.arange(0, r, 2, dtype=np.float64) / r)).astype(np.float32)
     freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_R2
