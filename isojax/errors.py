@@ -14,6 +14,18 @@ class UserError(Exception):
     """
 
 
+class Busy(UserError):
+    """A folder locked by another isojax process; `holder`: its pid and host (and since when), as it
+    wrote them; `clear`: how to remove a lock its dead holder left, where the lock does not go by
+    itself (gs://)."""
+
+    def __init__(self, out, holder: dict, clear: str = ""):
+        self.holder = holder
+        since = f", since {holder['since']}" if holder.get("since") else ""
+        super().__init__(f"--out {out} is in use by another isojax run (pid {holder.get('pid', '?')} on "
+                         f"{holder.get('host', '?')}{since}); wait for it to end or choose another --out{clear}")
+
+
 class Preempted(Exception):
     """The run was asked to stop (SIGTERM) and wrote a checkpoint first: exit 143, resumable."""
 

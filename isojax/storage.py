@@ -2,9 +2,10 @@
 gs://bucket/path URL, through fsspec's GCS driver (gcsfs). Local paths never come here.
 
 A GCS "folder" is a prefix: it exists while an object lies under it. One object is written by one
-upload and appears whole or not at all (there is no rename, no append, no lock): the rules built on
-that are isojax.run.remote_out (results) and isojax.device.checkpoints (a step's meta.json uploaded
-last).
+upload and appears whole or not at all (there is no rename, no append, no lock, but an upload or a
+delete can be made conditional on the object's generation): the rules built on that are
+isojax.run.remote_out (results, and the lock on --out: an object created only where none is) and
+isojax.device.checkpoints (a step's meta.json uploaded last).
 
 Credentials come from the environment as Google's libraries read them: GOOGLE_APPLICATION_CREDENTIALS,
 else gcloud's application-default credentials or the metadata server (google.auth.default);
@@ -159,6 +160,46 @@ def write_bytes(url: GsPath, data: bytes | str) -> None:
     url = path(url)
     data = data.encode() if isinstance(data, str) else data
     _call(url, lambda fs: fs.pipe_file(url.key, data))
+
+
+def create_bytes(url: GsPath, data: bytes | str) -> bool:
+    """One upload made only where no object of that name is there (the precondition
+    ifGenerationMatch=0, checked by GCS itself): True, or False where one is."""
+    url = path(url)
+    data = data.encode() if isinstance(data, str) else data
+
+    def create(fs):
+        try:
+            fs.pipe_file(url.key, data, mode="create")
+        except FileExistsError:  # gcsfs: HTTP 412, the precondition failed
+            return False
+        return True
+    return _call(url, create)
+
+
+def read_generation(url: GsPath) -> tuple[bytes, int] | None:
+    """An object's bytes and its generation (None where there is none). The bytes are read after
+    the generation, so they are that generation's or a later one's."""
+    url = path(url)
+
+    def read(fs):
+        try:
+            generation = int(fs.info(url.key)["generation"])
+            return fs.cat_file(url.key), generation
+        except FileNotFoundError:
+            return None
+    return _call(url, read)
+
+
+def delete_generation(url: GsPath, generation: int) -> None:
+    """Delete the object only while it is still `generation` (the precondition ifGenerationMatch);
+    one gone or replaced meanwhile is left as it is."""
+    url = path(url)
+
+    def delete(fs):
+        with contextlib.suppress(FileNotFoundError, FileExistsError):  # 404 gone, 412 replaced
+            fs.call("DELETE", "b/{}/o/{}", url.bucket, url.key.split("/", 1)[1], ifGenerationMatch=str(generation))
+    _call(url, delete)
 
 
 def listing(url: GsPath) -> dict[str, int]:

@@ -169,6 +169,7 @@ def test_run_killed_and_resumed_on_gcs_equals_a_local_run(bucket, gcs_server, tm
         again = _extract(*remote, "--resume", env=env)
         assert again.returncode == 0, again.stderr[-3000:]
         assert "resuming after" in again.stderr, again.stderr[-3000:]
+        assert "on this host); taken over" in again.stderr  # the killed run's lock
         assert _TokenEndpoint.calls > 0  # the credentials were used, not anonymous requests
     finally:
         server.shutdown()
@@ -231,3 +232,114 @@ def test_commands_without_gcs_support_refuse_it_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("error:") and "gs://" in err[-1], (what, err[-3:])
     assert list(tmp_path.iterdir()) == []
+
+
+_HOLD = ("import sys\nfrom isojax.run import outdir\n"
+         "with outdir.claim(sys.argv[1], overwrite=True, names={'metrics.json'}):\n"
+         "    with outdir.staged(sys.argv[1]) as stage:\n"
+         "        (stage / 'metrics.json').write_text(sys.argv[2])\n"
+         "    print('ready', flush=True)\n    sys.stdin.readline()\n")
+
+
+def _holder(url: str, text: str, env: dict) -> subprocess.Popen:
+    """A run (another process) that writes metrics.json = text into url and holds url until told."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, url, text], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
+    return proc
+
+
+def _snapshot(url: str) -> dict:
+    return {rel: storage.read_bytes(storage.path(url) / rel) for rel in storage.listing(url)}
+
+
+def test_a_gs_out_is_locked_while_a_run_writes_there(bucket, gcs_server, tmp_path, monkeypatch):
+    """A run holds OUT/.isojax.lock (created only where none is) with its pid, host and start time,
+    no credential: a second run into the same gs:// --out is one `error:` line naming the first and
+    how to delete a lock its dead holder left, before the model loads, and the first's results stay
+    as they were; once the first ends (its lock deleted) a run proceeds; a lock left by a process
+    killed on this host is taken over; one from another host is refused until it is deleted."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TokenEndpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    out = f"gs://{bucket}/run"
+    lock = storage.path(out) / ".isojax.lock"
+    try:
+        key_line = _service_account(tmp_path / "key.json", f"http://127.0.0.1:{server.server_address[1]}/token")
+        env = {"STORAGE_EMULATOR_HOST": gcs_server, "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "key.json"),
+               "ISOJAX_CACHE": str(tmp_path / "cache")}
+        first = _holder(out, '{"tokens": 1}', env)
+        try:
+            held = storage.read_bytes(lock)
+            assert sorted(json.loads(held)) == ["host", "pid", "since", "token"]
+            assert json.loads(held)["pid"] == first.pid
+            assert SECRET.encode() not in held and key_line.encode() not in held and b"BEGIN" not in held
+            before = _snapshot(out)
+            second = _extract("--model", "random:pythia-70m", "--no-plots", "--out", out, "--overwrite", env=env)
+            lines = second.stderr.strip().splitlines()
+            assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
+            assert lines[-1].startswith(f"error: --out {out} is in use by another isojax run (pid {first.pid} on "), \
+                lines[-1]
+            assert f"gcloud storage rm {lock}" in lines[-1], lines[-1]
+            assert "model random:pythia-70m" not in second.stderr  # refused before the model loaded
+            assert _snapshot(out) == before  # the first's results and its lock, as they were
+            first.communicate("go\n", timeout=120)
+            assert first.returncode == 0
+            assert _TokenEndpoint.calls > 0  # the holder used the service account's credentials
+        finally:
+            first.kill()
+            first.wait()
+    finally:
+        server.shutdown()
+    assert not lock.exists()  # deleted at the end
+    assert json.loads(storage.read_bytes(storage.path(out) / "metrics.json")) == {"tokens": 1}
+    env = {"STORAGE_EMULATOR_HOST": gcs_server}
+    with outdir.claim(out, overwrite=True, names={"metrics.json"}):  # released: proceeds
+        with outdir.claim(out, overwrite=True, names={"metrics.json"}):  # the same process again (extract, then save)
+            with outdir.staged(out) as stage:
+                (stage / "metrics.json").write_text('{"tokens": 2}')
+        assert json.loads(storage.read_bytes(lock))["pid"] == os.getpid()
+    assert not lock.exists()
+    killed = _holder(out, '{"tokens": 3}', env)
+    killed.kill()  # SIGKILL: its lock stays
+    killed.wait()
+    assert json.loads(storage.read_bytes(lock))["pid"] == killed.pid
+    logged = []
+    monkeypatch.setattr("isojax.run.remote_out.log", logged.append)
+    with outdir.claim(out, overwrite=True, names={"metrics.json"}):
+        assert json.loads(storage.read_bytes(lock))["pid"] == os.getpid()
+    assert any(f"pid {killed.pid} on this host); taken over" in line for line in logged), logged
+    storage.write_bytes(lock, json.dumps({"pid": 4242, "host": "elsewhere", "since": "2026-01-01 00:00:00 UTC"}))
+    with pytest.raises(outdir.Busy, match=rf"pid 4242 on elsewhere, since 2026-01-01 00:00:00 UTC\).*"
+                                           rf"gcloud storage rm {lock}"):
+        with outdir.claim(out, overwrite=True, names={"metrics.json"}):
+            pass
+    storage.delete(out, [".isojax.lock"])  # what `gcloud storage rm` does
+    with outdir.claim(out, overwrite=True, names={"metrics.json"}):
+        pass
+    assert json.loads(storage.read_bytes(storage.path(out) / "metrics.json")) == {"tokens": 3}
+    assert sorted(storage.listing(out)) == [".isojax-results.json", "metrics.json"]
+
+
+def test_a_run_told_to_wait_takes_a_gs_lock_once_it_is_deleted(bucket, monkeypatch):
+    """With wait (a sweep's claim of OUT), a lock held elsewhere is waited for, not refused: the
+    waiting run proceeds once the lock is gone, and holds it then."""
+    from isojax.run import remote_out
+    out = storage.path(f"gs://{bucket}/run")
+    lock = out / ".isojax.lock"
+    storage.write_bytes(lock, json.dumps({"pid": 4242, "host": "elsewhere"}))
+    waiting, got = threading.Event(), []
+    monkeypatch.setattr(remote_out, "POLL_S", 0.05)
+    monkeypatch.setattr(remote_out, "log", lambda m: waiting.set() if "waiting for another isojax run" in m else None)
+
+    def run():
+        with outdir.claim(out, overwrite=True, wait=True):
+            got.append(json.loads(storage.read_bytes(lock)))
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert waiting.wait(120)
+    assert not got
+    storage.delete(out, [".isojax.lock"])
+    thread.join(120)
+    assert got and got[0]["pid"] == os.getpid() and got[0]["host"] != "elsewhere"
+    assert not lock.exists()

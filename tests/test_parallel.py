@@ -416,3 +416,56 @@ def test_no_persistent_compilation_cache_in_multi_process_runs(monkeypatch, tmp_
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+@pytest.mark.multiprocess
+def test_an_exchange_a_process_never_joins_ends_at_its_deadline(tmp_path):
+    """Three processes joined by jax.distributed: an exchange that process 2 never publishes to
+    raises, once its deadline passes, a UserError naming the exchange and the processes missing
+    (process 1 waits while process 0 is held back behind it: both 0 and 2 are missing for it; for
+    process 0, after 1 published, only 2); the processes then go on exchanging."""
+    script = textwrap.dedent("""
+        import sys
+        from isojax.device import mesh
+        from isojax.errors import UserError
+        port, i = sys.argv[1], int(sys.argv[2])
+        mesh.initialize(f"localhost:{port}", 3, i)
+        assert mesh.exchange("hello", str(i).encode()) == [b"0", b"1", b"2"]
+        def lonely():
+            try:
+                mesh.exchange("lonely", b"here", deadline_s=0.2)
+            except UserError as e:
+                print(f"process {i}: {e}", flush=True)
+        if i == 1:
+            lonely()
+        mesh.exchange("between", b"")
+        if i == 0:
+            lonely()
+        assert mesh.exchange("bye", str(i).encode()) == [b"0", b"1", b"2"]
+        print(f"process {i}: done", flush=True)
+    """)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(port), str(i)], cwd=REPO, env=_env(tmp_path, 1),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert outs[0][0].splitlines() == [
+        "process 0: exchange 'lonely': process 2 of 3 did not publish within 0.2 s (dead, stuck or far behind: see "
+        "their logs); ISOJAX_EXCHANGE_TIMEOUT=SECONDS waits longer", "process 0: done"], outs[0][0]
+    assert outs[1][0].splitlines()[0].startswith("process 1: exchange 'lonely': processes 0, 2 of 3 did not "
+                                                 "publish within 0.2 s"), outs[1][0]
+    assert outs[2][0].splitlines() == ["process 2: done"], outs[2][0]
+
+
+def test_the_exchange_deadline_comes_from_the_environment(monkeypatch):
+    from isojax.device import mesh
+    from isojax.errors import UserError
+    monkeypatch.delenv("ISOJAX_EXCHANGE_TIMEOUT", raising=False)
+    assert mesh._exchange_deadline() == mesh.EXCHANGE_DEADLINE_S
+    monkeypatch.setenv("ISOJAX_EXCHANGE_TIMEOUT", "90")
+    assert mesh._exchange_deadline() == 90
+    for bad in ("0", "-3", "soon", "nan"):
+        monkeypatch.setenv("ISOJAX_EXCHANGE_TIMEOUT", bad)
+        with pytest.raises(UserError, match="ISOJAX_EXCHANGE_TIMEOUT"):
+            mesh._exchange_deadline()

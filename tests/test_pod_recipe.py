@@ -63,6 +63,7 @@ def test_a_process_keeps_its_part_of_every_step_after_the_last_whole_one(bucket,
     the later steps are whole, a process that writes a step removes its parts of the older ones."""
     directory = f"gs://{bucket}/run/checkpoint"
     monkeypatch.setattr(checkpointing.jax, "process_count", lambda: 3)
+    monkeypatch.setattr(checkpointing.mesh, "exchange", lambda name, value: [value] * 3)  # no peers to wait for
     tree = {"x": jnp.arange(4.0)}
 
     def write(process: int, *steps: int) -> None:

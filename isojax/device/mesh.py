@@ -172,24 +172,61 @@ def global_rows(local_LxT: np.ndarray, mesh: Mesh, total_rows: int) -> jax.Array
     return jax.make_array_from_single_device_arrays(shape, rows(mesh), shards)
 
 
-def exchange(name: str, value: bytes) -> list[bytes]:
+EXCHANGE_DEADLINE_S = 3600.0  # ISOJAX_EXCHANGE_TIMEOUT (seconds) overrides it
+
+
+def exchange(name: str, value: bytes, deadline_s: float | None = None) -> list[bytes]:
     """Every process's `value` published under `name`, in process order; each process calls it once
     per name. Through jax.distributed's key-value store, so from any thread and with no device
-    involved; it waits (without a deadline: a process that dies ends the run) for the others."""
+    involved. It waits for the others up to deadline_s (default: $ISOJAX_EXCHANGE_TIMEOUT, else an
+    hour: a process may still be tokenizing its share), then raises a UserError naming the processes
+    that never published."""
     if jax.process_count() == 1:
         return [value]
+    deadline_s = _exchange_deadline() if deadline_s is None else deadline_s
+    # jax (0.10, 0.11) has no public key-value API (jax.distributed offers initialize and shutdown,
+    # multihost_utils trades arrays through the devices): the client jax.distributed keeps
     from jax._src.distributed import global_state
     client = global_state.client
     client.key_value_set_bytes(f"isojax/{name}/{jax.process_index()}", value)
+    end = time.monotonic() + deadline_s
     out = []
     for p in range(jax.process_count()):
         while len(out) == p:
+            left_ms = int(min(60.0, end - time.monotonic()) * 1000)
             try:
-                out.append(client.blocking_key_value_get_bytes(f"isojax/{name}/{p}", 60_000))
+                out.append(client.blocking_key_value_get_bytes(f"isojax/{name}/{p}", max(left_ms, 1)))
             except Exception as e:  # noqa: BLE001 -- the wait's deadline: process p is still at work
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
+                if time.monotonic() >= end:
+                    missing = [q for q in range(p, jax.process_count()) if not _published(client, f"isojax/{name}/{q}")]
+                    raise UserError(f"exchange {name!r}: process{'es' if len(missing) > 1 else ''} "
+                                    f"{', '.join(map(str, missing))} of {jax.process_count()} did not publish within "
+                                    f"{deadline_s:g} s (dead, stuck or far behind: see their logs); "
+                                    "ISOJAX_EXCHANGE_TIMEOUT=SECONDS waits longer") from None
     return out
+
+
+def _exchange_deadline() -> float:
+    text = os.environ.get("ISOJAX_EXCHANGE_TIMEOUT")
+    if text is None:
+        return EXCHANGE_DEADLINE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise UserError(f"ISOJAX_EXCHANGE_TIMEOUT={text!r}: expected a number of seconds > 0")
+    return seconds
+
+
+def _published(client, key: str) -> bool:
+    try:
+        client.key_value_try_get_bytes(key)
+    except Exception:  # noqa: BLE001 -- NOT_FOUND
+        return False
+    return True
 
 
 def is_main_process() -> bool:

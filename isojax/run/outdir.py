@@ -31,8 +31,9 @@ PID and host (Busy), or, with wait, waits for it. A sweep locks each step folder
 it, and OUT itself only briefly (its checks, then the sweep's files), so several jobs of one sweep
 work in one OUT at once (isojax.run.sweep).
 
-On Google Cloud Storage (--out gs://...) there is no rename and no lock: isojax.run.remote_out
-keeps these rules there (a journal, every result object, then the record uploaded last).
+On Google Cloud Storage (--out gs://...) there is no rename and no flock: isojax.run.remote_out
+keeps these rules there (a journal, every result object, then the record uploaded last; the lock
+an object created only where none is, which a killed run leaves behind).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from pathlib import Path
 
 from isojax import storage
 from isojax.atomic import fsync_dir, write_atomic
-from isojax.errors import UserError
+from isojax.errors import Busy, UserError  # Busy: outdir.Busy to the sweep
 from isojax.log import log
 from isojax.run import remote_out
 
@@ -59,7 +60,7 @@ JOURNAL = ".isojax-commit.json"
 LOCK = ".isojax.lock"
 STAGE = ".partial-"
 
-_held: dict[str, list] = {}  # resolved OUT -> [lock fd, depth]: a process may claim OUT again (extract, then save)
+_held: dict[str, int] = {}  # resolved OUT (or gs:// URL) -> depth: a process may claim OUT again (extract, then save)
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -163,9 +164,11 @@ def claim(out, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite
     here and removed again at the end if nothing was written."""
     if storage.is_remote(out):
         url = storage.path(out)
-        remote_out.check_claim(url, names=names, inputs=inputs)
-        refuse_earlier(url, remote_out.owned(url), overwrite=overwrite, flag=flag)
-        yield url
+        remote_out.check_path(url, inputs)
+        with _lock(url, wait):
+            remote_out.check_names(url, names)
+            refuse_earlier(url, remote_out.owned(url), overwrite=overwrite, flag=flag)
+            yield url
         return
     out = Path(out)
     check_path(out, inputs)
@@ -190,36 +193,36 @@ def refuse_earlier(path, held, *, overwrite: bool, flag: str = "--overwrite") ->
                     f"pass {flag} to replace them")
 
 
-class Busy(UserError):
-    """A folder locked by another isojax process; `holder`: its pid and host, as it wrote them."""
-
-    def __init__(self, out: Path, holder: dict):
-        self.holder = holder
-        super().__init__(f"--out {out} is in use by another isojax run (pid {holder.get('pid', '?')} on "
-                         f"{holder.get('host', '?')}); wait for it to end or choose another --out")
-
-
 @contextlib.contextmanager
-def _lock(out: Path, wait: bool = False):
-    key = str(out.resolve())
+def _lock(out, wait: bool = False):
+    remote = storage.is_remote(out)
+    key = str(out) if remote else str(out.resolve())
     if key in _held:
-        _held[key][1] += 1
+        _held[key] += 1
         try:
             yield
         finally:
-            _held[key][1] -= 1
+            _held[key] -= 1
         return
+    with remote_out.lock(out, wait) if remote else _flock(out, wait):
+        _held[key] = 1
+        try:
+            yield
+        finally:
+            del _held[key]
+
+
+@contextlib.contextmanager
+def _flock(out: Path, wait: bool = False):
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd = _take(out / LOCK, out, wait)
     except OSError as e:
         raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    _held[key] = [fd, 1]
     try:
         yield
     finally:
-        del _held[key]
         with contextlib.suppress(OSError):
             os.unlink(out / LOCK)
         os.close(fd)

@@ -1,5 +1,5 @@
 """Result folders on Google Cloud Storage (--out gs://...): isojax.run.outdir's rules where there is
-no rename and no lock. isojax.run.outdir hands gs:// URLs here.
+no rename and no flock. isojax.run.outdir hands gs:// URLs here.
 
 Ownership, as in a local folder: OUT/.isojax-results.json (the record, the same format) names every
 object isojax wrote under OUT with its size and sha256. isojax replaces or deletes only those;
@@ -16,23 +16,37 @@ its size (and, for the objects they parse, its sha256). A run killed during 1-4 
 journal: readers refuse the folder, and the next run into OUT takes the objects the journal names
 as isojax's (replaced or deleted as recorded ones are) and commits anew. The earlier results
 cannot be put back (their objects may be overwritten already): that run writes them again.
-No lock: two runs into one gs:// --out at the same time are not refused.
+Lock. OUT/.isojax.lock is an object created only where none is (GCS checks the precondition
+ifGenerationMatch=0 itself, so of two runs one creates it), holding its run's pid, host and start
+time (and a random token, to know it for its own); deleted at the end, whatever the outcome, only
+while it is still the one this run created. A second run is refused with the first's pid, host and
+start time (outdir.Busy), or, with wait, polls until it is gone. A run that dies without unwinding
+(SIGKILL, a VM lost) leaves it: on the same host a lock whose pid is gone is taken over, as a dead
+run's flock is; from another host nothing can tell, so the refusal says how to delete it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
+import os
+import secrets
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 from isojax import storage
-from isojax.errors import UserError
+from isojax.errors import Busy, UserError
+from isojax.log import log
 
 RECORD = ".isojax-results.json"
 JOURNAL = ".isojax-commit.json"
+LOCK = ".isojax.lock"
+POLL_S = 5.0  # how often a waiting run looks at a lock held elsewhere
 
 
 def _top(rel: str) -> str:
@@ -89,10 +103,69 @@ def _check_names(out: storage.GsPath, names, present: dict, ours: set) -> None:
                             "move it away or choose another --out")
 
 
-def check_claim(out: storage.GsPath, *, names=(), inputs=()) -> None:
-    """outdir.claim's checks of a gs:// OUT (no lock there): no input, `names` not the user's objects."""
-    check_path(out, inputs)
+def check_names(out: storage.GsPath, names=()) -> None:
+    """outdir.claim's check of a gs:// OUT, under its lock: `names` are not the user's objects."""
     _check_names(out, names, storage.listing(out), _ours(out))
+
+
+@contextlib.contextmanager
+def lock(out: storage.GsPath, wait: bool = False):
+    """Hold OUT/.isojax.lock for the block (the module's docstring): Busy where another run holds
+    it, or with `wait`, once that one lets go."""
+    url = out / LOCK
+    mine = {"pid": os.getpid(), "host": socket.gethostname(),
+            "since": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "token": secrets.token_hex(8)}
+    clear = (f"; if that run is gone (killed, its machine lost), delete the lock it left: gcloud storage rm {url}")
+    waiting = False
+    while not storage.create_bytes(url, json.dumps(mine)):
+        found = storage.read_generation(url)
+        if found is None:  # let go meanwhile
+            continue
+        holder, generation = _holder(found[0]), found[1]
+        if holder.get("token") == mine["token"]:  # this run's upload went through; its answer was lost
+            break
+        if _dead_here(holder):
+            log(f"{url}: left by a run that is gone (pid {holder['pid']} on this host); taken over")
+            storage.delete_generation(url, generation)
+            continue
+        if not wait:
+            raise Busy(out, holder, clear)
+        if not waiting:
+            log(f"{out}: waiting for another isojax run (pid {holder.get('pid', '?')} on {holder.get('host', '?')})"
+                f"{clear}")
+            waiting = True
+        time.sleep(POLL_S)
+    try:
+        yield
+    finally:
+        try:
+            found = storage.read_generation(url)
+            if found is not None and _holder(found[0]).get("token") == mine["token"]:
+                storage.delete_generation(url, found[1])
+        except UserError as e:
+            log(f"{url}: could not delete this run's lock ({e}); delete it: gcloud storage rm {url}")
+
+
+def _holder(data: bytes) -> dict:
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _dead_here(holder: dict) -> bool:
+    """Whether the lock's holder ran on this host and its process is gone."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # there, another user's
+        return False
+    return False
 
 
 def check_results(folder: storage.GsPath, reads=()) -> None:
