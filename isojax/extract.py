@@ -218,22 +218,14 @@ def run(args) -> Path:
     from isojax.device import mesh as parallel
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
                         timeout_s=args.coordinator_timeout)
-    from isojax.run.config import MeasureConfig
+    from isojax.run.config import MeasureConfig, cli_options
     from isojax.run.measure import measure
     from isojax.steps import paper_steps
     from isojax.log import log
 
     from isojax import storage
     out = storage.path(args.out)
-    options = dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
-                   batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
-                   max_tokens_per_source=args.max_tokens_per_source, token_stats=not args.no_token_stats,
-                   centered=args.centered, save_token_sums=args.save_token_sums, attention=args.attention,
-                   mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel,
-                   mesh=parallel.parse_mesh(args.mesh) or None, checkpoint_every_tokens=args.checkpoint_every_tokens,
-                   sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
-                   isoscore_zeta=args.isoscore_zeta,
-                   skip_positions=args.skip_positions)
+    options = cli_options(args)
     models = args.model or [None]
     from isojax.run.sweep import parse_shard
     shard = parse_shard(args.shard, bool(args.paper_steps or args.revisions or len(models) > 1))

@@ -10,6 +10,10 @@ ISOJAX_FAULT=POINT:hold stops every thread that reaches POINT for good (until th
 ISOJAX_FAULT=POINT:sigterm sends this process SIGTERM (a preemption notice) the first time it reaches POINT:
 - `checkpoint_saved`: the loop has handed a checkpoint to its writer (the main thread, at a step
   that every process of a run reaches).
+  One process: SIGTERM is handled before `reached` returns (the loop stops at this step). Several
+  (jax.distributed): `reached` then holds the loop until JAX's preemption service of every process
+  has taken the step it is at (_await_preemption_sync), so the step they stop at is set before any
+  passes it: the step after this one, whatever the machine's speed.
 Unset (every real run), `reached` costs one dictionary lookup."""
 
 from __future__ import annotations
@@ -31,9 +35,25 @@ def reached(point: str) -> None:
         threading.Event().wait()
     if what == "sigterm":
         if not _counts[point]:
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)  # to this thread: its handler has run when this returns
+            _await_preemption_sync()
         _counts[point] += 1
         return
     _counts[point] += 1
     if _counts[point] == int(what):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _await_preemption_sync() -> None:
+    """In a run of several processes: wait until every process's preemption service has put its
+    step counter (the step of its last reached_preemption_sync_point) in the coordination service.
+    From then on no process gets past reached_preemption_sync_point until the stop step is set (the
+    sync protocol holds that lock: XLA's preemption_sync_manager.cc), and every process that reaches
+    this point first waits here, its counter frozen: the largest counter is this step. The counters'
+    key is the service's own (jaxlib 0.10); were it renamed, this waits until the test's timeout."""
+    from jax._src.distributed import global_state
+    if global_state.preemption_sync_manager is None:
+        return
+    import jax
+    while len(global_state.client.key_value_dir_get("PREEMPTION_CURRENT_COUNTER/")) < jax.process_count():
+        threading.Event().wait(0.01)

@@ -309,3 +309,16 @@ def test_pallas_tpu_attention_runs_per_device_on_a_mesh():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split()[-1]) < 1e-5, done.stdout
+
+
+def test_the_plan_keeps_the_dtype_and_sample_a_run_keeps():
+    """The plan's dtype and sample are the run's (run/plan.py run_dtype, run_sample): on a TPU slice
+    bfloat16 and the default sample of 16,384 states, at most --max-tokens of them; a sample_states
+    a run refuses (too few for the intrinsic dimension's 20 neighbours) is refused by the plan."""
+    from isojax.run.dry_run import plan
+    model = ("--target", "tpu-v5e-4", "--model", "random:pythia-70m")
+    planned = plan(dry_args(*model), lower_step=False)
+    assert (planned["dtype"], planned["sample_states"]) == ("bfloat16", 16384)
+    assert plan(dry_args(*model, "--max-tokens", "5000"), lower_step=False)["sample_states"] == 5000
+    with pytest.raises(UserError, match="too small for 20 neighbours"):
+        plan(dry_args(*model, "--sample-states", "10"), lower_step=False)

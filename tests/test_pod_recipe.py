@@ -204,7 +204,8 @@ def test_the_pod_recipe_runs_on_cpu_and_resumes_after_a_preemption(bucket, gcs_s
 
     out = storage.path(f"gs://{bucket}/runs/1.4b")
     # the preemption: every process gets SIGTERM once it has handed its first checkpoint to its writer
-    # (faults.py); JAX's preemption service has them agree on a later step, where each checkpoints
+    # and waits there until JAX's preemption service of every process has taken its step (faults.py):
+    # they agree on the next step, where each checkpoints, however fast the run would end
     cut = _pod(shrunk(run, tmp_path / "model", bucket, 300), tmp_path, site, gcs_server, "run",
                ISOJAX_FAULT="checkpoint_saved:sigterm")
     errs = _wait(cut)
@@ -212,8 +213,13 @@ def test_the_pod_recipe_runs_on_cpu_and_resumes_after_a_preemption(bucket, gcs_s
     stopped = re.search(r"stopped by SIGTERM after ([\d,]+) tokens", errs[0])
     assert stopped, errs[0][-3000:]
     at_kill = _whole_steps(out / "checkpoint")
-    assert "metrics.json" not in storage.listing(out) and at_kill
-    assert at_kill[max(at_kill, key=int)] == {f"process_{p}" for p in range(PROCESSES)}, at_kill  # the step agreed on
+    assert "metrics.json" not in storage.listing(out)
+    steps = sorted(map(int, at_kill))  # the first checkpoint's step and the one after it, agreed on
+    assert len(steps) == 2 and steps[1] == steps[0] + 1, at_kill
+    agreed = steps[1]
+    assert at_kill[str(agreed)] == {f"process_{p}" for p in range(PROCESSES)}, at_kill
+    meta = json.loads(storage.read_bytes(out / "checkpoint" / str(agreed) / "process_0" / "meta.json"))
+    assert f"{meta['meta']['done']['tokens']:,}" == stopped[1], (meta["meta"]["done"], stopped[1])
 
     again = _pod(shrunk(resume, tmp_path / "model", bucket, 300), tmp_path, site, gcs_server, "resume")
     errs = _wait(again)

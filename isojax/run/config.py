@@ -115,3 +115,17 @@ class MeasureConfig:
             old = getattr(self, name)
             out[name] = dataclasses.replace(old, **value) if isinstance(value, dict) else value
         return dataclasses.replace(self, **out)
+
+
+def cli_options(args) -> dict:
+    """MeasureConfig.build's keyword arguments from extract's command line (extract.build_parser),
+    but the model's, revision's and checkpoints': a run's and a dry run's plans read them one way."""
+    from isojax.device.mesh import parse_mesh
+    return dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
+                batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
+                max_tokens_per_source=args.max_tokens_per_source, token_stats=not args.no_token_stats,
+                centered=args.centered, save_token_sums=args.save_token_sums, attention=args.attention,
+                mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel, mesh=parse_mesh(args.mesh) or None,
+                checkpoint_every_tokens=args.checkpoint_every_tokens,
+                sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
+                isoscore_zeta=args.isoscore_zeta, skip_positions=args.skip_positions)

@@ -166,10 +166,12 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     from isojax.data import load_corpus
     from isojax.device import mesh as parallel
     from isojax.device import targets
-    from isojax.device.memory import batch_rows, device_batch_tokens, known_labels, log_shrink, sample_size
+    from isojax.device.memory import batch_rows, device_batch_tokens, known_labels, log_shrink
     from isojax.hf.loading import abstract_params
     from isojax.model.options import KernelChoice
+    from isojax.run.config import MeasureConfig, cli_options
     from isojax.run.measure import DEFAULT_MODEL, peek_config, row_length
+    from isojax.run.plan import run_dtype, run_sample
     from isojax.run.results import output_bytes
 
     target = targets.parse(args.target) if args.target else None
@@ -182,7 +184,8 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
         raise UserError(f"--dry-run needs the model's config without downloading: a preset, random:<preset> or a "
                         f"folder with config.json, not {model!r}")
     platform, on_accel = machine.platform, machine.defaults != "cpu"
-    dtype = args.dtype or ("bfloat16" if on_accel else "float32")
+    config = MeasureConfig.build(model, **cli_options(args))
+    dtype = run_dtype(config, on_accel)
     corpus = load_corpus(args.data, unit=args.unit, sources=args.source)  # checks the paths; reads no records
     labels = known_labels(corpus, args.source)
     groups = len(labels) if labels else 1
@@ -192,7 +195,7 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     if n > machine.devices or machine.devices % sizes.get("model", sizes.get("data", 1)):
         raise UserError(f"--mesh {args.mesh} does not divide the {machine.devices} devices of {machine.name}")
     machine = dataclasses.replace(machine, devices=n)
-    sample = sample_size(cfg, dtype, 0 if args.no_sample else args.sample_states, on_accel)
+    sample = run_sample(cfg, config, on_accel)  # the corpus not read: at most max_tokens (the CLI's run_max_tokens)
     fixed = sizes.get("model") or (n // sizes["data"] if "data" in sizes else None)
     m, rows = fit(cfg, args, dtype, machine, row_len, groups, sample, model_axis=fixed)
     if m is None and fixed is None:
