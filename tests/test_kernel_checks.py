@@ -182,3 +182,15 @@ def test_the_plans_choice_keeps_each_reason_and_is_compared_by_its_kernels(tmp_p
     same = KernelChoice("cudnn", "mosaic", "xla")
     assert choice == same and hash(choice) == hash(same) and choice != KernelChoice("cudnn", "mosaic", "pallas")
     assert build_module(cfg, "bfloat16", choice).options == ForwardOptions("cudnn", mlp_kernel="mosaic")
+
+
+def test_an_explicit_mosaic_mlp_goes_through_the_record(tmp_path, monkeypatch):
+    """--mlp-kernel mosaic's early check (check_mlp_kernel, before any weights load) takes the
+    record as the plan's probes do: its probe runs once per machine, and a recorded failure is the
+    same error without running it again."""
+    from isojax.errors import UserError
+    calls = counting(monkeypatch, mlp, why="ValueError: no sm_90 here")
+    for _ in range(2):
+        with pytest.raises(UserError, match="mlp kernel mosaic does not run here: ValueError: no sm_90 here"):
+            kernel_choice.check_mlp_kernel("mosaic", "bfloat16", CheckRecord(tmp_path))
+    assert len(calls) == 1 and len(list(tmp_path.glob("mlp-*.json"))) == 1

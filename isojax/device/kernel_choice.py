@@ -88,15 +88,16 @@ class CheckRecord:
 NO_RECORD = CheckRecord(None)
 
 
-def check_mlp_kernel(mlp_kernel: str, dtype: str) -> None:
-    """Refuse what choose_mlp_kernel cannot honour, before any weights load."""
+def check_mlp_kernel(mlp_kernel: str, dtype: str, record: CheckRecord = NO_RECORD) -> None:
+    """Refuse what choose_mlp_kernel cannot honour, before any weights load (an explicit mosaic's
+    probe through `record`, as the plan's own)."""
     if mlp_kernel not in ("auto", "xla", "mosaic"):
         raise UserError(f"mlp_kernel must be auto, xla or mosaic, not {mlp_kernel!r}")
     if mlp_kernel == "mosaic" and dtype != "bfloat16":
         raise UserError("mlp kernel mosaic needs bfloat16")
     if mlp_kernel == "mosaic":
         from isojax.kernels import mlp as kernels
-        if (why := kernels.works()) is not None:
+        if (why := record.outcome(kernels, {})) is not None:
             raise UserError(f"mlp kernel mosaic does not run here: {why}")
 
 

@@ -26,7 +26,7 @@ from isojax import storage
 from isojax.errors import UserError
 from isojax.stats.finalize import massive_ratio, sample_cka, sample_metrics
 from isojax.device.memory import check_fits, choose_mesh, defaults_platform
-from isojax.device.kernel_choice import check_mlp_kernel, check_norm_kernel
+from isojax.device.kernel_choice import CheckRecord, check_mlp_kernel, check_norm_kernel
 from isojax.log import log
 from isojax.model.options import KernelChoice
 from isojax.run.config import KernelConfig, MeasureConfig
@@ -144,7 +144,8 @@ def measure(model=None, data=None, **kwargs) -> Results:
     if attention == "packed" and jax.default_backend() != "gpu":
         raise UserError("attention packed is a GPU kernel; this run has no GPU")
     with timings("compile"):
-        check_mlp_kernel(config.kernels.mlp, dtype)
+        from isojax.hf.loading import cache_root
+        check_mlp_kernel(config.kernels.mlp, dtype, CheckRecord(cache_root() / "kernel_checks"))
         check_norm_kernel(config.kernels.norm, dtype)
     auto_attention = attention == "auto"
     if auto_attention:  # packed (else cuDNN) on GPUs in bf16, Pallas flash attention on TPUs, else plain
