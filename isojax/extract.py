@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "that skips the key blocks outside each sequence; cudnn where it does not apply), pallas "
                          "(flash attention with segment ids) on TPUs, else xla (plain, the exact reference)")
     ap.add_argument("--mlp-kernel", default="auto", choices=["auto", "xla", "mosaic"],
-                    help="the MLP's first product with bias and GELU: auto (default) = mosaic (one fused kernel) "
-                         "for bfloat16 on Hopper GPUs where the shapes tile, else xla (cuBLAS + a GELU pass)")
+                    help="the MLP's first product with bias and GELU, or a SiLU-gated MLP's two products: auto "
+                         "(default) = mosaic (one fused kernel) for bfloat16 on Hopper GPUs where the shapes "
+                         "tile, else xla (cuBLAS + elementwise passes)")
     ap.add_argument("--norm-kernel", default="auto", choices=["auto", "xla", "pallas"],
                     help="a parallel-residual block's two LayerNorms: auto (default) = pallas (one kernel reading "
                          "the state once) for bfloat16 on GPUs where the width is a power of two, else xla")

@@ -5,6 +5,7 @@ float64 metrics of Hugging Face's states."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -250,7 +251,8 @@ def family_config(family: str, shape: int):
 
 def test_kernel_choice_per_family(capsys, monkeypatch):
     """The packed attention kernel takes rotary families with any number of key/value heads and
-    not learned positions, q/k norms or clipping; the fused MLP only an exact GELU with a bias;
+    not learned positions, q/k norms or clipping; the fused MLPs an exact GELU with a bias or a
+    SiLU-gated MLP without biases;
     the LayerNorm-pair kernel only two LayerNorms of one state. Fallbacks are logged; an explicit
     choice that cannot run is refused. (Whether the kernels run here is their own tests' matter:
     the probe is taken as passed.)"""
@@ -266,10 +268,20 @@ def test_kernel_choice_per_family(capsys, monkeypatch):
             choose_attention("packed", False, cfg, "bfloat16", 128)
         assert choose_attention("packed", True, cfg, "bfloat16", 128)[0] == "cudnn"
     assert "packed attention does not run here" in capsys.readouterr().err
-    with pytest.raises(UserError, match="gated"):
+    with pytest.raises(UserError, match="gated"):  # no Hopper GPU here
         choose_mlp_kernel("mosaic", llama, "bfloat16", 65536)
     assert choose_mlp_kernel("auto", llama, "bfloat16", 65536)[0] == "xla"
-    assert "fused MLP kernel does not apply to this llama MLP" in capsys.readouterr().err
+    from isojax.kernels import mlp
+    monkeypatch.setattr(mlp, "available", lambda: True)  # a Hopper GPU where the gated probe passes
+    monkeypatch.setattr(mlp, "works", lambda gated=False: None if gated else "only the gated kernel here")
+    swiglu = dataclasses.replace(family_config("llama", 0), intermediate_size=128)  # widths that tile
+    assert choose_mlp_kernel("auto", swiglu, "bfloat16", 65536)[0] == "mosaic"
+    assert choose_mlp_kernel("auto", swiglu, "bfloat16", 65536 + 64)[0] == "xla"  # rows do not tile
+    assert choose_mlp_kernel("auto", dataclasses.replace(swiglu, mlp_bias=True), "bfloat16", 65536)[0] == "xla"
+    from isojax.hf.family.presets import preset
+    assert choose_mlp_kernel("auto", preset("pythia-70m"), "bfloat16", 65536)[0] == "xla"  # its probe fails here
+    gemma_mlp = choose_mlp_kernel("auto", family_config("gemma", 0), "bfloat16", 65536)
+    assert gemma_mlp[0] == "xla" and "do not apply to this gemma MLP (gelu_pytorch_tanh, gated" in gemma_mlp[1]
     falcon_7b, falcon_40b = family_config("falcon", 0), family_config("falcon", 2)
     assert not layer_norm_pair(falcon_7b) and layer_norm_pair(falcon_40b) and not layer_norm_pair(llama)
     with pytest.raises(UserError, match="other norms"):

@@ -1,6 +1,8 @@
 """The MLP's first product + bias + GELU: model.DenseGelu's XLA path is nn.Dense then gelu, bit for
 bit; the fused Hopper kernel (isojax.kernels.mlp, run only where an sm_90 GPU is) equals that path up
-to one bf16 rounding of the bias, and gives the same states within bf16's tolerance."""
+to one bf16 rounding of the bias, and gives the same states within bf16's tolerance. The gated
+kernel (silu(x Wg) * x Wu, dense_swiglu) lies within bf16 rounding of float64, in Mosaic GPU's
+interpret mode on CPU and on Hopper GPUs, and gives the Llama family's states."""
 
 from __future__ import annotations
 
@@ -153,3 +155,89 @@ def test_sharded_rows_go_to_the_kernel_per_device():
     proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rows per call [(32, 32)]" in proc.stdout, proc.stdout  # 8 x 16 rows over 4 devices
+
+
+def _gated_operands(m, k, n, seed=0):
+    kx, kg, ku = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    wg, wu = ((jax.random.normal(key, (k, n), jnp.float32) * 2 / math.sqrt(k)).astype(jnp.bfloat16) for key in (kg, ku))
+    return x, wg, wu
+
+
+def test_gated_rounding_bound_holds_for_pytorchs_rounding_and_catches_wrong_results():
+    """gated_rounding_error, the check of works(gated=True) and of the tests: PyTorch's bf16 order
+    (each product rounded, SiLU rounded, the product rounded) lies within it; gate and up swapped,
+    or a result off by 2 bf16 ulps, does not."""
+    x, wg, wu = _gated_operands(64, 96, 128, seed=5)
+    g, u = (jnp.dot(x, w, preferred_element_type=jnp.float32) for w in (wg, wu))
+    assert kernels.gated_rounding_error(kernels._silu_product(g, u), x, wg, wu) <= 0
+    assert kernels.gated_rounding_error(jax.nn.silu(jnp.dot(x, wg)) * jnp.dot(x, wu), x, wg, wu) <= 0  # XLA's bf16
+    for wrong in (kernels._silu_product(u, g), np.asarray(kernels._silu_product(g, u), np.float64) * (1 + 2.0 ** -6)):
+        assert kernels.gated_rounding_error(wrong, x, wg, wu) > 0
+
+
+@pytest.mark.parametrize("m,k,n", [(256, 128, 128), (128, 192, 192)])
+def test_gated_kernel_in_interpret_mode_within_rounding_of_float64(m, k, n):
+    """The Mosaic GPU kernel itself (its barriers, ring of stages, ping-pong tiles and epilogue),
+    run by Mosaic GPU's interpreter on CPU: within bf16 rounding of float64, and PyTorch's
+    rounding order bit for bit but for the float32 sums' order."""
+    x, wg, wu = _gated_operands(m, k, n, seed=m + n)
+    assert kernels.tiles(m, k, n, gated=True)
+    got = kernels.dense_swiglu(x, wg, wu, interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    assert kernels.gated_rounding_error(got, x, wg, wu) <= 0
+    g, u = (jnp.dot(x, w, preferred_element_type=jnp.float32) for w in (wg, wu))
+    assert (np.asarray(got, np.float32) != np.asarray(kernels._silu_product(g, u), np.float32)).mean() < 0.01
+
+
+@pytest.mark.slow
+def test_llama_states_with_the_gated_kernel_in_interpret_mode(monkeypatch):
+    """A bf16 Llama decoder (widths that tile: D = 64, F = 128; 128 rows) with mlp_kernel mosaic,
+    the kernel interpreted on CPU: every state within bf16 rounding of XLA's path, the embeddings
+    equal, and the kernel called once per layer on [128, 64] rows."""
+    import dataclasses
+    import functools
+
+    from isojax.hf.loading import random_params
+    from isojax.model.decoder import Decoder, collect_states
+    from test_families import family_config
+    from test_packed_attention import packed_rows
+
+    cfg = dataclasses.replace(family_config("llama", 0), intermediate_size=128)
+    calls = []
+    interpreted = functools.partial(kernels.dense_swiglu, interpret=True)
+    monkeypatch.setattr(kernels, "applies", lambda *a, **k: k.get("gated", False))
+    monkeypatch.setattr(kernels, "dense_swiglu", lambda x, wg, wu: calls.append(x.shape) or interpreted(x, wg, wu))
+    params = random_params(cfg, "bfloat16", seed=4)
+    tokens = np.random.default_rng(4).integers(0, 320, (1, 128)).astype(np.int32)
+    seg, pos = packed_rows([[60, 68]], 128)
+    buf = jnp.zeros((cfg.num_states, 1, 128, cfg.hidden_size), jnp.float32)
+    states = {}
+    for mlp in ("xla", "mosaic"):
+        module = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, options=ForwardOptions(mlp_kernel=mlp))
+        states[mlp] = np.asarray(module.apply({"params": params}, tokens, seg, pos, buf, collect_states))
+    assert calls == [(128, 64)] * cfg.num_layers
+    errors = [max_rel_error(states["mosaic"][s], states["xla"][s]) for s in range(cfg.num_states)]
+    assert errors[0] == 0 and 0 < max(errors) < 2e-2, errors
+
+
+@pytest.mark.gpu
+@hopper
+def test_the_gated_kernel_works_here():
+    assert kernels.works(gated=True) is None
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("m,k,n", [(1024, 512, 2048), (4096, 2048, 8192), (768, 896, 4864)])
+def test_gated_kernel_within_rounding_and_as_close_as_xla(m, k, n):
+    x, wg, wu = _gated_operands(m, k, n, seed=m + k)
+    assert kernels.applies(m, k, n, jnp.bfloat16, gated=True)
+    got = np.asarray(jax.jit(kernels.dense_swiglu)(x, wg, wu), np.float64)
+    assert kernels.gated_rounding_error(got, x, wg, wu) <= 0
+    xla = np.asarray(jax.jit(lambda x, wg, wu: jax.nn.silu(jnp.dot(x, wg)) * jnp.dot(x, wu))(x, wg, wu), np.float64)
+    xf = np.asarray(x, np.float64)
+    g, u = xf @ np.asarray(wg, np.float64), xf @ np.asarray(wu, np.float64)
+    exact = g / (1 + np.exp(-g)) * u
+    rel = lambda out: (np.abs(out - exact) / (np.abs(exact) + 1e-3)).mean()
+    assert rel(got) <= rel(xla) * 1.01, (rel(got), rel(xla))

@@ -1,6 +1,6 @@
 """Which kernel runs where, decided in one place before any weights load (check_*) and once the
 rows per device are known (choose_*, each a (kernel, reason) pair; run/plan.py makes the run's one
-KernelChoice of them): the fused MLP (isojax.kernels.mlp), the LayerNorm pair (norm) and attention
+KernelChoice of them): the fused MLPs (isojax.kernels.mlp), the LayerNorm pair (norm) and attention
 over packed rows (packed_attention), each where it applies and its probe (`works`) passes here,
 else XLA's path. An explicit choice that cannot run is a UserError. A probe's outcome is kept
 (CheckRecord) per card, driver, versions, kernel source and arguments, so a machine pays it once."""
@@ -103,22 +103,23 @@ def check_mlp_kernel(mlp_kernel: str, dtype: str, record: CheckRecord = NO_RECOR
 
 def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True,
                       record: CheckRecord = NO_RECORD) -> tuple[str, str]:
-    """(kernel, why). auto: the Mosaic kernel (isojax.kernels.mlp) where it applies (bfloat16, Hopper
-    GPUs, a device's rows and the model's widths tile) and works, else XLA's path; mosaic where it
-    does not apply: an error. check=False: what it chooses if the kernel works, without trying it or
-    saying anything (run/plan.py compiles the step for that while the check runs), or as `record`
-    holds it."""
+    """(kernel, why). auto: a Mosaic kernel (isojax.kernels.mlp: fused_mlp(cfg) says which) where it
+    applies (bfloat16, Hopper GPUs, a device's rows and the model's widths tile) and works, else
+    XLA's path; mosaic where it does not apply: an error. check=False: what it chooses if the kernel
+    works, without trying it or saying anything (run/plan.py compiles the step for that while the
+    check runs), or as `record` holds it."""
     from isojax.kernels import mlp as kernels
     if mlp_kernel == "xla":
         return "xla", "asked for"
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d, f, fused = cfg.hidden_size, cfg.intermediate_size, fused_mlp(cfg)
     shape = f"{cfg.hidden_act}{', gated' if cfg.gated_mlp else ''}{'' if cfg.mlp_bias else ', no bias'}"
-    fits = kernels.applies(device_rows, d, f, numerics.DTYPES[dtype]) and exact_gelu_with_bias(cfg)
+    gated = fused == "swiglu"
+    fits = fused is not None and kernels.applies(device_rows, d, f, numerics.DTYPES[dtype], gated)
     if mlp_kernel == "mosaic" and not fits:
         raise UserError(f"mlp kernel mosaic does not apply to {device_rows} rows per device of [{d}] x [{d}, {f}] "
                         f"({shape})")
-    if not exact_gelu_with_bias(cfg):
-        why = f"the fused MLP kernel does not apply to this {cfg.family} MLP ({shape}, {device_rows} rows per " \
+    if fused is None:
+        why = f"the fused MLP kernels do not apply to this {cfg.family} MLP ({shape}, {device_rows} rows per " \
               "device): XLA's path"
         if check:
             log(why)
@@ -126,7 +127,7 @@ def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check:
     if not fits:
         return "xla", f"the fused MLP kernel does not apply to {device_rows} rows per device of [{d}] x [{d}, {f}] " \
                       f"in {dtype} here: XLA's path"
-    if (failed := record.outcome(kernels, {}, run=check)) is not None:
+    if (failed := record.outcome(kernels, dict(gated=True) if gated else {}, run=check)) is not None:
         why = f"the fused MLP kernel does not run here ({failed}): XLA's path instead"
         if check:
             log(why)
@@ -134,9 +135,14 @@ def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check:
     return "mosaic", "applies and works here"
 
 
-def exact_gelu_with_bias(cfg) -> bool:
-    """Whether the model's MLP is the fused kernel's: up-projection with bias, then the exact GELU."""
-    return cfg.hidden_act in ACTIVATIONS and not ACTIVATIONS[cfg.hidden_act] and not cfg.gated_mlp and cfg.mlp_bias
+def fused_mlp(cfg) -> str | None:
+    """Which fused MLP kernel serves the model: "gelu" (up-projection with bias, then the exact GELU:
+    dense_gelu), "swiglu" (SiLU-gated, no biases: dense_swiglu) or None."""
+    if cfg.hidden_act in ACTIVATIONS and not ACTIVATIONS[cfg.hidden_act] and not cfg.gated_mlp and cfg.mlp_bias:
+        return "gelu"
+    if cfg.gated_mlp and cfg.hidden_act == "silu" and not cfg.mlp_bias:
+        return "swiglu"
+    return None
 
 
 def layer_norm_pair(cfg) -> bool:

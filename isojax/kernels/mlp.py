@@ -1,5 +1,7 @@
-"""A fused kernel for the forward on Hopper GPUs: the MLP's first product with its bias and exact
-GELU in the epilogue, gelu(x @ W + b), one Mosaic GPU (Pallas) kernel.
+"""Fused kernels for the forward on Hopper GPUs, one Mosaic GPU (Pallas) kernel each: the MLP's
+first product with its bias and exact GELU in the epilogue, gelu(x @ W + b) (dense_gelu), and the
+gated MLP's two first products with SiLU and their product in the epilogue,
+silu(x @ W_gate) * (x @ W_up) (dense_swiglu: Llama, Mistral, Qwen2, OLMo, OLMo-2).
 
 XLA runs that product on cuBLAS and the GELU as a separate elementwise pass, which reads and
 writes the [N, 4D] activations once more. Here each output
@@ -13,9 +15,12 @@ bench/RESULTS.md 10b and 10g).
 
 Numbers: the accumulator plus the bias is rounded to bf16 once and GELU (isojax.numerics.fast_erf, in
 float32) is applied to that, then rounded again, as PyTorch's bf16 Linear + GELU round. XLA's path
-may round the product before adding the bias, so the two may differ by one bf16 ulp. `works` checks the kernel once per process against the float64 GELU
-(`rounding_error`). Used where `applies` holds (model.DenseGelu): bf16 on an sm_90 GPU and shapes
-that tile; elsewhere the XLA path.
+may round the product before adding the bias, so the two may differ by one bf16 ulp. The gated
+kernel rounds as PyTorch's bf16 Llama MLP: each product to bf16, SiLU in float32 (x / (1 + e^-x))
+rounded, their product rounded. `works` checks a kernel once per process against float64
+(`rounding_error`, `gated_rounding_error`). Used where `applies` holds (model.layers: DenseGelu,
+feed_forward): bf16 on an sm_90 GPU and shapes that tile; elsewhere the XLA path. Both run on CPU
+in Mosaic GPU's interpret mode (interpret=True: the tests).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from isojax.numerics import gelu
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile shape and schedule (_kernel). Each compute warpgroup accumulates whole [tile_m, tile_n]
-    output tiles in float32 registers; the memory warpgroup keeps `stages` k-steps of A and B in
-    shared memory (32 KB each at these tiles); output leaves in [epi_m, epi_n] pieces."""
+    output tiles in float32 registers (the gated kernel: one such accumulator per product, so
+    GATED's tile_n is half); the memory warpgroup keeps `stages` k-steps of A and the B's in shared
+    memory (32 KB each at these tiles); output leaves in [epi_m, epi_n] pieces."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -46,6 +52,9 @@ class Tiles:
     grid_minor_n: bool = True  # the order tiles are visited in (jax's planar_snake)
     grid_tile_width: int = 8
     in_flight: int = 1  # 0 or 1: wgmma groups left running when the next k-step's tiles are waited for
+
+
+GATED = Tiles(tile_n=64)  # two [128, 64] accumulators: the registers of the GELU kernel's one
 
 
 def available() -> bool:
@@ -67,10 +76,27 @@ def rounding_error(out_MxN, x_MxK, w_KxN, bias_N, rounded_product: bool = False)
     return float(np.max(np.abs(np.asarray(out_MxN, np.float64) - exact) - bound))
 
 
+def gated_rounding_error(out_MxN, x_MxK, wg_KxN, wu_KxN) -> float:
+    """How far bf16 silu(x @ wg) * (x @ wu) lies beyond what rounding allows, from float64 (<= 0:
+    within): g and u rounded to bf16 (half an ulp each, |SiLU'| <= 1.1), SiLU rounded, the product
+    rounded: |error| <= (1.1 |g| |u| + |silu(g)| |u|) 2^-8 + |silu(g)| |u| 2^-7 + float32's 1e-6."""
+    x = np.asarray(x_MxK, np.float64)
+    g, u = x @ np.asarray(wg_KxN, np.float64), x @ np.asarray(wu_KxN, np.float64)
+    s = g / (1 + np.exp(-g))
+    exact = s * u
+    bound = (1.1 * np.abs(g) * np.abs(u) + np.abs(s) * np.abs(u)) * 2.0 ** -8 + np.abs(exact) * 2.0 ** -7 + 1e-6
+    return float(np.max(np.abs(np.asarray(out_MxN, np.float64) - exact) - bound))
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 @functools.cache
-def works() -> str | None:
-    """None where the kernel compiles and its result is right (rounding_error) on a small product
-    here, else why not (a jax whose Mosaic GPU API moved, a driver that refuses): once per process."""
+def works(gated: bool = False) -> str | None:
+    """None where the kernel (gated: dense_swiglu, else dense_gelu) compiles and its result is right
+    (rounding_error) on a small product here, else why not (a jax whose Mosaic GPU API moved, a
+    driver that refuses): once per process."""
     if not available():
         return "needs an sm_90 (Hopper) GPU"
     keys = jax.random.split(jax.random.key(0), 3)
@@ -78,24 +104,43 @@ def works() -> str | None:
     w = (jax.random.normal(keys[1], (128, 256), jnp.float32) / 16).astype(jnp.bfloat16)
     b = jax.random.normal(keys[2], (256,), jnp.float32).astype(jnp.bfloat16)
     try:
-        got = jax.jit(dense_gelu)(x, w, b)
+        if gated:
+            w2 = (jax.random.normal(keys[2], (128, 256), jnp.float32) / 16).astype(jnp.bfloat16)
+            beyond = gated_rounding_error(jax.jit(dense_swiglu)(x, w, w2), x, w, w2)
+        else:
+            beyond = rounding_error(jax.jit(dense_gelu)(x, w, b), x, w, b)
     except Exception as e:  # noqa: BLE001 - any failure means: use XLA's path
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    if (beyond := rounding_error(got, x, w, b)) > 0:
-        return f"its result is {beyond:.3g} beyond bf16 rounding of the float64 GELU"
+        return _why(e)
+    if beyond > 0:
+        return f"its result is {beyond:.3g} beyond bf16 rounding of float64"
     return None
 
 
-def applies(m: int, k: int, n: int, dtype, tiles: Tiles = Tiles()) -> bool:
-    """Whether dense_gelu runs [m, k] x [k, n] in dtype here."""
-    return available() and jnp.dtype(dtype) == jnp.bfloat16 and m % tiles.tile_m == 0 and n % tiles.tile_n == 0 \
-        and k % tiles.tile_k == 0
+def tiles(m: int, k: int, n: int, gated: bool = False) -> bool:
+    """Whether [m, k] x [k, n] tiles for dense_gelu (gated: dense_swiglu) on any machine."""
+    t = GATED if gated else Tiles()
+    return m % t.tile_m == 0 and n % t.tile_n == 0 and k % t.tile_k == 0
 
 
-def _store_tile(acc, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: bool):
-    """One warpgroup's [tile_m, tile_n] float32 accumulator -> (bias, GELU) -> bf16 -> out_gmem
-    (its [tile_m, tile_n] view), in [epi_m, epi_n] pieces through the two slots of out_smem;
-    n0: the tile's first output column (for the bias)."""
+def applies(m: int, k: int, n: int, dtype, gated: bool = False) -> bool:
+    """Whether dense_gelu (gated: dense_swiglu) runs [m, k] x [k, n] in dtype here."""
+    return available() and jnp.dtype(dtype) == jnp.bfloat16 and tiles(m, k, n, gated)
+
+
+def _silu_product(g, u):
+    """PyTorch's bf16 silu(g) * u from float32 products: g, u rounded; SiLU in float32, rounded;
+    the product rounded."""
+    bf = jnp.bfloat16
+    g, u = g.astype(bf).astype(jnp.float32), u.astype(bf).astype(jnp.float32)
+    s = (g / (1.0 + jnp.exp(-g))).astype(bf).astype(jnp.float32)
+    return (s * u).astype(bf)
+
+
+def _store_tile(accs, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: str):
+    """One warpgroup's [tile_m, tile_n] float32 accumulators -> the epilogue ("gelu": + bias, GELU;
+    "silu_product": silu(first) * second; "none") -> bf16 -> out_gmem (its [tile_m, tile_n] view), in
+    [epi_m, epi_n] pieces through the two slots of out_smem; n0: the tile's first output column
+    (for the bias)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -104,14 +149,16 @@ def _store_tile(acc, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: bool
         for ni in range(t.tile_n // t.epi_n):
             sm, sn = slice(mi * t.epi_m, (mi + 1) * t.epi_m), slice(ni * t.epi_n, (ni + 1) * t.epi_n)
             slot = (mi * (t.tile_n // t.epi_n) + ni) % 2
-            part = acc[sm, sn]
-            if epilogue:
+            parts = [acc[sm, sn] for acc in accs]
+            if epilogue == "gelu":
                 bias = plgpu.load(bias_gmem.at[pl.ds(n0 + ni * t.epi_n, t.epi_n)], (),
                                   layout=plgpu.Layout.WGMMA.reduce(0), optimized=False).astype(jnp.float32)
-                u = part + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1])
+                u = parts[0] + lax.broadcast_in_dim(bias, (t.epi_m, t.epi_n), [1])
                 part = gelu(u.astype(jnp.bfloat16), False)  # rounded once, as PyTorch
+            elif epilogue == "silu_product":
+                part = _silu_product(*parts)
             else:
-                part = part.astype(jnp.bfloat16)
+                part = parts[0].astype(jnp.bfloat16)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             out_smem[slot] = part
             plgpu.commit_smem()
@@ -131,21 +178,25 @@ def _tile_origin(lin, m_iters, n_iters, t: Tiles):
                               t.grid_tile_width)
 
 
-def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, sms: int):
-    """CTA c takes tiles c, c + sms, c + 2 sms, ... (in planar_snake order); its j-th goes to compute
-    warpgroup j % 2, and the warpgroups take turns (the `turn` barriers): one issues its tile's
-    products once the other has issued its own, then runs its epilogue while the other multiplies.
-    Warpgroup 2 loads k-step kk of tile j, the CTA's step g = j * k_iters + kk, into slot g % stages
-    of one ring. Barriers are kept per compute warpgroup, [2, stages]: full[j % 2, slot] counts the
-    step's two copies, and free[j % 2, slot] is where warpgroup j % 2 releases the slot, so the
-    loader waits on free[(owner of step g - stages), slot] before reusing it. Every warpgroup thus
-    waits on each completion of its barriers in order, as barrier_wait's per-thread phase bits
+def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
+    """refs: A [m, k], the B's [k, n] (one; two for "silu_product"), the bias [n] for "gelu", the
+    output [m, n]. CTA c takes tiles c, c + sms, c + 2 sms, ... (in planar_snake order); its j-th
+    goes to compute warpgroup j % 2, and the warpgroups take turns (the `turn` barriers): one issues
+    its tile's products once the other has issued its own, then runs its epilogue while the other
+    multiplies. Warpgroup 2 loads k-step kk of tile j, the CTA's step g = j * k_iters + kk, into slot
+    g % stages of one ring. Barriers are kept per compute warpgroup, [2, stages]: full[j % 2, slot]
+    counts the step's copies, and free[j % 2, slot] is where warpgroup j % 2 releases the slot, so
+    the loader waits on free[(owner of step g - stages), slot] before reusing it. Every warpgroup
+    thus waits on each completion of its barriers in order, as barrier_wait's per-thread phase bits
     require."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    nb = 2 if epilogue == "silu_product" else 1
+    a_gmem, b_gmems, out_gmem = refs[0], refs[1:1 + nb], refs[-1]
+    bias_gmem = refs[1 + nb] if epilogue == "gelu" else None
     m, k = a_gmem.shape
-    n = b_gmem.shape[1]
+    n = out_gmem.shape[1]
     t = tiles
     m_iters, n_iters, k_iters = m // t.tile_m, n // t.tile_n, k // t.tile_k
     cta = lax.axis_index("cluster_grid")
@@ -155,7 +206,8 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
         """Index into full and free of the CTA's step g: (owner, slot)."""
         return lax.rem(g // k_iters, 2) * t.stages + lax.rem(g, t.stages)
 
-    def body(a_smem, b_smem, out_smem, full, free, turn):
+    def body(a_smem, *scratch):
+        b_smems, (out_smem, full, free, turn) = scratch[:nb], scratch[nb:]
         wg = lax.axis_index("wg")
 
         @pl.when(wg < 2)
@@ -167,28 +219,29 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
                 m_idx, n_idx = _tile_origin(cta + j * sms, m_iters, n_iters, t)
                 pl.when(j > 0)(lambda: plgpu.barrier_wait(turn.at[wg]))
 
-                def steps(acc_ref):
-                    def step(kk, acc_ref):
+                def steps(*acc_refs):
+                    def step(kk, carry):
                         g = j * k_iters + kk
                         plgpu.barrier_wait(full.at[barrier(g)])
                         slot = lax.rem(g, t.stages)
-                        plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot])
-                        plgpu.wgmma_wait(t.in_flight)
+                        for acc_ref, b_smem in zip(acc_refs, b_smems):
+                            plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot])
+                        plgpu.wgmma_wait(t.in_flight * nb)
                         if t.in_flight:  # the previous step's products are done: its slot is free
                             pl.when(kk > 0)(lambda: plgpu.barrier_arrive(free.at[barrier(g - 1)]))
                         else:
                             plgpu.barrier_arrive(free.at[barrier(g)])
-                        return acc_ref
-                    lax.fori_loop(0, k_iters, step, acc_ref)
+                        return carry
+                    lax.fori_loop(0, k_iters, step, None)
                     plgpu.barrier_arrive(turn.at[1 - wg])  # all issued: the other warpgroup's turn
                     if t.in_flight:
                         plgpu.wgmma_wait(0)
                         plgpu.barrier_arrive(free.at[barrier(j * k_iters + k_iters - 1)])
-                    return acc_ref[...]
+                    return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-                acc = pl.run_scoped(steps, plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                accs = pl.run_scoped(steps, *[plgpu.ACC((t.tile_m, t.tile_n), jnp.float32)] * nb)
                 view = out_gmem.at[pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)]
-                _store_tile(acc, out_smem.at[wg], view, bias_gmem, n_idx * t.tile_n, t, epilogue)
+                _store_tile(accs, out_smem.at[wg], view, bias_gmem, n_idx * t.tile_n, t, epilogue)
                 return carry
 
             lax.fori_loop(0, (cta_tiles - wg + 1) // 2, tile, None)
@@ -207,7 +260,8 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
                     pl.when(g >= t.stages)(lambda: plgpu.barrier_wait(free.at[barrier(g - t.stages)]))
                     slot, ks = lax.rem(g, t.stages), pl.ds(kk * t.tile_k, t.tile_k)
                     plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], full.at[barrier(g)])
-                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], full.at[barrier(g)])
+                    for b_gmem, b_smem in zip(b_gmems, b_smems):
+                        plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], full.at[barrier(g)])
                     return carry
                 return lax.fori_loop(0, k_iters, step, carry)
 
@@ -216,27 +270,44 @@ def _kernel(a_gmem, b_gmem, bias_gmem, out_gmem, tiles: Tiles, epilogue: bool, s
     pl.run_scoped(
         body,
         plgpu.SMEM((t.stages, t.tile_m, t.tile_k), jnp.bfloat16, transforms=_transforms(t.tile_k)),
-        plgpu.SMEM((t.stages, t.tile_k, t.tile_n), jnp.bfloat16, transforms=_transforms(t.tile_k)),
+        *[plgpu.SMEM((t.stages, t.tile_k, t.tile_n), jnp.bfloat16, transforms=_transforms(t.tile_k))] * nb,
         plgpu.SMEM((2, 2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=_transforms(t.epi_n)),
-        plgpu.Barrier(num_arrivals=2, num_barriers=2 * t.stages),
+        plgpu.Barrier(num_arrivals=1 + nb, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         collective_axes="wg")
 
 
-def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = True):
-    """gelu(x @ w + bias) in bf16 (epilogue=False: x @ w alone, for benchmarks); bf16 inputs."""
+def _call(operands, m: int, k: int, n: int, tiles: Tiles, epilogue: str, interpret: bool):
+    """The kernel on operands (A, the B's, the bias) -> [m, n] bf16; interpret: Mosaic GPU's
+    interpret mode (on CPU, with 4 CTAs)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    m, k = x_MxK.shape
-    n = w_KxN.shape[1]
     if m % tiles.tile_m or n % tiles.tile_n or k % tiles.tile_k:
         raise ValueError(f"[{m}, {k}] x [{k}, {n}] does not tile by {tiles}")
-    sms = getattr(jax.devices()[0], "core_count", 132)
+    extra = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no public name yet
+        extra = dict(interpret=InterpretGPUParams())
+    sms = 4 if interpret else getattr(jax.devices()[0], "core_count", 132)
     call = plgpu.kernel(
         functools.partial(_kernel, tiles=tiles, epilogue=epilogue, sms=sms),
         out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
         grid=(sms,), grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return call(x_MxK, w_KxN, bias_N)
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **extra)
+    return call(*operands)
+
+
+def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = True, interpret: bool = False):
+    """gelu(x @ w + bias) in bf16 (epilogue=False: x @ w alone, for benchmarks); bf16 inputs."""
+    (m, k), n = x_MxK.shape, w_KxN.shape[1]
+    if epilogue:
+        return _call((x_MxK, w_KxN, bias_N), m, k, n, tiles, "gelu", interpret)
+    return _call((x_MxK, w_KxN), m, k, n, tiles, "none", interpret)
+
+
+def dense_swiglu(x_MxK, wg_KxN, wu_KxN, tiles: Tiles = GATED, interpret: bool = False):
+    """silu(x @ wg) * (x @ wu) in bf16, rounded as PyTorch's bf16 Llama MLP; bf16 inputs."""
+    (m, k), n = x_MxK.shape, wg_KxN.shape[1]
+    return _call((x_MxK, wg_KxN, wu_KxN), m, k, n, tiles, "silu_product", interpret)

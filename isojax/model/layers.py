@@ -112,8 +112,11 @@ class Projection(nn.Module):
     precision: Any
 
     @nn.compact
-    def __call__(self, x_BxTxD, split_bias: bool = False):
+    def __call__(self, x_BxTxD, split_bias: bool = False, weights: bool = False):
+        """x @ W + bias; weights: (x, W) promoted, for a kernel that multiplies itself."""
         x_BxTxD, w_DxF, bias_F = _linear_params(self, x_BxTxD, self.use_bias)
+        if weights:
+            return x_BxTxD, w_DxF
         y_BxTxF = _matmul(x_BxTxD, w_DxF, self.precision)
         if split_bias:
             return y_BxTxF, bias_F
@@ -165,13 +168,33 @@ def activation(name: str, u, fast_gelu: bool):
     return jax.nn.relu(u) if name == "relu" else jax.nn.silu(u)
 
 
+def gated(parent: nn.Module, cfg: ModelConfig, options: ForwardOptions, x_BxTxD, up: str):
+    """act(gate x) * up x, its products named in `parent`; with options.mlp_kernel "mosaic", SiLU and
+    no biases, where isojax.kernels.mlp applies, one Hopper kernel (dense_swiglu) on each device's
+    rows."""
+    f, d = cfg.intermediate_size, x_BxTxD.shape[-1]
+    gate, up = (linear(parent, cfg, f, cfg.mlp_bias, name) for name in ("gate", up))
+    if options.mlp_kernel == "mosaic" and cfg.hidden_act == "silu" and not cfg.mlp_bias:
+        from isojax.kernels import mlp as kernels
+        b, t, _ = x_BxTxD.shape
+        if kernels.applies(b * t // options.devices(), d, f, parent.dtype, gated=True):
+            (x_BxTxD, wg_DxF), (_, wu_DxF) = gate(x_BxTxD, weights=True), up(x_BxTxD, weights=True)
+
+            def local(x_BxTxD, wg_DxF, wu_DxF):
+                return kernels.dense_swiglu(x_BxTxD.reshape(-1, d), wg_DxF, wu_DxF).reshape(*x_BxTxD.shape[:2], f)
+
+            return options.per_device(local, (x_BxTxD,), (wg_DxF, wu_DxF))
+    return activation(cfg.hidden_act, gate(x_BxTxD), options.fast_gelu) * up(x_BxTxD)
+
+
 def feed_forward(parent: nn.Module, cfg: ModelConfig, options: ForwardOptions, x_BxTxD, up: str, down: str):
-    """down(act(up x)), or SwiGLU's down(act(gate x) * up x), its products named in `parent`; the
-    exact GELU with a bias through DenseGelu, which runs the fused kernel where options.mlp_kernel says."""
+    """down(act(up x)), or SwiGLU's down(act(gate x) * up x) (gated), its products named in `parent`;
+    the exact GELU with a bias through DenseGelu, which runs the fused kernel where options.mlp_kernel
+    says."""
     dense = lambda features, name: linear(parent, cfg, features, cfg.mlp_bias, name)
     f, fast = cfg.intermediate_size, options.fast_gelu
     if cfg.gated_mlp:
-        u_BxTxF = activation(cfg.hidden_act, dense(f, "gate")(x_BxTxD), fast) * dense(f, up)(x_BxTxD)
+        u_BxTxF = gated(parent, cfg, options, x_BxTxD, up)
     elif cfg.hidden_act in ACTIVATIONS and cfg.mlp_bias:
         u_BxTxF = DenseGelu(f, parent.dtype, parent.param_dtype, parent.precision, ACTIVATIONS[cfg.hidden_act],
                             options, name=up, parent=parent)(x_BxTxD)

@@ -42,9 +42,9 @@ class ForwardOptions:
     # Tell cuDNN that the (already causal) mask is causal, so it skips the blocks above the
     # diagonal
     cudnn_causal: bool = True
-    # The MLP's first product with bias and GELU: "xla" (cuBLAS, then an elementwise pass) or
-    # "mosaic" (one Hopper kernel with GELU in its epilogue, isojax.kernels.mlp; where it does not
-    # apply, XLA's)
+    # The MLP's first product with bias and GELU, or a gated MLP's two with SiLU and their product:
+    # "xla" (cuBLAS, then elementwise passes) or "mosaic" (one Hopper kernel with the rest in its
+    # epilogue, isojax.kernels.mlp; where it does not apply, XLA's)
     mlp_kernel: str = "xla"
     # A parallel-residual block's two LayerNorms: "xla" (two kernels) or "pallas" (one Triton
     # kernel reading the state once, isojax.kernels.norm; where it does not apply, XLA's)

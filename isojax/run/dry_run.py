@@ -46,7 +46,7 @@ def this_machine() -> Machine:
 def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: int):
     """The KernelChoice extract makes on `platform` (device/kernel_choice.py, measure()), taken as if
     each kernel's probe there passes."""
-    from isojax.device.kernel_choice import choose_attention, exact_gelu_with_bias, layer_norm_pair
+    from isojax.device.kernel_choice import choose_attention, fused_mlp, layer_norm_pair
     from isojax.kernels import mlp, norm
     from isojax.model.options import KernelChoice
     attention, auto, platform = args.attention, args.attention == "auto", machine.platform
@@ -58,9 +58,9 @@ def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: 
         attention = {"gpu": "packed" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(platform, "xla")
     attention = choose_attention(attention, auto, cfg, dtype, row_len, check=False)[0]
     bf16_gpu = platform == "gpu" and dtype == "bfloat16"
-    t = mlp.Tiles()
-    mlp_fits = bf16_gpu and machine.hopper and exact_gelu_with_bias(cfg) and device_rows % t.tile_m == 0 \
-        and cfg.intermediate_size % t.tile_n == 0 and cfg.hidden_size % t.tile_k == 0
+    fused = fused_mlp(cfg)
+    mlp_fits = bf16_gpu and machine.hopper and fused is not None \
+        and mlp.tiles(device_rows, cfg.hidden_size, cfg.intermediate_size, fused == "swiglu")
     d = cfg.hidden_size
     norm_fits = bf16_gpu and layer_norm_pair(cfg) and norm.applies(d, "bfloat16") \
         and device_rows % norm.rows_per_block(d) == 0
