@@ -39,9 +39,10 @@ from isojax.numerics import gelu
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile shape and schedule (_kernel). Each compute warpgroup accumulates whole [tile_m, tile_n]
-    output tiles in float32 registers (the gated kernel: one such accumulator per product, so
-    GATED's tile_n is half); the memory warpgroup keeps `stages` k-steps of A and the B's in shared
-    memory (32 KB each at these tiles); output leaves in [epi_m, epi_n] pieces."""
+    tiles of the product in float32 registers (the gated kernel: tile_n / 2 columns of x @ W_gate
+    beside the same of x @ W_up, for an output tile of [tile_m, tile_n / 2]); the memory warpgroup
+    keeps `stages` k-steps of A and B in shared memory (32 KB each at these tiles); output leaves
+    in [epi_m, epi_n] pieces."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -54,7 +55,6 @@ class Tiles:
     in_flight: int = 1  # 0 or 1: wgmma groups left running when the next k-step's tiles are waited for
 
 
-GATED = Tiles(tile_n=64)  # two [128, 64] accumulators: the registers of the GELU kernel's one
 
 
 def available() -> bool:
@@ -79,12 +79,16 @@ def rounding_error(out_MxN, x_MxK, w_KxN, bias_N, rounded_product: bool = False)
 def gated_rounding_error(out_MxN, x_MxK, wg_KxN, wu_KxN) -> float:
     """How far bf16 silu(x @ wg) * (x @ wu) lies beyond what rounding allows, from float64 (<= 0:
     within): g and u rounded to bf16 (half an ulp each, |SiLU'| <= 1.1), SiLU rounded, the product
-    rounded: |error| <= (1.1 |g| |u| + |silu(g)| |u|) 2^-8 + |silu(g)| |u| 2^-7 + float32's 1e-6."""
-    x = np.asarray(x_MxK, np.float64)
-    g, u = x @ np.asarray(wg_KxN, np.float64), x @ np.asarray(wu_KxN, np.float64)
+    rounded: |error| <= (1.1 |g| |u| + |silu(g)| |u|) 2^-8 + |silu(g)| |u| 2^-7 + float32's 1e-6, and
+    the float32 sums' own error through SiLU and the product."""
+    x, wg, wu = (np.asarray(a, np.float64) for a in (x_MxK, wg_KxN, wu_KxN))
+    g, u = x @ wg, x @ wu
     s = g / (1 + np.exp(-g))
     exact = s * u
-    bound = (1.1 * np.abs(g) * np.abs(u) + np.abs(s) * np.abs(u)) * 2.0 ** -8 + np.abs(exact) * 2.0 ** -7 + 1e-6
+    # float32 sums of k products: |error| <= k 2^-24 sum |x w| (the accumulators' order is free)
+    eg, eu = (x.shape[1] * 2.0 ** -24 * (np.abs(x) @ np.abs(w)) for w in (wg, wu))
+    bound = (1.1 * np.abs(g) * np.abs(u) + np.abs(s) * np.abs(u)) * 2.0 ** -8 + np.abs(exact) * 2.0 ** -7 + 1e-6 \
+        + 1.1 * np.abs(u) * eg + np.abs(s) * eu
     return float(np.max(np.abs(np.asarray(out_MxN, np.float64) - exact) - bound))
 
 
@@ -118,8 +122,8 @@ def works(gated: bool = False) -> str | None:
 
 def tiles(m: int, k: int, n: int, gated: bool = False) -> bool:
     """Whether [m, k] x [k, n] tiles for dense_gelu (gated: dense_swiglu) on any machine."""
-    t = GATED if gated else Tiles()
-    return m % t.tile_m == 0 and n % t.tile_n == 0 and k % t.tile_k == 0
+    t = Tiles()
+    return m % t.tile_m == 0 and n % (t.tile_n // (1 + gated)) == 0 and k % t.tile_k == 0
 
 
 def applies(m: int, k: int, n: int, dtype, gated: bool = False) -> bool:
@@ -136,20 +140,22 @@ def _silu_product(g, u):
     return (s * u).astype(bf)
 
 
-def _store_tile(accs, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: str):
-    """One warpgroup's [tile_m, tile_n] float32 accumulators -> the epilogue ("gelu": + bias, GELU;
-    "silu_product": silu(first) * second; "none") -> bf16 -> out_gmem (its [tile_m, tile_n] view), in
-    [epi_m, epi_n] pieces through the two slots of out_smem; n0: the tile's first output column
-    (for the bias)."""
+def _store_tile(acc, out_smem, out_gmem, bias_gmem, n0, t: Tiles, epilogue: str):
+    """One warpgroup's [tile_m, tile_n] float32 accumulator -> the epilogue ("gelu": + bias, GELU;
+    "silu_product": silu(left half) * right half; "none") -> bf16 -> out_gmem (its [tile_m, w]
+    view, w = tile_n or tile_n / 2), in [epi_m, epi_n] pieces through the two slots of out_smem; n0:
+    the tile's first output column (for the bias)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    halves = 2 if epilogue == "silu_product" else 1
+    w = t.tile_n // halves
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for mi in range(t.tile_m // t.epi_m):
-        for ni in range(t.tile_n // t.epi_n):
+        for ni in range(w // t.epi_n):
             sm, sn = slice(mi * t.epi_m, (mi + 1) * t.epi_m), slice(ni * t.epi_n, (ni + 1) * t.epi_n)
-            slot = (mi * (t.tile_n // t.epi_n) + ni) % 2
-            parts = [acc[sm, sn] for acc in accs]
+            slot = (mi * (w // t.epi_n) + ni) % 2
+            parts = [acc[sm, h * w + ni * t.epi_n:h * w + (ni + 1) * t.epi_n] for h in range(halves)]
             if epilogue == "gelu":
                 bias = plgpu.load(bias_gmem.at[pl.ds(n0 + ni * t.epi_n, t.epi_n)], (),
                                   layout=plgpu.Layout.WGMMA.reduce(0), optimized=False).astype(jnp.float32)
@@ -179,8 +185,9 @@ def _tile_origin(lin, m_iters, n_iters, t: Tiles):
 
 
 def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
-    """refs: A [m, k], the B's [k, n] (one; two for "silu_product"), the bias [n] for "gelu", the
-    output [m, n]. CTA c takes tiles c, c + sms, c + 2 sms, ... (in planar_snake order); its j-th
+    """refs: A [m, k], the B's [k, n] (one; for "silu_product" two, W_gate and W_up, whose tiles of
+    tile_n / 2 columns are loaded side by side into one B tile: one product per k-step), the bias
+    [n] for "gelu", the output [m, n]. CTA c takes tiles c, c + sms, c + 2 sms, ... (in planar_snake order); its j-th
     goes to compute warpgroup j % 2, and the warpgroups take turns (the `turn` barriers): one issues
     its tile's products once the other has issued its own, then runs its epilogue while the other
     multiplies. Warpgroup 2 loads k-step kk of tile j, the CTA's step g = j * k_iters + kk, into slot
@@ -192,13 +199,14 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    nb = 2 if epilogue == "silu_product" else 1
-    a_gmem, b_gmems, out_gmem = refs[0], refs[1:1 + nb], refs[-1]
-    bias_gmem = refs[1 + nb] if epilogue == "gelu" else None
+    halves = 2 if epilogue == "silu_product" else 1
+    a_gmem, b_gmems, out_gmem = refs[0], refs[1:1 + halves], refs[-1]
+    bias_gmem = refs[1 + halves] if epilogue == "gelu" else None
     m, k = a_gmem.shape
     n = out_gmem.shape[1]
     t = tiles
-    m_iters, n_iters, k_iters = m // t.tile_m, n // t.tile_n, k // t.tile_k
+    w = t.tile_n // halves  # output columns per tile
+    m_iters, n_iters, k_iters = m // t.tile_m, n // w, k // t.tile_k
     cta = lax.axis_index("cluster_grid")
     cta_tiles = (m_iters * n_iters - cta + sms - 1) // sms  # tiles of this CTA (all CTAs: < sms apart)
 
@@ -206,8 +214,7 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
         """Index into full and free of the CTA's step g: (owner, slot)."""
         return lax.rem(g // k_iters, 2) * t.stages + lax.rem(g, t.stages)
 
-    def body(a_smem, *scratch):
-        b_smems, (out_smem, full, free, turn) = scratch[:nb], scratch[nb:]
+    def body(a_smem, b_smem, out_smem, full, free, turn):
         wg = lax.axis_index("wg")
 
         @pl.when(wg < 2)
@@ -219,14 +226,13 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
                 m_idx, n_idx = _tile_origin(cta + j * sms, m_iters, n_iters, t)
                 pl.when(j > 0)(lambda: plgpu.barrier_wait(turn.at[wg]))
 
-                def steps(*acc_refs):
+                def steps(acc_ref):
                     def step(kk, carry):
                         g = j * k_iters + kk
                         plgpu.barrier_wait(full.at[barrier(g)])
                         slot = lax.rem(g, t.stages)
-                        for acc_ref, b_smem in zip(acc_refs, b_smems):
-                            plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot])
-                        plgpu.wgmma_wait(t.in_flight * nb)
+                        plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot])
+                        plgpu.wgmma_wait(t.in_flight)
                         if t.in_flight:  # the previous step's products are done: its slot is free
                             pl.when(kk > 0)(lambda: plgpu.barrier_arrive(free.at[barrier(g - 1)]))
                         else:
@@ -237,11 +243,11 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
                     if t.in_flight:
                         plgpu.wgmma_wait(0)
                         plgpu.barrier_arrive(free.at[barrier(j * k_iters + k_iters - 1)])
-                    return tuple(acc_ref[...] for acc_ref in acc_refs)
+                    return acc_ref[...]
 
-                accs = pl.run_scoped(steps, *[plgpu.ACC((t.tile_m, t.tile_n), jnp.float32)] * nb)
-                view = out_gmem.at[pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)]
-                _store_tile(accs, out_smem.at[wg], view, bias_gmem, n_idx * t.tile_n, t, epilogue)
+                acc = pl.run_scoped(steps, plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                view = out_gmem.at[pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * w, w)]
+                _store_tile(acc, out_smem.at[wg], view, bias_gmem, n_idx * w, t, epilogue)
                 return carry
 
             lax.fori_loop(0, (cta_tiles - wg + 1) // 2, tile, None)
@@ -253,15 +259,16 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
 
             def tile(j, carry):
                 m_idx, n_idx = _tile_origin(cta + j * sms, m_iters, n_iters, t)
-                rows, cols = pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)
+                rows, cols = pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * w, w)
 
                 def step(kk, carry):
                     g = j * k_iters + kk
                     pl.when(g >= t.stages)(lambda: plgpu.barrier_wait(free.at[barrier(g - t.stages)]))
                     slot, ks = lax.rem(g, t.stages), pl.ds(kk * t.tile_k, t.tile_k)
                     plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], full.at[barrier(g)])
-                    for b_gmem, b_smem in zip(b_gmems, b_smems):
-                        plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], full.at[barrier(g)])
+                    for h, b_gmem in enumerate(b_gmems):
+                        into = b_smem.at[slot] if halves == 1 else b_smem.at[slot, :, pl.ds(h * w, w)]
+                        plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], into, full.at[barrier(g)])
                     return carry
                 return lax.fori_loop(0, k_iters, step, carry)
 
@@ -270,9 +277,9 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
     pl.run_scoped(
         body,
         plgpu.SMEM((t.stages, t.tile_m, t.tile_k), jnp.bfloat16, transforms=_transforms(t.tile_k)),
-        *[plgpu.SMEM((t.stages, t.tile_k, t.tile_n), jnp.bfloat16, transforms=_transforms(t.tile_k))] * nb,
+        plgpu.SMEM((t.stages, t.tile_k, t.tile_n), jnp.bfloat16, transforms=_transforms(t.tile_k)),
         plgpu.SMEM((2, 2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=_transforms(t.epi_n)),
-        plgpu.Barrier(num_arrivals=1 + nb, num_barriers=2 * t.stages),
+        plgpu.Barrier(num_arrivals=1 + halves, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         collective_axes="wg")
@@ -283,7 +290,7 @@ def _call(operands, m: int, k: int, n: int, tiles: Tiles, epilogue: str, interpr
     interpret mode (on CPU, with 4 CTAs)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if m % tiles.tile_m or n % tiles.tile_n or k % tiles.tile_k:
+    if m % tiles.tile_m or n % (tiles.tile_n // (1 + (epilogue == "silu_product"))) or k % tiles.tile_k:
         raise ValueError(f"[{m}, {k}] x [{k}, {n}] does not tile by {tiles}")
     extra = {}
     if interpret:
@@ -307,7 +314,7 @@ def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = Tr
     return _call((x_MxK, w_KxN), m, k, n, tiles, "none", interpret)
 
 
-def dense_swiglu(x_MxK, wg_KxN, wu_KxN, tiles: Tiles = GATED, interpret: bool = False):
+def dense_swiglu(x_MxK, wg_KxN, wu_KxN, tiles: Tiles = Tiles(), interpret: bool = False):
     """silu(x @ wg) * (x @ wu) in bf16, rounded as PyTorch's bf16 Llama MLP; bf16 inputs."""
     (m, k), n = x_MxK.shape, wg_KxN.shape[1]
     return _call((x_MxK, wg_KxN, wu_KxN), m, k, n, tiles, "silu_product", interpret)
