@@ -1,8 +1,9 @@
 """The packed attention kernel (isojax.kernels.packed_attention), in Pallas' interpret mode on CPU (and
 compiled where a GPU is): its rotary equals Hugging Face's bf16 rotary bit for bit, its output
-lands within bf16 rounding of float64 attention on packed rows whose sequences cross blocks, and
-the model's states with it equal those with plain attention; per device under a mesh; explicit
-choices it cannot honour are refused."""
+lands within bf16 rounding of float64 attention on packed rows whose sequences cross blocks (also
+without rotary, with OLMo's clip and OLMo-2's q/k norms; the families' model states are in
+tests/test_families.py), and the model's states with it equal those with plain attention; per
+device under a mesh; explicit choices it cannot honour are refused."""
 
 from __future__ import annotations
 
