@@ -319,8 +319,6 @@ def test_packed_attention_states_equal_plain_attention(family, shape, change):
     and OPT's learned positions (no rotary), OLMo's clip (here 0.1, which the random weights'
     q, k and v reach often) and OLMo-2's q/k norms (their weights randomized) included. OLMo's
     with one layer: with two, its bf16 states drift 2e-2 from float32's with either attention."""
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
