@@ -250,24 +250,33 @@ def family_config(family: str, shape: int):
 
 
 def test_kernel_choice_per_family(capsys, monkeypatch):
-    """The packed attention kernel takes rotary families with any number of key/value heads and
-    not learned positions, q/k norms or clipping; the fused MLPs an exact GELU with a bias or a
-    SiLU-gated MLP without biases;
-    the LayerNorm-pair kernel only two LayerNorms of one state. Fallbacks are logged; an explicit
-    choice that cannot run is refused. (Whether the kernels run here is their own tests' matter:
-    the probe is taken as passed.)"""
+    """The packed attention kernel takes every family with any number of key/value heads, learned
+    positions (no rotary), q/k norms and clipping, where its head dims apply; its probe is asked
+    about what changes the kernel. The fused MLPs an exact GELU with a bias or a SiLU-gated MLP
+    without biases; the LayerNorm-pair kernel only two LayerNorms of one state. Fallbacks are
+    logged; an explicit choice that cannot run is refused. (Whether the kernels run here is their
+    own tests' matter: the probe is taken as passed, or failed where it says so.)"""
     from isojax.kernels import packed_attention
-    monkeypatch.setattr(packed_attention, "works", lambda head_dim, rotary_dims: None)
+    probes = []
+    monkeypatch.setattr(packed_attention, "works", lambda **args: probes.append(args) or None)
     from isojax.device.kernel_choice import choose_attention, choose_mlp_kernel, choose_norm_kernel, layer_norm_pair
 
-    llama, gpt2, olmo2 = family_config("llama", 1), family_config("gpt2", 0), family_config("olmo2", 0)
+    llama = family_config("llama", 1)
     assert llama.head_dim == 32 and llama.kv_heads == 1
     assert choose_attention("packed", False, llama, "bfloat16", 128)[0] == "packed"
-    for cfg in (gpt2, olmo2):
-        with pytest.raises(UserError, match="attention packed is for rotary attention"):
-            choose_attention("packed", False, cfg, "bfloat16", 128)
-        assert choose_attention("packed", True, cfg, "bfloat16", 128)[0] == "cudnn"
-    assert "packed attention does not run here" in capsys.readouterr().err
+    families = {("gpt2", 0): (16, 0, False, False), ("opt", 0): (16, 0, False, False), ("olmo", 1): (16, 16, False, True),
+                ("olmo2", 0): (16, 16, True, False)}
+    for (family, shape), probe in families.items():
+        probes.clear()
+        cfg = family_config(family, shape)
+        assert choose_attention("packed", False, cfg, "bfloat16", 128)[0] == "packed"
+        assert choose_attention("packed", True, cfg, "bfloat16", 128)[0] == "packed"
+        assert probes == [dict(zip(("head_dim", "rotary_dims", "qk_norm", "clip"), probe))] * 2, family
+    monkeypatch.setattr(packed_attention, "works", lambda **args: "no" if args["qk_norm"] else None)
+    with pytest.raises(UserError, match="attention packed no"):
+        choose_attention("packed", False, family_config("olmo2", 0), "bfloat16", 128)
+    assert choose_attention("packed", True, family_config("olmo2", 0), "bfloat16", 128)[0] == "cudnn"
+    assert "packed attention does not run here (no)" in capsys.readouterr().err
     with pytest.raises(UserError, match="gated"):  # no Hopper GPU here
         choose_mlp_kernel("mosaic", llama, "bfloat16", 65536)
     assert choose_mlp_kernel("auto", llama, "bfloat16", 65536)[0] == "xla"
@@ -300,10 +309,17 @@ def test_kernel_choice_per_family(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,shape", [("llama", 1), ("falcon", 2), ("gemma", 0)])
-def test_packed_attention_states_equal_plain_attention(family, shape):
+@pytest.mark.parametrize("family,shape,change", [("llama", 1, {}), ("falcon", 2, {}), ("gemma", 0, {}),
+                                                 ("gpt2", 0, {}), ("opt", 0, {}),
+                                                 ("olmo", 1, dict(clip_qkv=0.1, num_layers=1)),
+                                                 ("olmo2", 0, dict(num_layers=1))])
+def test_packed_attention_states_equal_plain_attention(family, shape, change):
     """The bf16 model with the grouped packed kernel (interpret mode) on packed rows: the states of
-    plain attention within bf16 rounding (as GPT-NeoX's, tests/test_packed_attention.py)."""
+    plain attention within bf16 rounding (as GPT-NeoX's, tests/test_packed_attention.py); GPT-2's
+    and OPT's learned positions (no rotary), OLMo's clip (here 0.1, which the random weights'
+    q, k and v reach often) and OLMo-2's q/k norms (their weights randomized) included. OLMo's
+    with one layer: with two, its bf16 states drift 2e-2 from float32's with either attention."""
+    import jax
     import jax.numpy as jnp
 
     from isojax.hf.loading import random_params
@@ -311,9 +327,13 @@ def test_packed_attention_states_equal_plain_attention(family, shape):
     from isojax.model.options import ForwardOptions
     from test_packed_attention import packed_rows
 
-    cfg = family_config(family, shape)
+    cfg = dataclasses.replace(family_config(family, shape), **change)
     params = random_params(cfg, "bfloat16", seed=3)
-    tokens = np.random.default_rng(3).integers(0, VOCAB, (1, 64)).astype(np.int32)
+    rng = np.random.default_rng(3)
+    params = jax.tree_util.tree_map_with_path(  # q/k norm weights other than ones: each head its own
+        lambda path, p: (p * (1 + 0.3 * rng.normal(size=p.shape))).astype(p.dtype)
+        if any(getattr(key, "key", None) in ("q_norm", "k_norm") for key in path) else p, params)
+    tokens = rng.integers(0, VOCAB, (1, 64)).astype(np.int32)
     seg, pos = packed_rows([[5, 40, 13]], 64)
     buf = jnp.zeros((cfg.num_states, 1, 64, cfg.hidden_size), jnp.float32)
     states = {}

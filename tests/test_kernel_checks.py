@@ -153,7 +153,7 @@ def test_the_choices_go_through_the_record(tmp_path, monkeypatch):
     assert choices() == (("packed", "mosaic", "xla"), [])
     assert choices() == (("packed", "mosaic", "xla"), ["mlp", "norm", "packed_attention"])
     assert choices(check=False) == (("packed", "mosaic", "xla"), [])
-    assert attention == [dict(head_dim=64, rotary_dims=16)] and mlp_calls == [{}] and norm_calls == [dict(d=1024)]
+    assert attention == [dict(head_dim=64, rotary_dims=16, qk_norm=False, clip=False)] and mlp_calls == [{}] and norm_calls == [dict(d=1024)]
 
 
 def test_the_plans_choice_keeps_each_reason_and_is_compared_by_its_kernels(tmp_path, monkeypatch, capsys):

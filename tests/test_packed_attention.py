@@ -1,8 +1,9 @@
 """The packed attention kernel (isojax.kernels.packed_attention), in Pallas' interpret mode on CPU (and
 compiled where a GPU is): its rotary equals Hugging Face's bf16 rotary bit for bit, its output
-lands within bf16 rounding of float64 attention on packed rows whose sequences cross blocks, and
-the model's states with it equal those with plain attention; per device under a mesh; explicit
-choices it cannot honour are refused."""
+lands within bf16 rounding of float64 attention on packed rows whose sequences cross blocks (also
+without rotary, with OLMo's clip and OLMo-2's q/k norms; the families' model states are in
+tests/test_families.py), and the model's states with it equal those with plain attention; per
+device under a mesh; explicit choices it cannot honour are refused."""
 
 from __future__ import annotations
 
@@ -124,6 +125,53 @@ def test_grouped_kernel_within_bf16_rounding_of_float64(h, g, k, pct, lengths):
     assert np.abs(got - want)[real].max() / np.abs(want[real]).max() < 2 ** -7
 
 
+def family_inputs(h, g, k, pct, qk_norm, seed):
+    """Grouped [1, 64, H + 2G, K] projection and bias, rotary tables (None without rotary), packed
+    segments, and random q/k norm weights ([H, K], [G, K]) where qk_norm."""
+    _, cos, sin, seg = inputs(1, 64, h, k, pct, [[20, 30, 14]])
+    rng = np.random.default_rng(seed)
+    qkv = jnp.asarray(rng.normal(size=(1, 64, h + 2 * g, k)) * 2, jnp.bfloat16)
+    bias = jnp.asarray(rng.normal(size=(h + 2 * g, k)), jnp.bfloat16)
+    weights = tuple(jnp.asarray(1 + 0.3 * rng.normal(size=(n, k)), jnp.bfloat16) for n in (h, g)) if qk_norm else None
+    return qkv, bias, (cos, sin) if pct else (None, None), seg, weights
+
+
+# (H, G, K, rotary pct, clip, q/k norms): learned positions (GPT-2, OPT: no rotary) multi-head and
+# grouped; OLMo's clip (at a bound bf16 rounds); OLMo-2's norms over all heads, with and without rotary
+FAMILY_CASES = [(2, 2, 16, 0.0, None, False), (4, 2, 16, 0.0, None, False), (2, 1, 32, 0.5, 1.3, False),
+                (4, 2, 16, 1.0, None, True), (2, 2, 32, 0.0, 0.9, True)]
+
+
+@pytest.mark.parametrize("h,g,k,pct,clip,qk_norm", FAMILY_CASES)
+def test_kernel_without_rotary_with_clip_and_norms_within_bf16_rounding_of_float64(h, g, k, pct, clip, qk_norm):
+    """attention_grouped with no rotary tables, with q, k, v clipped after the bias, with RMSNorms
+    over all heads of q and of k before the rotary: within bf16 rounding of float64 attention of
+    q, k and v prepared in bf16 as the model's XLA path prepares them (the reference)."""
+    qkv, bias, (cos, sin), seg, weights = family_inputs(h, g, k, pct, qk_norm, seed=h * 100 + k)
+    got = np.asarray(packed_attention.attention_grouped(qkv, cos, sin, seg, bias, weights, num_heads=h, clip=clip,
+                                                        block_q=32, block_k=32).astype(jnp.float32), np.float64)
+    per_head = None if weights is None else (weights[0], jnp.repeat(weights[1], h // g, axis=0))
+    want = packed_attention.reference(grouped_as_per_head(qkv, h), cos, sin, seg,
+                                      grouped_as_per_head(bias[None, None], h)[0, 0], clip, per_head)
+    real = np.asarray(seg) > 0
+    assert np.abs(got - want)[real].max() / np.abs(want[real]).max() < 2 ** -7
+
+
+def test_per_head_kernel_without_rotary():
+    """GPT-NeoX's layout with no rotary tables (rotary_pct 0) against the float64 reference."""
+    qkv, cos, sin, seg = inputs(1, 64, 2, 16, 0.0, [[10, 54]], seed=7)
+    got = np.asarray(packed_attention.attention(qkv, None, None, seg, block_q=32, block_k=32).astype(jnp.float32))
+    want = packed_attention.reference(qkv, None, None, seg)
+    assert np.abs(got - want).max() / np.abs(want).max() < 2 ** -7
+
+
+def test_probe_takes_the_families_cases():
+    """works() runs the kernel without rotary, and the grouped kernel with q/k norms and a clip."""
+    assert packed_attention.works(16, 0) is None
+    assert packed_attention.works(16, 16, qk_norm=True, clip=True) is None
+    assert packed_attention.works(32, 0, qk_norm=False, clip=True) is None
+
+
 def test_skipped_blocks_hold_nothing_the_kernel_needed():
     """Keys of other sequences set to huge values: any key block the kernel skips or visits from
     another sequence would change the output; it does not."""
@@ -140,6 +188,8 @@ def test_shapes_it_does_not_take():
     assert not packed_attention.applies(512, 64, 16, jnp.float32)
     assert not packed_attention.applies(500, 64, 16, jnp.bfloat16)
     assert not packed_attention.applies(512, 64, 8, jnp.bfloat16)
+    assert packed_attention.applies(512, 64, 0, jnp.bfloat16)  # learned positions: no rotary
+    assert not packed_attention.applies(512, 8, 0, jnp.bfloat16)
     qkv, cos, sin, seg = inputs(1, 96, 1, 64, 0.25, [[96]])
     with pytest.raises(ValueError, match="does not take"):
         packed_attention.attention(qkv, cos, sin, seg, interpret=True)  # 96 % 64

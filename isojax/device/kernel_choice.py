@@ -199,22 +199,21 @@ def choose_norm_kernel(norm_kernel: str, cfg, dtype: str, device_rows: int, chec
 def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int, check: bool = True,
                      record: CheckRecord = NO_RECORD) -> tuple[str, str]:
     """(kernel, why): the attention kernel for these rows. packed (isojax.kernels.packed_attention)
-    where it applies (rotary positions without q/k norms or clipping, powers-of-two head and rotary
-    dims, rows of a multiple of 64; any number of key/value heads) and works here, else, under
-    auto, cuDNN; cuDNN and Pallas's TPU kernel need rows of a multiple of 64 and 128, else, under
-    auto, plain XLA. An explicit choice that cannot run is an error. check=False: as
-    choose_mlp_kernel's."""
+    where it applies (a head dim that is a power of two >= 16, rotary dims 0 (learned positions)
+    or a power of two >= 16, rows of a multiple of 64; any number of key/value heads, q/k norms,
+    clip_qkv) and works here for these shapes, norms and clip, else, under auto, cuDNN; cuDNN and
+    Pallas's TPU kernel need rows of a multiple of 64 and 128, else, under auto, plain XLA. An
+    explicit choice that cannot run is an error. check=False: as choose_mlp_kernel's."""
     from isojax.kernels import packed_attention
     reason = f"auto: {attention} for this backend and dtype" if auto else "asked for"
     if attention == "packed":
-        if cfg.learned_positions or cfg.qk_norm or cfg.clip_qkv is not None:
-            why = ("is for rotary attention without q/k norms or clipping (this "
-                   f"{cfg.family} has {'learned positions' if cfg.learned_positions else 'q/k norms or clip_qkv'})")
-        elif not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, numerics.DTYPES[dtype]):
-            why = (f"needs head and rotary dims that are powers of two >= 16 (here {cfg.head_dim} and "
-                   f"{cfg.rotary_dims}) and rows of a multiple of 64 tokens (seq_len {row_len})")
+        if not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, numerics.DTYPES[dtype]):
+            why = (f"needs a head dim that is a power of two >= 16, rotary dims 0 or powers of two >= 16 (here "
+                   f"{cfg.head_dim} and {cfg.rotary_dims}) and rows of a multiple of 64 tokens (seq_len {row_len})")
         else:
-            why = record.outcome(packed_attention, dict(head_dim=cfg.head_dim, rotary_dims=cfg.rotary_dims), run=check)
+            args = dict(head_dim=cfg.head_dim, rotary_dims=cfg.rotary_dims, qk_norm=cfg.qk_norm,
+                        clip=cfg.clip_qkv is not None)
+            why = record.outcome(packed_attention, args, run=check)
         if why is None:
             return "packed", "applies and works here"
         if not auto:

@@ -13,6 +13,7 @@ repeat_kv), so the model has one fused product per layer.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -40,17 +41,21 @@ class Norm(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD, params_only: bool = False):
-        """Norm(x); params_only (LayerNorm): (scale, bias) in float32 instead (layer_norm_pair)."""
+        """Norm(x); params_only: LayerNorm's (scale, bias) (layer_norm_pair) or RMSNorm's scale (the
+        packed attention kernel's q/k norms) in float32 instead (x: anything with x's shape)."""
         d = x_BxTxD.shape[-1]
         if self.kind == "layer":
             scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype)
             bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
             if params_only:
                 return scale.astype(jnp.float32), bias.astype(jnp.float32)
-        x = x_BxTxD.astype(jnp.float32)
         if self.kind == "rms":
             init = nn.initializers.zeros if self.plus_one else nn.initializers.ones  # a gain of 1, as HF's init
             scale = self.param("scale", init, (d,), self.param_dtype)
+            if params_only:
+                return scale.astype(jnp.float32)
+        x = x_BxTxD.astype(jnp.float32)
+        if self.kind == "rms":
             y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
             if self.plus_one:
                 return (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
@@ -238,20 +243,27 @@ class Attention(Part):
         qkv_name = "query_key_value" if cfg.neox_tree else "qkv"
         out = linear(self, cfg, d, cfg.out_bias, "dense")
         attention = self.options.attention
-        if attention == "packed":  # bias, rotary and segments inside one kernel (where: device/kernel_choice.py)
+        if attention == "packed":  # bias, clip, q/k norms, rotary and segments inside one kernel
+            # (where: device/kernel_choice.py); without rotary (learned positions) no tables
             from isojax.kernels import packed_attention
             product, bias_N = Projection(n * k, cfg.qkv_bias, self.dtype, self.param_dtype, self.precision,
                                          name=qkv_name)(x_BxTxD, split_bias=True)
             if cfg.neox_tree:
-                out_BxTxHxK = self.options.per_device(
-                    packed_attention.attention, (product.reshape(b, t, h, 3, k), cos_BxTxR, sin_BxTxR, segment_ids_BxT),
-                    (bias_N.reshape(h, 3, k),))
-                return out(out_BxTxHxK.reshape(b, t, h * k))
-            bias_NxK = None if bias_N is None else bias_N.reshape(n, k)
+                kernel, qkv, extras = packed_attention.attention, product.reshape(b, t, h, 3, k), \
+                    dict(bias_Hx3xK=bias_N.reshape(h, 3, k))
+            else:
+                kernel = functools.partial(packed_attention.attention_grouped, num_heads=h, clip=cfg.clip_qkv,
+                                           norm_eps=cfg.layer_norm_eps)
+                qkv, extras = product.reshape(b, t, n, k), {} if bias_N is None else dict(bias_NxK=bias_N.reshape(n, k))
+                if cfg.qk_norm:  # the norms' weights per head (the kernel's call reduces each row's factors)
+                    extras["norm_weights"] = tuple(
+                        make_norm(cfg, self.dtype, self.param_dtype, name)(
+                            jax.ShapeDtypeStruct((b, t, heads * k), self.dtype), params_only=True).reshape(heads, k)
+                        for name, heads in (("q_norm", h), ("k_norm", g)))
+            tables = () if cos_BxTxR is None else (cos_BxTxR, sin_BxTxR)
             out_BxTxHxK = self.options.per_device(
-                lambda p, c, s, seg, *bias: packed_attention.attention_grouped(p, c, s, seg, *bias, num_heads=h),
-                (product.reshape(b, t, n, k), cos_BxTxR, sin_BxTxR, segment_ids_BxT),
-                () if bias_NxK is None else (bias_NxK,))
+                lambda qkv, seg, *rest: kernel(qkv, *(rest[:-1] or (None, None)), seg, **rest[-1]),
+                (qkv, segment_ids_BxT, *tables), (extras,))
             return out(out_BxTxHxK.reshape(b, t, h * k))
         qkv = linear(self, cfg, n * k, cfg.qkv_bias, qkv_name)
         if cfg.neox_tree:  # multi-head, every head's (q, k, v) side by side
