@@ -6,7 +6,8 @@ family's shapes? (H100 only.)
 
 Rows per shape: XLA as the model runs it (two products, then SiLU and the product in one pass),
 XLA's two products alone, one cuBLAS product of x with [W_gate | W_up] (the products' floor without
-the elementwise pass), then the kernel for a few tile schedules. Each kernel output is checked
+the elementwise pass), the kernel on weights interleaved ahead (mlp.interleave), then the kernel as
+the model calls it (interleaving the weights in the step) for a few tile schedules. Each kernel output is checked
 against float64 on a sample of rows (kernels.gated_rounding_error <= 0).
 """
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import timed
+from isojax.kernels import mlp
 from isojax.kernels.mlp import Tiles, available, dense_swiglu, gated_rounding_error
 
 # [rows, D, F]: a step's rows of bench_families' presets
@@ -45,6 +47,12 @@ def main() -> int:
                 ("XLA: the two products alone", timed(dots, x, wg, wu), ""),
                 ("cuBLAS: x @ [W_gate | W_up]", timed(one, x, both), "")]
         idx = np.arange(0, m, m // 128)
+        ahead = mlp.interleave(wg, wu, Tiles().tile_n // 2)
+        kernel_alone = jax.jit(lambda x, b: mlp._call((x, b), m, k, f, Tiles(), "silu_product", False))
+        try:
+            rows.append(("Mosaic, weights interleaved ahead", timed(kernel_alone, x, ahead), ""))
+        except Exception as e:  # noqa: BLE001
+            rows.append(("Mosaic, weights interleaved ahead", float("nan"), f"failed: {str(e).splitlines()[0][:90]}"))
         for t in TILES:
             label = f"s{t.stages} w{t.grid_tile_width} {'N' if t.grid_minor_n else 'M'} f{t.in_flight}"
             try:

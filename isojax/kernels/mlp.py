@@ -185,9 +185,9 @@ def _tile_origin(lin, m_iters, n_iters, t: Tiles):
 
 
 def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
-    """refs: A [m, k], the B's [k, n] (one; for "silu_product" two, W_gate and W_up, whose tiles of
-    tile_n / 2 columns are loaded side by side into one B tile: one product per k-step), the bias
-    [n] for "gelu", the output [m, n]. CTA c takes tiles c, c + sms, c + 2 sms, ... (in planar_snake order); its j-th
+    """refs: A [m, k], B [k, n] (for "silu_product" [k, 2n]: W_gate's and W_up's columns in
+    alternate blocks of tile_n / 2, interleave(), so that one B tile holds both halves of an output
+    tile and each k-step is one product), the bias [n] for "gelu", the output [m, n]. CTA c takes tiles c, c + sms, c + 2 sms, ... (in planar_snake order); its j-th
     goes to compute warpgroup j % 2, and the warpgroups take turns (the `turn` barriers): one issues
     its tile's products once the other has issued its own, then runs its epilogue while the other
     multiplies. Warpgroup 2 loads k-step kk of tile j, the CTA's step g = j * k_iters + kk, into slot
@@ -200,8 +200,8 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     halves = 2 if epilogue == "silu_product" else 1
-    a_gmem, b_gmems, out_gmem = refs[0], refs[1:1 + halves], refs[-1]
-    bias_gmem = refs[1 + halves] if epilogue == "gelu" else None
+    a_gmem, b_gmem, out_gmem = refs[0], refs[1], refs[-1]
+    bias_gmem = refs[2] if epilogue == "gelu" else None
     m, k = a_gmem.shape
     n = out_gmem.shape[1]
     t = tiles
@@ -259,16 +259,14 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
 
             def tile(j, carry):
                 m_idx, n_idx = _tile_origin(cta + j * sms, m_iters, n_iters, t)
-                rows, cols = pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * w, w)
+                rows, cols = pl.ds(m_idx * t.tile_m, t.tile_m), pl.ds(n_idx * t.tile_n, t.tile_n)
 
                 def step(kk, carry):
                     g = j * k_iters + kk
                     pl.when(g >= t.stages)(lambda: plgpu.barrier_wait(free.at[barrier(g - t.stages)]))
                     slot, ks = lax.rem(g, t.stages), pl.ds(kk * t.tile_k, t.tile_k)
                     plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], full.at[barrier(g)])
-                    for h, b_gmem in enumerate(b_gmems):
-                        into = b_smem.at[slot] if halves == 1 else b_smem.at[slot, :, pl.ds(h * w, w)]
-                        plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], into, full.at[barrier(g)])
+                    plgpu.copy_gmem_to_smem(b_gmem.at[ks, cols], b_smem.at[slot], full.at[barrier(g)])
                     return carry
                 return lax.fori_loop(0, k_iters, step, carry)
 
@@ -279,7 +277,7 @@ def _kernel(*refs, tiles: Tiles, epilogue: str, sms: int):
         plgpu.SMEM((t.stages, t.tile_m, t.tile_k), jnp.bfloat16, transforms=_transforms(t.tile_k)),
         plgpu.SMEM((t.stages, t.tile_k, t.tile_n), jnp.bfloat16, transforms=_transforms(t.tile_k)),
         plgpu.SMEM((2, 2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=_transforms(t.epi_n)),
-        plgpu.Barrier(num_arrivals=1 + halves, num_barriers=2 * t.stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2 * t.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         collective_axes="wg")
@@ -314,7 +312,18 @@ def dense_gelu(x_MxK, w_KxN, bias_N, tiles: Tiles = Tiles(), epilogue: bool = Tr
     return _call((x_MxK, w_KxN), m, k, n, tiles, "none", interpret)
 
 
+def interleave(wg_KxN, wu_KxN, block: int):
+    """[k, 2n]: W_gate's and W_up's columns in alternate blocks of `block` (gate block j, then up
+    block j), one copy of the weights (1-2% of the product's time at the Llama family's shapes)."""
+    k, n = wg_KxN.shape
+    return jnp.stack([wg_KxN.reshape(k, n // block, block), wu_KxN.reshape(k, n // block, block)],
+                     axis=2).reshape(k, 2 * n)
+
+
 def dense_swiglu(x_MxK, wg_KxN, wu_KxN, tiles: Tiles = Tiles(), interpret: bool = False):
     """silu(x @ wg) * (x @ wu) in bf16, rounded as PyTorch's bf16 Llama MLP; bf16 inputs."""
     (m, k), n = x_MxK.shape, wg_KxN.shape[1]
-    return _call((x_MxK, wg_KxN, wu_KxN), m, k, n, tiles, "silu_product", interpret)
+    if n % (tiles.tile_n // 2):
+        raise ValueError(f"[{m}, {k}] x [{k}, {n}] does not tile by {tiles}")
+    b_Kx2N = interleave(wg_KxN, wu_KxN, tiles.tile_n // 2)
+    return _call((x_MxK, b_Kx2N), m, k, n, tiles, "silu_product", interpret)
