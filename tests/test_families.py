@@ -284,9 +284,13 @@ def test_kernel_choice_per_family(capsys, monkeypatch):
     monkeypatch.setattr(mlp, "available", lambda: True)  # a Hopper GPU where the gated probe passes
     monkeypatch.setattr(mlp, "works", lambda gated=False: None if gated else "only the gated kernel here")
     swiglu = dataclasses.replace(family_config("llama", 0), intermediate_size=128)  # widths that tile
-    assert choose_mlp_kernel("auto", swiglu, "bfloat16", 65536)[0] == "mosaic"
-    assert choose_mlp_kernel("auto", swiglu, "bfloat16", 65536 + 64)[0] == "xla"  # rows do not tile
-    assert choose_mlp_kernel("auto", dataclasses.replace(swiglu, mlp_bias=True), "bfloat16", 65536)[0] == "xla"
+    assert choose_mlp_kernel("mosaic", swiglu, "bfloat16", 65536)[0] == "mosaic"
+    auto = choose_mlp_kernel("auto", swiglu, "bfloat16", 65536)  # no faster in the step: not by default
+    assert auto[0] == "xla" and "no faster than XLA's path" in auto[1]
+    with pytest.raises(UserError, match="does not apply to 65600 rows"):
+        choose_mlp_kernel("mosaic", swiglu, "bfloat16", 65536 + 64)
+    with pytest.raises(UserError, match="does not apply"):
+        choose_mlp_kernel("mosaic", dataclasses.replace(swiglu, mlp_bias=True), "bfloat16", 65536)
     from isojax.hf.family.presets import preset
     assert choose_mlp_kernel("auto", preset("pythia-70m"), "bfloat16", 65536)[0] == "xla"  # its probe fails here
     gemma_mlp = choose_mlp_kernel("auto", family_config("gemma", 0), "bfloat16", 65536)

@@ -103,9 +103,10 @@ def check_mlp_kernel(mlp_kernel: str, dtype: str, record: CheckRecord = NO_RECOR
 
 def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check: bool = True,
                       record: CheckRecord = NO_RECORD) -> tuple[str, str]:
-    """(kernel, why). auto: a Mosaic kernel (isojax.kernels.mlp: fused_mlp(cfg) says which) where it
-    applies (bfloat16, Hopper GPUs, a device's rows and the model's widths tile) and works, else
-    XLA's path; mosaic where it does not apply: an error. check=False: what it chooses if the kernel
+    """(kernel, why). auto: the GELU MLP's Mosaic kernel (isojax.kernels.mlp; fused_mlp(cfg) says which
+    kernel a model's MLP takes) where it applies (bfloat16, Hopper GPUs, a device's rows and the
+    model's widths tile) and works, else XLA's path; the gated kernel only when asked for (mosaic),
+    since it was no faster than XLA's path in the step; mosaic where it does not apply: an error. check=False: what it chooses if the kernel
     works, without trying it or saying anything (run/plan.py compiles the step for that while the
     check runs), or as `record` holds it."""
     from isojax.kernels import mlp as kernels
@@ -127,6 +128,9 @@ def choose_mlp_kernel(mlp_kernel: str, cfg, dtype: str, device_rows: int, check:
     if not fits:
         return "xla", f"the fused MLP kernel does not apply to {device_rows} rows per device of [{d}] x [{d}, {f}] " \
                       f"in {dtype} here: XLA's path"
+    if gated and mlp_kernel == "auto":
+        return "xla", "the gated MLP kernel applies but was no faster than XLA's path in the step (bench/RESULTS.md " \
+                      "14): XLA's path (--mlp-kernel mosaic runs it)"
     if (failed := record.outcome(kernels, dict(gated=True) if gated else {}, run=check)) is not None:
         why = f"the fused MLP kernel does not run here ({failed}): XLA's path instead"
         if check:

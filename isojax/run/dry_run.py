@@ -67,7 +67,8 @@ def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: 
     for flag, value, fits in (("mlp-kernel", args.mlp_kernel, mlp_fits), ("norm-kernel", args.norm_kernel, norm_fits)):
         if value not in ("auto", "xla") and not fits:
             raise UserError(f"--{flag} {value} does not apply to this model on {platform.upper()} in {dtype}")
-    return KernelChoice(attention, "mosaic" if mlp_fits and args.mlp_kernel != "xla" else "xla",
+    mosaic = mlp_fits and (args.mlp_kernel == "mosaic" or args.mlp_kernel == "auto" and fused == "gelu")
+    return KernelChoice(attention, "mosaic" if mosaic else "xla",
                         "pallas" if norm_fits and args.norm_kernel != "xla" else "xla")
 
 
