@@ -280,3 +280,7 @@ def test_explicit_packed_refused_without_a_gpu(tmp_path):
 def test_kernel_works_on_this_gpu():
     assert packed_attention.works(64, 16) is None
     assert packed_attention.works(128, 32) is None
+    # learned positions (GPT-2, OPT), OLMo-2's q/k norms, OLMo's clip: compiled and within rounding here
+    assert packed_attention.works(64, 0) is None
+    assert packed_attention.works(128, 128, qk_norm=True) is None
+    assert packed_attention.works(128, 128, clip=True) is None
