@@ -173,21 +173,22 @@ def start_measure(model=None, data=None, **kwargs) -> Results:
         cfg, config, dtype=dtype, attention=attention, auto_attention=auto_attention, mesh=mesh, row_len=row_len,
         corpus=corpus, tokens=tokens, timings=timings)
 
-    def open_then_plan(tokenizer, cfg):  # on a thread beside the load: the token cache opened, then the plan started
+    def open_beside(tokenizer, cfg):  # on a thread beside the load (and the plan, which waits for it)
         with timings.beside("tokenize"):
             opened = open_tokens(corpus, tokenizer, row_length(cfg, unit, seq_len), progress)
             faults.reached("tokens_opened")
-        return opened, plan_for(cfg, row_length(cfg, unit, seq_len), opened)
+        return opened
 
     try:
         if found is not None:  # the token cache opens (tokenizing starts) and the step's plan, while the weights load
-            opening = in_background(lambda: open_then_plan(found[0], early), daemon=True, name="isojax-tokens")
+            opening = in_background(lambda: open_beside(found[0], early), daemon=True, name="isojax-tokens")
+            planned = plan_for(early, row_length(early, unit, seq_len), opening)
         with timings("load"):
             loaded = load(model, revision, dtype, mesh)  # a LoadedModel given is copied, not changed
         if found is not None:
             loaded.source["tokenizer"] = found[1]
             with timings("tokenize"):  # what the load left of opening the token cache
-                tokens, planned = opening.result()
+                tokens = opening.result()
         row_len = row_length(loaded.config, unit, seq_len)
         if tokens is None:
             with timings("tokenize"):
@@ -210,8 +211,8 @@ def start_measure(model=None, data=None, **kwargs) -> Results:
 def _cancel_opened(opening) -> None:
     """Stop the build of a token stream opened beside a load that failed."""
     from isojax.data import TokenStream
-    if opening.exception() is None and isinstance(opening.result()[0], TokenStream):
-        opening.result()[0].cancel()
+    if opening.exception() is None and isinstance(opening.result(), TokenStream):
+        opening.result().cancel()
 
 
 def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh) -> Results:

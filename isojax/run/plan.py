@@ -70,7 +70,8 @@ def step_module(module, mesh):
 
 def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, mesh, row_len: int, corpus,
               tokens) -> StepPlan:
-    """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are)."""
+    """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are);
+    tokens: the token cache or stream, or a Future of it (taken once the kernels' checks have begun)."""
     from isojax.data import TokenStream
     from isojax.device import ahead
     from isojax.device.memory import defaults_platform, run_batch
@@ -100,6 +101,8 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     except UserError:  # an explicit kernel that cannot run: its check says so
         expected = None
     t = time.time()
+    if isinstance(tokens, concurrent.futures.Future):  # the token cache opening beside: the checks run meanwhile
+        tokens = tokens.result()
     streamed = isinstance(tokens, TokenStream)
     labels = corpus.labels() if streamed else tokens.source_names
     labels = labels or (tokens.result() if streamed else tokens).source_names  # none: the build ends with its error
