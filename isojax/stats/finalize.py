@@ -409,14 +409,21 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         return result, None
     result["groups"] = {}
 
+    def dispatch_groups(s):
+        if s in dispatched:
+            return dispatched.pop(s)
+        with jax.enable_x64(True):
+            return _group_spectra(*state_args(s), how=how)
+
+    # the first two states' reductions traced and dispatched here, the rest one ahead by finish_groups
+    dispatched = {}
+    for s in range(min(2, num_states) if per_group_m2 else 0):
+        dispatched[s] = dispatch_groups(s)
+
     def finish_groups():  # where the second moments are split over devices, not on a thread: see below
         from isojax import faults
         eigs_GxS = [[None] * num_states for _ in range(num_groups)]  # groups with their own second moments
         if per_group_m2:
-            def dispatch_groups(s):
-                with jax.enable_x64(True):
-                    return _group_spectra(*state_args(s), how=how)
-
             groups_S = _read_states(dispatch_groups, num_states, on_cpu,
                                     before_read=lambda: faults.reached("sources_readout"))
             for s, groups in enumerate(groups_S):
