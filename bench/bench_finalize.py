@@ -9,7 +9,7 @@ Rows (ms per state, median of --repeats):
   tridiagonal    Householder reduction of the three on the device (lax.linalg.tridiagonal)
   bisection      the tridiagonals' eigenvalues on the device (jax eigh_tridiagonal), one state
   bisection, all  all --states states' 3 tridiagonals in one call, per state (what finalize runs)
-  finalize path  read + tridiagonal (finalize._state_spectra) + the bisection of all states, per state
+  finalize path  read + tridiagonal (finalize._whole_spectra) + the bisection of all states, per state
   host sterf     the tridiagonals' eigenvalues by LAPACK dsterf on the host instead (scipy)
   eigvalsh       jnp.linalg.eigvalsh of the stack (the solver's own eigh), float64
   host LAPACK    numpy eigvalsh of the stack on the host CPU, float64
@@ -75,9 +75,9 @@ def main() -> int:
     bis_all = lambda: finalize._bisect(diag_all, off_all)[:3]
 
     def whole():
-        reduced = [finalize._state_spectra(n_G, sum_GxD, sum_GxD, m2_p, um2_p, per_group=False)
+        reduced = [finalize._whole_spectra(n_G, sum_GxD, sum_GxD, m2_p, um2_p, per_group=False)
                    for _ in range(args.states)]
-        return finalize._bisect_states(reduced)[0][0][0]
+        return finalize._bisect_states(reduced)[0][0]
 
     def host_sterf(diag_KxD, off_KxD):
         return np.stack([scipy.linalg.eigvalsh_tridiagonal(a, b, lapack_driver="sterf")[::-1]

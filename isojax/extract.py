@@ -220,7 +220,7 @@ def run(args) -> Path:
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
                         timeout_s=args.coordinator_timeout)
     from isojax.run.config import MeasureConfig, cli_options
-    from isojax.run.measure import measure
+    from isojax.run.measure import start_measure
     from isojax.steps import paper_steps
     from isojax.log import log
 
@@ -256,7 +256,7 @@ def run(args) -> Path:
         config = MeasureConfig.build(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
                                      resume_run=args.resume, **options)
         check_free_space(out, config)
-        results = measure(config)
+        results = start_measure(config)  # its per-source metrics read out while save draws and writes
         if parallel.is_main_process():
             results.save(out, overwrite=True, plots=not args.no_plots, parquet=args.format == "parquet")
             checkpointing.remove(out / "checkpoint")  # only what isojax wrote there

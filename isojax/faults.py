@@ -14,23 +14,49 @@ ISOJAX_FAULT=POINT:sigterm sends this process SIGTERM (a preemption notice) the 
   (jax.distributed): `reached` then holds the loop until JAX's preemption service of every process
   has taken the step it is at (_await_preemption_sync), so the step they stop at is set before any
   passes it: the step after this one, whatever the machine's speed.
-Unset (every real run), `reached` costs one dictionary lookup."""
+ISOJAX_FAULT=POINT:raise raises a UserError in the thread that reaches POINT, to test that an error
+in a background part of a run ends it with one `error:` line and no partial file:
+- `tokens_opened`: the token cache opened, on the thread beside the weights' load (run/measure.py);
+- `sources_readout`: finalize's per-source reductions dispatched, before the first is read, on the
+  thread beside the figures and the writes (run/results.py).
+In-process tests order events with `hook(POINT, fn)`: fn() runs in every thread that reaches POINT
+(`weights_read`: the main thread about to read the weights; the two above; `plots_drawing`: the
+figures' thread about to draw its first).
+Unset (every real run), `reached` costs two dictionary lookups."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import threading
 
 _counts: collections.Counter = collections.Counter()
+_hooks: dict = {}
+
+
+@contextlib.contextmanager
+def hook(point: str, fn):
+    """fn() runs in each thread that reaches `point` while the block runs (tests only)."""
+    _hooks[point] = fn
+    try:
+        yield
+    finally:
+        del _hooks[point]
 
 
 def reached(point: str) -> None:
+    fn = _hooks.get(point)
+    if fn is not None:
+        fn()
     spec = os.environ.get("ISOJAX_FAULT")
     if not spec or not spec.startswith(point + ":"):
         return
     what = spec.split(":", 1)[1]
+    if what == "raise":
+        from isojax.errors import UserError
+        raise UserError(f"fault injected at {point} (ISOJAX_FAULT)")
     if what == "hold":
         threading.Event().wait()
     if what == "sigterm":

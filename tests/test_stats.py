@@ -402,8 +402,10 @@ def test_accelerator_spectra_equal_numpy_eigvalsh():
         args = (np.full(g, float(n)), x_GxNxD.sum(1), u_GxNxD.sum(1), pair(centered(x_GxNxD)), pair(centered(u_GxNxD)))
         states.append((x_GxNxD, args))
     with jax.enable_x64(True):
-        got_S = fz._bisect_states([fz._state_spectra(*a, per_group=True, how="tridiagonal") for _, a in states])
-        want_S = [[fz._host_eigs(part) for part in jax.device_get(fz._state_spectra(*a, per_group=True, how="matrices"))]
+        got_S = zip(fz._bisect_states([fz._whole_spectra(*a, per_group=True, how="tridiagonal") for _, a in states]),
+                    fz._bisect_states([fz._group_spectra(*a, how="tridiagonal") for _, a in states]))
+        want_S = [[fz._host_eigs(jax.device_get(part)) for part in (fz._whole_spectra(*a, per_group=True, how="matrices"),
+                                                                    fz._group_spectra(*a, how="matrices"))]
                   for _, a in states]
     for (x_GxNxD, _), (whole, groups), (ref_whole, ref_groups) in zip(states, got_S, want_S):
         assert whole[0].shape == ref_whole[0].shape == (3, d) and groups[0].shape == ref_groups[0].shape == (g, d)
@@ -445,10 +447,10 @@ def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
     x = jax.device_put(rng.normal(size=(2 * fz.BATCH, d)).astype(np.float32), device)
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True), jax.enable_x64(True):
-        reduced = [fz._state_spectra(np.full(g, 50.0), rng.normal(size=(g, d)), rng.normal(size=(g, d)), pair, pair,
-                                     per_group=True, how="tridiagonal") for _ in range(s)]
-        eigs = fz._bisect_states(reduced)
+        args = [(np.full(g, 50.0), rng.normal(size=(g, d)), rng.normal(size=(g, d)), pair, pair) for _ in range(s)]
+        fz._bisect_states([fz._whole_spectra(*a, per_group=True, how="tridiagonal") for a in args])
+        eigs = fz._bisect_states([fz._group_spectra(*a, how="tridiagonal") for a in args])
         ratios = np.asarray(fz._batch_anisotropy(x.reshape(2, fz.BATCH, d)))
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
-    assert not [c for c in compiled if any(f in c for f in ("_state_spectra", "_bisect", "_batch_anisotropy"))], compiled
-    assert len(eigs) == s and eigs[0][1][0].shape == (g, d) and eigs[0][1][1].shape == (g, 2) and ratios.shape == (2, 2)
+    assert not [c for c in compiled if any(f in c for f in ("_spectra", "_bisect", "_batch_anisotropy"))], compiled
+    assert len(eigs) == s and eigs[0][0].shape == (g, d) and eigs[0][1].shape == (g, 2) and ratios.shape == (2, 2)

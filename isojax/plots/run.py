@@ -89,53 +89,56 @@ def _aligned(layers: list[dict], names: list[str], key: str) -> np.ndarray:
     return np.array([_value(by_name.get(name, {}), key) for name in names], dtype=float)
 
 
-def plot_metrics(metrics: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Write the PNG plots of `metrics` into `out_dir` (created if needed); return the paths written."""
+def plot_metrics(metrics: dict, out_dir: pathlib.Path, *, layers: bool = True,
+                 sources: bool = True) -> list[pathlib.Path]:
+    """Write the PNG plots of `metrics` into `out_dir` (created if needed); return the paths written.
+    layers / sources: the figures of the whole population / those by source (metrics["sources"]),
+    so that the first can be drawn before the per-source metrics are in (run/results.py)."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    layers = list(metrics.get("layers") or [])
-    names = [str(layer.get("name", i)) for i, layer in enumerate(layers)]
+    whole = list(metrics.get("layers") or [])
+    names = [str(layer.get("name", i)) for i, layer in enumerate(whole)]
     written = []
 
-    if layers:
+    if whole and layers:
         written.append(_plot(metrics, names, [
-            ("InterSim (all pairs of states)", _series(layers, "inter_sim"), {"color": "C0"}),
-            ("IntraSim (mean over token types)", _series(layers, "intra_sim"), {"color": "C1"}),
-            ("IntraSim (occurrence-weighted)", _series(layers, "intra_sim_weighted"),
+            ("InterSim (all pairs of states)", _series(whole, "inter_sim"), {"color": "C0"}),
+            ("IntraSim (mean over token types)", _series(whole, "intra_sim"), {"color": "C1"}),
+            ("IntraSim (occurrence-weighted)", _series(whole, "intra_sim_weighted"),
              {"color": "C1", "linestyle": "--"}),
         ], "mean cosine similarity", "InterSim / IntraSim", out_dir / "similarity.png"))
         written.append(_plot(metrics, names, [
-            ("anisotropy (centered)", _series(layers, "anisotropy"), {"color": "C2"}),
-            ("anisotropy (uncentered)", _series(layers, "anisotropy_uncentered"), {"color": "C3", "linestyle": "--"}),
-            ("centered, mean over batches of 4096", _series(layers, "anisotropy_batch_mean"),
+            ("anisotropy (centered)", _series(whole, "anisotropy"), {"color": "C2"}),
+            ("anisotropy (uncentered)", _series(whole, "anisotropy_uncentered"), {"color": "C3", "linestyle": "--"}),
+            ("centered, mean over batches of 4096", _series(whole, "anisotropy_batch_mean"),
              {"color": "C2", "linestyle": ":"}),
         ], "σ₁² / Σσ²", "Anisotropy", out_dir / "anisotropy.png"))
-        ids = [layer.get("intrinsic_dimension") or {} for layer in layers]
+        ids = [layer.get("intrinsic_dimension") or {} for layer in whole]
         written.append(_plot(metrics, names, [
             (label, np.array([_value(i, key) for i in ids], dtype=float), {"color": f"C{c}"})
             for c, (key, label) in enumerate((("twonn", "TwoNN"), ("mle", "MLE (k neighbours)"),
                                               ("mom", "method of moments")))
         ], "intrinsic dimension", "Intrinsic dimension (sampled states)", out_dir / "intrinsic_dimension.png"))
         written.append(_plot(metrics, names, [
-            ("mean ‖h‖", _series(layers, "mean_norm"), {"color": "C4"}),
-            ("‖mean h‖", _series(layers, "norm_of_mean"), {"color": "C5", "linestyle": "--"}),
+            ("mean ‖h‖", _series(whole, "mean_norm"), {"color": "C4"}),
+            ("‖mean h‖", _series(whole, "norm_of_mean"), {"color": "C5", "linestyle": "--"}),
         ], "L2 norm", "Norms", out_dir / "norms.png", log_if_wide=True))
 
-    sources = metrics.get("sources") or {}
-    if isinstance(sources, dict) and sources:
+    by_source = metrics.get("sources") or {}
+    if isinstance(by_source, dict) and by_source and sources:
         if not names:
-            first = next(iter(sources.values())) or {}
+            first = next(iter(by_source.values())) or {}
             names = [str(layer.get("name", i)) for i, layer in enumerate(first.get("layers") or [])]
         for key, what, ylabel, fname in (
                 ("inter_sim", "InterSim by source", "mean cosine similarity", "sources_inter_sim.png"),
                 ("anisotropy", "Anisotropy (centered) by source", "σ₁² / Σσ²", "sources_anisotropy.png")):
             lines = []
-            for i, (src, entry) in enumerate(sorted(sources.items())):
+            for i, (src, entry) in enumerate(sorted(by_source.items())):
                 entry = entry or {}
                 label = f"{src} ({entry['tokens']:,} tok)" if isinstance(entry.get("tokens"), int) else str(src)
                 lines.append((label, _aligned(entry.get("layers") or [], names, key), {"color": f"C{(i + 1) % 10}"}))
-            if layers:
-                lines.insert(0, ("all", _aligned(layers, names, key),
+            if whole:
+                lines.insert(0, ("all", _aligned(whole, names, key),
                                      {"color": "0.35", "linewidth": 3.5, "alpha": 0.6, "zorder": 1}))
             written.append(_plot(metrics, names, lines, ylabel, what, out_dir / fname))
 

@@ -27,7 +27,9 @@ def peek_config(name: str):
 def load(model, revision, dtype: str, mesh):
     """The model's weights in `dtype` on `mesh`. A LoadedModel given is left as it is: the run
     gets a copy of it (the tokenizer it loaded kept), its params placed anew."""
+    from isojax import faults
     from isojax.hf.loading import LoadedModel, load_model, place
+    faults.reached("weights_read")
     if isinstance(model, LoadedModel):
         ours = copy.copy(model)
         ours.params, ours.source = place(model.params, dtype, mesh), dict(model.source)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from isojax import storage
+from isojax import faults, storage
 from isojax.errors import UserError
 from isojax.stats.finalize import massive_ratio, sample_cka, sample_metrics
 from isojax.device.memory import check_fits, choose_mesh, defaults_platform
@@ -123,6 +123,15 @@ def measure(model=None, data=None, **kwargs) -> Results:
 
     A first run (no token cache yet) tokenizes while the devices measure: the batches follow
     the growing cache (data.TokenStream) and are those a later, cached run packs."""
+    results = start_measure(model, data, **kwargs)
+    results.wait()
+    return results
+
+
+def start_measure(model=None, data=None, **kwargs) -> Results:
+    """measure()'s Results, the per-source metrics perhaps still being read out on a thread beside
+    (Results.wait; Results.save draws and writes what does not need them meanwhile): the command
+    line's and the sweeps' way."""
     import jax
 
     from isojax.data import TokenStream, load_corpus
@@ -159,19 +168,27 @@ def measure(model=None, data=None, **kwargs) -> Results:
         early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
         mesh = choose_mesh(early, config, dtype, corpus, row_length(early, unit, seq_len) if early is not None else 0)
         found = tokenizer_without_weights(model, early)
-    tokens, planned = None, None
-    plan_for = lambda cfg, row_len: plan_in_background(cfg, config, dtype=dtype, attention=attention,
-                                                       auto_attention=auto_attention, mesh=mesh, row_len=row_len,
-                                                       corpus=corpus, tokens=tokens)
+    tokens, planned, opening = None, None, None
+    plan_for = lambda cfg, row_len, tokens: plan_in_background(
+        cfg, config, dtype=dtype, attention=attention, auto_attention=auto_attention, mesh=mesh, row_len=row_len,
+        corpus=corpus, tokens=tokens, timings=timings)
+
+    def open_beside(tokenizer, cfg):  # on a thread beside the load (and the plan, which waits for it)
+        with timings.beside("tokenize"):
+            opened = open_tokens(corpus, tokenizer, row_length(cfg, unit, seq_len), progress)
+            faults.reached("tokens_opened")
+        return opened
+
     try:
-        if found is not None:  # tokenizing starts now, and the step's compile, while the weights load
-            with timings("tokenize"):
-                tokens = open_tokens(corpus, found[0], row_length(early, unit, seq_len), progress)
-            planned = plan_for(early, row_length(early, unit, seq_len))
+        if found is not None:  # the token cache opens (tokenizing starts) and the step's plan, while the weights load
+            opening = in_background(lambda: open_beside(found[0], early), daemon=True, name="isojax-tokens")
+            planned = plan_for(early, row_length(early, unit, seq_len), opening)
         with timings("load"):
             loaded = load(model, revision, dtype, mesh)  # a LoadedModel given is copied, not changed
         if found is not None:
             loaded.source["tokenizer"] = found[1]
+            with timings("tokenize"):  # what the load left of opening the token cache
+                tokens = opening.result()
         row_len = row_length(loaded.config, unit, seq_len)
         if tokens is None:
             with timings("tokenize"):
@@ -181,12 +198,21 @@ def measure(model=None, data=None, **kwargs) -> Results:
             plan = planned.result() if planned is not None else None
             # not known before the weights (hub ids), or not these shapes (peek_config leaves the name out)
             if plan is None or dataclasses.replace(plan.cfg, name=loaded.config.name) != loaded.config:
-                plan = plan_for(loaded.config, row_len).result()
+                plan = plan_for(loaded.config, row_len, tokens).result()
             plan.seconds["waited"] = time.time() - waited
         return _measure(loaded, corpus, tokens, timings, config, plan, row_len=row_len, mesh=mesh)
     finally:
         if isinstance(tokens, TokenStream):  # nothing once finished; after an error, stops the build
             tokens.cancel()
+        elif tokens is None and opening is not None:  # the load failed: the build stops once it has started
+            opening.add_done_callback(_cancel_opened)
+
+
+def _cancel_opened(opening) -> None:
+    """Stop the build of a token stream opened beside a load that failed."""
+    from isojax.data import TokenStream
+    if opening.exception() is None and isinstance(opening.result(), TokenStream):
+        opening.result().cancel()
 
 
 def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh) -> Results:
@@ -224,10 +250,10 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     log(f"corpus: {cache.n_tokens:,} tokens in {cache.n_sequences:,} {config.data.unit}s, padding "
         f"{plan.padding_fraction:.1%}" + (" (token cache written)" if streamed else ""))
     has_sources = len(step.labels) > 1 or bool(config.data.sources)
-    final = _read_out(runner, loaded.config.state_names, cache, timings, config, has_sources, row_len=row_len,
-                      rows=step.rows, local=local)
+    final, pending = _read_out(runner, loaded.config.state_names, cache, timings, config, has_sources,
+                               row_len=row_len, rows=step.rows, local=local)
     return _results(loaded, runner, corpus, tokens, cache, plan, timings, config, step, done=done,
-                    loop_rate=loop_rate, final=final, settings=settings, has_sources=has_sources)
+                    loop_rate=loop_rate, final=final, settings=settings, has_sources=has_sources, pending=pending)
 
 
 def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh):
@@ -313,18 +339,22 @@ def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan,
 
 
 def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_sources: bool, *, row_len, rows,
-              local) -> dict:
-    """finalize's metrics of the merged accumulators, the sample's, and the centered pass's."""
+              local) -> tuple:
+    """(finalize's metrics of the merged accumulators, the sample's, and the centered pass's; the
+    Future of their per-source metrics, read out on a thread, or None)."""
     from isojax.run.centered import centered_pass
-    from isojax.stats.finalize import finalize
+    from isojax.stats.finalize import finalize_whole
     intrinsic = bool(config.stats.sample_states)
     with timings("merge"):
         acc = runner.merged_layers()
         token = runner.token_readout()
         sampled = runner.sample()
     with timings("finalize"):
-        final = finalize(acc, state_names, cache.source_names if has_sources else None, token=token,
-                         isoscore_zeta=config.stats.isoscore_zeta)
+        final, finish_groups = finalize_whole(acc, state_names, cache.source_names if has_sources else None,
+                                              token=token, isoscore_zeta=config.stats.isoscore_zeta)
+        # the per-source reductions on the devices, while the host goes on (Results.save draws and writes)
+        pending = None if finish_groups is None else in_background(
+            lambda: _timed_beside(timings, "finalize", finish_groups), daemon=True, name="isojax-sources")
         if sampled is not None:
             count, states = sampled
             for layer, extra in zip(final["layers"], sample_metrics(states, count, state_names, intrinsic,
@@ -336,11 +366,16 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
                 final["sample"] = states
     if config.stats.centered:
         final = centered_pass(final, acc, runner, state_names, cache, rows, row_len, local, timings, config.progress)
-    return final
+    return final, pending
+
+
+def _timed_beside(timings, phase: str, fn) -> None:
+    with timings.beside(phase):
+        fn()
 
 
 def _results(loaded, runner, corpus, tokens, cache, plan, timings, config: MeasureConfig, step: StepPlan, *, done,
-             loop_rate, final, settings, has_sources) -> Results:
+             loop_rate, final, settings, has_sources, pending) -> Results:
     """Results of the run: metrics.json's document, the manifest and the per-token sums asked for."""
     from isojax.data import TokenStream
     from isojax.run.manifest import build_manifest, build_metrics
@@ -356,4 +391,4 @@ def _results(loaded, runner, corpus, tokens, cache, plan, timings, config: Measu
         manifest["host_shares"] = [{k: h[k] for k in ("bytes", "tokens", "sequences", "from_cache")}
                                    for h in cache.hosts]
     sums = runner.token_sums if config.stats.save_token_sums and config.stats.token_stats else None
-    return Results(metrics, manifest, final, loaded.config.state_names, timings, sums, config)
+    return Results(metrics, manifest, final, loaded.config.state_names, timings, sums, config, pending)

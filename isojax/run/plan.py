@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import threading
 import time
 
 from isojax.errors import UserError
@@ -71,7 +70,8 @@ def step_module(module, mesh):
 
 def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, mesh, row_len: int, corpus,
               tokens) -> StepPlan:
-    """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are)."""
+    """The plan of config's run of a model of cfg's shapes (measure() for what the arguments are);
+    tokens: the token cache or stream, or a Future of it (taken once the kernels' checks have begun)."""
     from isojax.data import TokenStream
     from isojax.device import ahead
     from isojax.device.memory import defaults_platform, run_batch
@@ -101,6 +101,8 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     except UserError:  # an explicit kernel that cannot run: its check says so
         expected = None
     t = time.time()
+    if isinstance(tokens, concurrent.futures.Future):  # the token cache opening beside: the checks run meanwhile
+        tokens = tokens.result()
     streamed = isinstance(tokens, TokenStream)
     labels = corpus.labels() if streamed else tokens.source_names
     labels = labels or (tokens.result() if streamed else tokens).source_names  # none: the build ends with its error
@@ -135,16 +137,16 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
     return StepPlan(cfg, chosen, rows, labels, max_tokens, sample_states, executable, signature, seconds)
 
 
-def plan_in_background(*args, **kwargs) -> concurrent.futures.Future:
+def plan_in_background(*args, timings=None, **kwargs) -> concurrent.futures.Future:
     """make_plan on a daemon thread (one blocked on the token stream or in a compile never holds
-    the process at exit); its result, or its error, comes from the Future."""
-    future = concurrent.futures.Future()
+    the process at exit); its result, or its error, comes from the Future. timings (run/timings.py):
+    gets the plan's span in its timeline ("plan (beside)")."""
+    from isojax.run.timings import in_background
 
-    def run():
-        try:
-            future.set_result(make_plan(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 -- handed to the thread that takes the plan
-            future.set_exception(e)
+    def plan():
+        if timings is None:
+            return make_plan(*args, **kwargs)
+        with timings.beside("plan"):
+            return make_plan(*args, **kwargs)
 
-    threading.Thread(target=run, daemon=True, name="isojax-plan").start()
-    return future
+    return in_background(plan, daemon=True, name="isojax-plan")

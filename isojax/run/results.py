@@ -32,6 +32,17 @@ class Results:
     timings: Timings
     token_sums: object = None  # s -> [V, D] float64 per-token unit sums (save_token_sums=True)
     config: MeasureConfig | None = None  # the run's config, with the dtype, mesh and kernels it chose
+    # the per-source metrics (metrics["sources"], final["groups"]) still being read out on a thread
+    # beside (run/measure.py start_measure): a Future, None once they are in
+    pending: object = None
+
+    def wait(self) -> None:
+        """Wait for the per-source metrics (their error, if they failed, raised here): the main
+        thread's wait counted as "finalize"."""
+        if self.pending is not None:
+            with self.timings("finalize"):
+                self.pending.result()
+            self.pending = None
 
     @property
     def layers(self) -> list[dict]:
@@ -62,13 +73,15 @@ class Results:
         with outdir.claim(out, overwrite=overwrite, names=names, flag="overwrite=True"):
             self.manifest["timings"] = self.timings
             write_results(out, self.metrics, self.manifest, self.final, self.state_names, self.token_sums,
-                          plots=plots, timings=self.timings, parquet=parquet)
+                          plots=plots, timings=self.timings, parquet=parquet, pending=self.pending)
+        self.pending = None
         self.manifest["seconds_wall"] = time.time() - self.timings.start
         return out
 
     def join_save(self) -> None:
         """On the processes other than 0 of a multi-host run: take part, in the same order, in the
         gathers across processes that `save` makes on process 0 (per-token sums, the sample)."""
+        self.wait()
         for gather in (self.token_sums, self.final.get("sample")):
             for s in range(len(self.state_names) if gather is not None else 0):
                 gather(s)
@@ -196,7 +209,7 @@ def write_token_sums(path: Path, state_sums, num_states: int) -> None:
 
 def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str], token_sums,
                 parquet: bool = False) -> None:
-    (stage / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=1) + "\n")
+    """Every file but metrics.json and the manifest: none depends on the per-source metrics."""
     write_layers_csv(stage / "layers.csv", json_safe(metrics["layers"]))
     if parquet:
         write_parquet(stage / "layers.parquet", [flat_layer(layer) for layer in json_safe(metrics["layers"])])
@@ -218,18 +231,30 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
             store[s].write(first if s == 0 else np.asarray(states(s))).result()
 
 
-def _plot(metrics: dict, plot_dir: Path) -> list[Path]:
+def _plot(metrics: dict, plot_dir: Path, timings, pending=None) -> list[Path]:
+    """The figures of the whole population, then, once `pending` (the per-source metrics' Future,
+    or None) is done, those of the sources."""
+    from isojax import faults
     from isojax.plots import plot_metrics
-    return plot_metrics(metrics, plot_dir)
+    with timings.beside("plots"):
+        faults.reached("plots_drawing")
+        drawn = plot_metrics(metrics, plot_dir, sources=False)
+    if pending is not None:
+        pending.result()
+    with timings.beside("plots"):
+        return drawn + plot_metrics(metrics, plot_dir, layers=False)
 
 
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
-                  token_sums=None, plots: bool = True, timings=None, parquet: bool = False) -> list[str]:
+                  token_sums=None, plots: bool = True, timings=None, parquet: bool = False, pending=None) -> list[str]:
     """Stage every file, then commit them into `out` in one step (isojax.run.outdir.staged: isojax's
     earlier results there are replaced, the user's files are left alone).
     `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None.
     `timings` (run.timings.Timings): gets the seconds of "write" and "plots"; the manifest, written last,
-    gets them and the wall time. `parquet`: layers.parquet beside layers.csv (--format parquet)."""
+    gets them and the wall time. `parquet`: layers.parquet beside layers.csv (--format parquet).
+    `pending`: the Future of the per-source metrics (metrics["sources"]) still being read out, or
+    None: the files and figures that do not need them are made first, and the wait for them is
+    counted as "finalize"; their error, if they failed, is raised here, and nothing is committed."""
     from isojax.run import outdir
     timings = timings if timings is not None else Timings()
     if not storage.is_remote(out):
@@ -239,9 +264,14 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
         try:
             if plots:  # drawn while the data is written; "plots" counts only the wait for them after
                 (stage / "plots").mkdir()
-                drawing = in_background(lambda: _plot(metrics, stage / "plots"))
+                drawing = in_background(lambda: _plot(metrics, stage / "plots", timings, pending))
             with timings("write"):
                 _write_data(stage, metrics, final, state_names, token_sums, parquet)
+            if pending is not None:
+                with timings("finalize"):
+                    pending.result()
+            with timings("write"):
+                (stage / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=1) + "\n")
             if drawing is not None:
                 with timings("plots"):
                     manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]

@@ -232,14 +232,14 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
     """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv (write_sweep_csv);
     `parquet`: layers.parquet in each step folder, sweep.parquet at the top."""
     from isojax.hf.files import resolve_model
-    from isojax.run.measure import measure
+    from isojax.run.measure import start_measure
     steps = plan(models, revisions, out)
     main = parallel.is_main_process()
 
     def measure_step(step: Step) -> None:
         local = step.local
         ckpt = step.folder / "checkpoint"
-        results = measure(config.replace(
+        results = start_measure(config.replace(
             model={"model": str(local) if local is not None else step.model,
                    "revision": None if local is not None else step.revision},
             checkpoint={"directory": ckpt, "resume": resume and ckpt.exists()}))

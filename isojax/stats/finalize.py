@@ -96,25 +96,36 @@ def _bisect(diags: list, offs: list):
 
 
 def _bisect_states(reduced: list) -> list:
-    """_state_spectra(..., how="tridiagonal") of every state -> the same with eigenvalues in place
-    of the tridiagonals, in host memory: one bisection of all their matrices."""
-    whole = [w for w, _ in reduced]
-    groups = [g for _, g in reduced if g is not None]
-    parts = [w[0] for w in whole] + [g[0] for g in groups]
+    """Per state, a read-out whose first element is a tridiagonal form, ([..., D] diagonals,
+    [..., D-1] off-diagonals) (_whole_spectra's or _group_spectra's, how="tridiagonal") -> the
+    same with the eigenvalues in its place, in host memory: one bisection of all their matrices."""
+    parts = [r[0] for r in reduced]
     with jax.enable_x64(True):
         eig_NxD = np.asarray(_bisect([p[0] for p in parts], [p[1] for p in parts]))
-    eigs, at = [], 0
-    for p in parts:
+    out, at = [], 0
+    for p, r in zip(parts, reduced):
         k = int(np.prod(p[0].shape[:-1]))
-        eigs.append(eig_NxD[at:at + k].reshape(p[0].shape))
+        out.append((eig_NxD[at:at + k].reshape(p[0].shape), *map(np.asarray, r[1:])))
         at += k
-    it = iter(eigs[len(whole):])
-    return [((eigs[s], *map(np.asarray, w[1:])), None if g is None else (next(it), *map(np.asarray, g[1:])))
-            for s, (w, g) in enumerate(reduced)]
+    return out
+
+
+def _read_states(dispatch, num_states: int, on_cpu: bool, before_read=None) -> list:
+    """dispatch(s)'s read-out of every state, dispatched one state ahead (at most two states'
+    float64 matrices at a time), in host memory with eigenvalues in place of the matrices (the
+    CPU: LAPACK) or of the tridiagonal forms (accelerators: one bisection of all states).
+    before_read: called once the first two states are dispatched, before the first is read."""
+    reduced, ahead = [], dispatch(0)
+    for s in range(num_states):
+        current, ahead = ahead, dispatch(s + 1) if s + 1 < num_states else None
+        if s == 0 and before_read is not None:
+            before_read()
+        reduced.append(_host_eigs(jax.device_get(current)) if on_cpu else jax.block_until_ready(current))
+    return reduced if on_cpu else _bisect_states(reduced)
 
 
 def _host_eigs(readout):
-    """_state_spectra's whole or groups part (how="matrices") with eigenvalues, descending, in
+    """_whole_spectra's or _group_spectra's read-out (how="matrices") with eigenvalues, descending, in
     place of its matrices, in host memory: LAPACK (numpy) on the CPU."""
     if readout is None:
         return None
@@ -142,24 +153,35 @@ def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, how: str):
     return mats[0], ratios_2, mean_sq_norm, diag_3xD
 
 
+def _float64_m2(m2, unit_m2):
+    return m2.hi.astype(jnp.float64) + m2.lo.astype(jnp.float64), \
+        unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)
+
+
 @functools.partial(jax.jit, static_argnames=("per_group", "how"))
-def _state_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how: str = "tridiagonal"):
-    """One state's (whole population, per group or None) covariances, all groups together and
-    (per_group) each group (_group_readout); call under jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D]
+def _whole_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how: str = "tridiagonal"):
+    """One state's covariances of the whole population (all groups together; per_group: m2 holds
+    each group's, combined here); call under jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D]
     float32 pairs. how="tridiagonal" (accelerators): each reduced to tridiagonal form, for
     _bisect_states; "matrices" (the CPU): the matrices themselves, for _host_eigs. On the CPU,
     LAPACK beats XLA's bisection and its compile; on accelerators the host's dsterf of the
     tridiagonals is the slower path (bench/RESULTS.md 8c)."""
-    m2_HxDxD = m2.hi.astype(jnp.float64) + m2.lo.astype(jnp.float64)
-    unit_m2_HxDxD = unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)
+    m2_HxDxD, unit_m2_HxDxD = _float64_m2(m2, unit_m2)
     if per_group:
         whole = (_combine_m2(n_G, sum_GxD, m2_HxDxD), _combine_m2(n_G, unit_sum_GxD, unit_m2_HxDxD))
     else:
         whole = (m2_HxDxD[0], unit_m2_HxDxD[0])
     readout = {"tridiagonal": _tridiagonals, "matrices": _matrices}[how]
-    groups = jax.vmap(functools.partial(_group_readout, how=how))(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD) \
-        if per_group else None
-    return readout(n_G.sum(), sum_GxD.sum(0), *whole), groups
+    return readout(n_G.sum(), sum_GxD.sum(0), *whole)
+
+
+@functools.partial(jax.jit, static_argnames=("how",))
+def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, how: str = "tridiagonal"):
+    """One state's covariances of each group (_group_readout), m2 holding each group's
+    (_whole_spectra for the arguments). Apart from _whole_spectra, so that the whole population's
+    metrics, figures and files are ready while the devices reduce these (bench/RESULTS.md 8e)."""
+    m2_HxDxD, unit_m2_HxDxD = _float64_m2(m2, unit_m2)
+    return jax.vmap(functools.partial(_group_readout, how=how))(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD)
 
 
 def _whole_readout(eigs):
@@ -270,11 +292,14 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
     f64_on = lambda *shape: jax.ShapeDtypeStruct(shape, np.float64, sharding=on)
     pair = stats.DFPair(jax.ShapeDtypeStruct((h, d, d, 2), np.float32, sharding=on))
     with jax.enable_x64(True):
-        _state_spectra.lower(f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair,
-                             per_group=per_group, how="tridiagonal").compile()
-        # _bisect_states' order: every state's whole population, then every state's groups
-        parts = [(3,)] * s + ([(num_groups,)] * s if per_group else [])
-        _bisect.lower([f64_on(*k, d) for k in parts], [f64_on(*k, d - 1) for k in parts]).compile()
+        args = (f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair)
+        _whole_spectra.lower(*args, per_group=per_group, how="tridiagonal").compile()
+        # _bisect_states' calls: every state's whole population, then every state's groups
+        parts = [[(3,)] * s] + ([[(num_groups,)] * s] if per_group else [])
+        for part in parts:
+            _bisect.lower([f64_on(*k, d) for k in part], [f64_on(*k, d - 1) for k in part]).compile()
+        if per_group:
+            _group_spectra.lower(*args, how="tridiagonal").compile()
         if sample_count >= BATCH:
             x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
             _batch_anisotropy.lower(x).compile()
@@ -286,6 +311,15 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
 
 def finalize(acc: Accumulators, state_names: list[str],
              group_names: list[str] | None = None, token=None, isoscore_zeta: float = geometry.ISOSCORE_ZETA) -> dict:
+    """finalize_whole's metrics with their "groups" filled in (finalize_whole for what they are)."""
+    result, finish_groups = finalize_whole(acc, state_names, group_names, token, isoscore_zeta)
+    if finish_groups is not None:
+        finish_groups()
+    return result
+
+
+def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[str] | None = None, token=None,
+                   isoscore_zeta: float = geometry.ISOSCORE_ZETA) -> tuple[dict, object]:
     """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
     "spectra": {...}}. "layers" combines all groups; "groups" (only with group_names) holds
     per-source results without per-token fields. Spectra are eigenvalues of the covariance
@@ -293,7 +327,14 @@ def finalize(acc: Accumulators, state_names: list[str],
     covariance of unit vectors, each in descending order. `token`: (count_V, intra_sim_SxV)
     when already read out (runner.Runner.token_readout); else taken from acc. The second
     moments may be device arrays (runner.Runner.merged_layers): they are read out there.
-    isoscore_zeta: IsoScore*'s shrinkage (geometry.isoscore_star)."""
+    isoscore_zeta: IsoScore*'s shrinkage (geometry.isoscore_star).
+
+    Returns (metrics, finish_groups): with group_names, metrics["groups"] is an empty dict that
+    finish_groups() fills in: it dispatches the groups' reductions to the devices (one Householder
+    reduction per source and state: seconds at 8 sources, bench/RESULTS.md 8e) and reads them out;
+    run on a thread, the host meanwhile draws and writes what needs only the whole population
+    (run/results.py). None without group_names, or where the second moments are split over
+    devices: then the groups are read out here (their gathers in this thread's order)."""
     m2_HxSxDxD, unit_m2_HxSxDxD = acc.m2_HxSxDxD, acc.unit_m2_HxSxDxD
     acc = jax.device_get(acc.replace(m2_HxSxDxD=None, unit_m2_HxSxDxD=None))
     n_GxS = (np.asarray(acc.count_hi_GxS, np.int64) << _COUNT_BITS) + np.asarray(
@@ -306,7 +347,6 @@ def finalize(acc: Accumulators, state_names: list[str],
     sum_GxSxD, unit_sum_GxSxD = _f64(acc.sum_GxSxD), _f64(acc.unit_sum_GxSxD)
     norm_GxS = _f64(acc.norm_sum_GxS)
     per_group_m2 = m2_HxSxDxD.hi.shape[0] == num_groups and num_groups > 1
-    group_eigs = per_group_m2 or num_groups == 1  # groups with their own second moments
     csum_GxSxC = _f64(acc.centered_sum_GxSxC)
     centered = csum_GxSxC.shape[-1] > 0
     if token is None:
@@ -316,34 +356,22 @@ def finalize(acc: Accumulators, state_names: list[str],
     token_stats = token is not None
 
     layers, spectra = [], {"centered_SxD": [], "uncentered_SxD": [], "unit_SxD": []}
-    eigs_GxS = [[None] * num_states for _ in range(num_groups)]
     on_cpu = jax.default_backend() == "cpu"
+    how = "matrices" if on_cpu else "tridiagonal"
+
+    def state_args(s):
+        return (n_GxS[:, s].astype(np.float64), sum_GxSxD[:, s], unit_sum_GxSxD[:, s],
+                jax.tree.map(lambda x: _state_m2(x, s), m2_HxSxDxD),
+                jax.tree.map(lambda x: _state_m2(x, s), unit_m2_HxSxDxD))
 
     def dispatch(s):
         with jax.enable_x64(True):
-            return _state_spectra(n_GxS[:, s].astype(np.float64), sum_GxSxD[:, s], unit_sum_GxSxD[:, s],
-                                  jax.tree.map(lambda x: _state_m2(x, s), m2_HxSxDxD),
-                                  jax.tree.map(lambda x: _state_m2(x, s), unit_m2_HxSxDxD),
-                                  per_group=per_group_m2, how="matrices" if on_cpu else "tridiagonal")
+            return _whole_spectra(*state_args(s), per_group=per_group_m2, how=how)
 
-    reduced, ahead = [], dispatch(0)
-    for s in range(num_states):  # one state ahead: at most two states' float64 matrices at a time
-        current, ahead = ahead, dispatch(s + 1) if s + 1 < num_states else None
-        if on_cpu:
-            whole, groups = jax.device_get(current)
-            reduced.append((_host_eigs(whole), _host_eigs(groups)))
-        else:
-            reduced.append(jax.block_until_ready(current))
-    if not on_cpu:
-        reduced = _bisect_states(reduced)
-
+    reduced = _read_states(dispatch, num_states, on_cpu)
     for s, name in enumerate(state_names):
         n_G = n_GxS[:, s]
-        whole, groups = reduced[s]
-        for g in range(num_groups):
-            if group_eigs:
-                eigs_GxS[g][s] = (groups[0][g], *groups[1][g], groups[2][g], groups[3][g]) if per_group_m2 \
-                    else _whole_readout(whole)
+        whole = reduced[s]
         out = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
                        _whole_readout(whole) if n_G.sum() else None, isoscore_zeta)
         _log_nulls(name, out)
@@ -377,8 +405,34 @@ def finalize(acc: Accumulators, state_names: list[str],
         result["spectra"] = {k: np.stack(v) for k, v in spectra.items()}
     if token_stats:
         result["token"] = {"count_V": token[0], "intra_sim_SxV": token[1]}
-    if group_names is not None:
-        result["groups"] = {}
+    if group_names is None:
+        return result, None
+    result["groups"] = {}
+
+    def dispatch_groups(s):
+        if s in dispatched:
+            return dispatched.pop(s)
+        with jax.enable_x64(True):
+            return _group_spectra(*state_args(s), how=how)
+
+    # the first two states' reductions traced and dispatched here, the rest one ahead by finish_groups
+    dispatched = {}
+    for s in range(min(2, num_states) if per_group_m2 else 0):
+        dispatched[s] = dispatch_groups(s)
+
+    def finish_groups():  # where the second moments are split over devices, not on a thread: see below
+        from isojax import faults
+        eigs_GxS = [[None] * num_states for _ in range(num_groups)]  # groups with their own second moments
+        if per_group_m2:
+            groups_S = _read_states(dispatch_groups, num_states, on_cpu,
+                                    before_read=lambda: faults.reached("sources_readout"))
+            for s, groups in enumerate(groups_S):
+                for g in range(num_groups):
+                    eigs_GxS[g][s] = (groups[0][g], *groups[1][g], groups[2][g], groups[3][g])
+        elif num_groups == 1:
+            faults.reached("sources_readout")
+            eigs_GxS[0] = [_whole_readout(whole) for whole in reduced]
+        by_name = {}
         for g, gname in enumerate(group_names):
             glayers = []
             for s, name in enumerate(state_names):
@@ -389,8 +443,14 @@ def finalize(acc: Accumulators, state_names: list[str],
                     c = csum_GxSxC[g, s]
                     out["centered_inter_sim"] = float(_mean_cos(c @ c, n_GxS[g, s]))
                 glayers.append({"name": name, **out})
-            result["groups"][gname] = {"tokens": int(n_GxS[g, 0]), "layers": glayers}
-    return result
+            by_name[gname] = {"tokens": int(n_GxS[g, 0]), "layers": glayers}
+        result["groups"].update(by_name)
+
+    # a gather over devices from a thread could meet another thread's programs in another order
+    if any(len(x.sharding.device_set) > 1 for x in (m2_HxSxDxD.hl, unit_m2_HxSxDxD.hl) if isinstance(x, jax.Array)):
+        finish_groups()
+        return result, None
+    return result, finish_groups
 
 
 BATCH = 4096  # tokens per batch of The Shape of Learning's anisotropy
