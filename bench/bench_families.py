@@ -89,13 +89,15 @@ def family_models(families: list[str], shrink: bool) -> list[tuple[str, str, dic
     return out
 
 
-def kernels(cfg, dtype: str, rows: int, row_len: int, mlp: str = "auto") -> dict:
+def kernels(cfg, dtype: str, rows: int, row_len: int, mlp: str = "auto", attention: str = "auto") -> dict:
     """The kernels `extract` runs for this model and batch (isojax/run/measure.py: attention auto is
     packed on a GPU in bf16, then choose_attention; the MLP (as `mlp` says: auto or xla) and norms
-    auto, per device's rows)."""
+    auto, per device's rows); attention "cudnn": cuDNN's, for an A/B."""
     from isojax.device.kernel_choice import choose_attention, choose_mlp_kernel, choose_norm_kernel
-    attention = {"gpu": "packed" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
-    return dict(attention=choose_attention(attention, True, cfg, dtype, row_len)[0],
+    auto = attention == "auto"
+    if auto:
+        attention = {"gpu": "packed" if dtype == "bfloat16" else "xla", "tpu": "pallas"}.get(jax.default_backend(), "xla")
+    return dict(attention=choose_attention(attention, auto, cfg, dtype, row_len)[0],
                 mlp_kernel=choose_mlp_kernel(mlp, cfg, dtype, rows * row_len)[0],
                 norm_kernel=choose_norm_kernel("auto", cfg, dtype, rows * row_len)[0])
 
@@ -146,7 +148,7 @@ def run_isojax_all(models, workloads, rows_out, args, save) -> None:
         try:
             batch_tokens = args.batch_tokens or device_batch_tokens(cfg, jax.default_backend() != "cpu")
             rows = max(1, batch_tokens // row_len)
-            chosen = kernels(cfg, dtype, rows, row_len, args.mlp_kernel)
+            chosen = kernels(cfg, dtype, rows, row_len, args.mlp_kernel, args.attention)
             row["kernels"] = chosen
             row["memory_estimate_bytes"] = memory_estimate(cfg, dtype, rows * row_len)
             print(f"{family} ({name}): isojax with attention {chosen['attention']}, MLP {chosen['mlp_kernel']}, "
@@ -210,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--mlp-kernel", default="auto", choices=["auto", "xla"],
                     help="isojax's MLP: auto (extract's choice, default) or xla (the fused kernels off, for an A/B)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "cudnn"],
+                    help="isojax's attention: auto (extract's choice, default) or cudnn (for an A/B)")
     ap.add_argument("--tiny", action="store_true",
                     help="every preset shrunk to 2 layers of width 64 (512 ids), float32 on CPU: a look that the "
                          "whole bench runs, not a measurement")
