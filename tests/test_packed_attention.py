@@ -44,6 +44,19 @@ def inputs(b, t, h, k, pct, lengths_per_row, seed=0):
     return qkv, cos, sin, jnp.asarray(seg)
 
 
+def test_rotation_by_halves_is_hugging_faces_bf16_rotary_bit_for_bit():
+    """_rotate_halves (rotary dims >= 64, where the kernel rotates without the [R, R] product) equals
+    model.apply_rotary on the rotary dims, for partial and full rotary."""
+    for k, r in ((128, 64), (64, 64), (128, 128)):
+        qkv, cos, sin, _ = inputs(2, 64, 2, k, r / k, [[64], [30, 34]], seed=k + r)
+        x = qkv[..., 1, :]
+        want = apply_rotary(x, cos, sin)[..., :r]
+        c, s = (a[:, :, None, :].astype(jnp.bfloat16) for a in (cos, sin))
+        h = r // 2
+        got = packed_attention._rotate_halves(x[..., :h], x[..., h:r], c[..., :h], c[..., h:], s[..., :h], s[..., h:])
+        np.testing.assert_array_equal(np.asarray(jnp.concatenate(got, -1), np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.slow
 def test_rotation_is_hugging_faces_bf16_rotary_bit_for_bit():
     """The kernel's rotate-half (a signed-permutation product, then HF's three bf16 roundings)
@@ -71,6 +84,9 @@ CASES = [
     (1, 128, 1, 128, 0.25, (64, 32), [[128]]),
     (2, 64, 2, 32, 1.0, (16, 32), [[1, 1, 17, 45], [33, 20]]),
     (1, 256, 2, 64, 0.5, (32, 64), [[3] * 20 + [150, 40]]),
+    # rotary dims >= 64: rotated by halves, with (R < K) and without (R = K) the other columns' product
+    (1, 128, 2, 128, 0.5, (64, 64), [[60, 68]]),
+    (1, 64, 1, 64, 1.0, (32, 32), [[20, 44]]),
 ]
 
 
@@ -104,7 +120,7 @@ def grouped_as_per_head(qkv_BxTxNxK, h):
 
 
 # (H, G, K, rotary pct, sequences per row): multi-query, grouped, and multi-head in the grouped layout
-GROUPED = [(4, 2, 32, 0.5, [[20, 30, 14]]), pytest.param(4, 1, 32, 1.0, [[64]], marks=pytest.mark.slow),
+GROUPED = [(4, 2, 32, 0.5, [[20, 30, 14]]), (4, 2, 64, 1.0, [[30, 34]]), pytest.param(4, 1, 32, 1.0, [[64]], marks=pytest.mark.slow),
            pytest.param(2, 2, 16, 1.0, [[7, 50]], marks=pytest.mark.slow)]
 
 
@@ -139,7 +155,7 @@ def family_inputs(h, g, k, pct, qk_norm, seed):
 # (H, G, K, rotary pct, clip, q/k norms): learned positions (GPT-2, OPT: no rotary) multi-head and
 # grouped; OLMo's clip (at a bound bf16 rounds); OLMo-2's norms over all heads, with and without rotary
 FAMILY_CASES = [(2, 2, 16, 0.0, None, False), (4, 2, 16, 0.0, None, False), (2, 1, 32, 0.5, 1.3, False),
-                (4, 2, 16, 1.0, None, True), (2, 2, 32, 0.0, 0.9, True)]
+                (4, 2, 16, 1.0, None, True), (2, 2, 32, 0.0, 0.9, True), (2, 1, 64, 1.0, 0.9, True)]
 
 
 @pytest.mark.parametrize("h,g,k,pct,clip,qk_norm", FAMILY_CASES)

@@ -83,6 +83,15 @@ def _rotate(x_NxR, cos_NxR, sin_NxR, p_RxR):
     return (a.astype(_F32) + b.astype(_F32)).astype(bf)
 
 
+def _rotate_halves(x1, x2, cos1, cos2, sin1, sin2):
+    """_rotate by halves, x = [x1, x2] and rotate_half(x) = [-x2, x1], each [N, R/2]: the same
+    roundings (round(round(x1 cos1) - round(x2 sin1)), round(round(x2 cos2) + round(x1 sin2))),
+    without _rotate's [R, R] product, which costs more than the scores where R = K >= 64."""
+    bf = x1.dtype
+    rounded = lambda x, t: (x.astype(_F32) * t.astype(_F32)).astype(bf).astype(_F32)
+    return (rounded(x1, cos1) - rounded(x2, sin1)).astype(bf), (rounded(x2, cos2) + rounded(x1, sin2)).astype(bf)
+
+
 def _add(x, bias, clip=None):
     """x + bias rounded to x's dtype, as XLA adds a bf16 bias to a bf16 product; clipped to
     [-clip, clip] (a bf16 number: the same as clipping the rounded sum) where clip is given."""
@@ -116,10 +125,19 @@ def _kernel(*refs, block_q: int, block_k: int, rot: int, scale: float, clip: flo
     fq = fq_ref[qs] if qk_norm else None
     q_QxK = _norm(_add(q_ref[...], bq_ref[...], clip), cols(wq_ref, ...), fq)
     q_pass = q_QxK
+    # rotary dims of 64 and more by halves (_rotate_halves); where they are all of K, no product of
+    # the other columns
+    halves, full = rot >= 64, rot == head_dim
     if rot:
         q_pass = jnp.where(jnp.arange(head_dim)[None, :] < rot, 0.0, q_QxK.astype(_F32)).astype(q_QxK.dtype)
-        q_rot = _rotate(_norm(_add(q_ref[:, rs], bq_ref[rs], clip), cols(wq_ref, rs), fq), cos_ref[qs, :],
-                        sin_ref[qs, :], p_RxR)
+        if halves:
+            h1, h2 = pl.ds(0, rot // 2), pl.ds(rot // 2, rot // 2)
+            q_h = [_norm(_add(q_ref[:, c], bq_ref[c], clip), cols(wq_ref, c), fq) for c in (h1, h2)]
+            q_rot = _rotate_halves(*q_h, cos_ref[qs, h1], cos_ref[qs, h2], sin_ref[qs, h1], sin_ref[qs, h2])
+            bias_kh, w_kh = [bk_ref[c] for c in (h1, h2)], [cols(wk_ref, c) for c in (h1, h2)]
+        else:
+            q_rot = _rotate(_norm(_add(q_ref[:, rs], bq_ref[rs], clip), cols(wq_ref, rs), fq), cos_ref[qs, :],
+                            sin_ref[qs, :], p_RxR)
     bias_k, bias_kr, bias_v = bk_ref[...], bk_ref[rs] if rot else None, bv_ref[...]
     w_k, w_kr = cols(wk_ref, ...), cols(wk_ref, rs) if rot else None
     seg_q = seg_ref[qs]
@@ -129,12 +147,21 @@ def _kernel(*refs, block_q: int, block_k: int, rot: int, scale: float, clip: flo
         o, m_prev, l_prev = carry
         ks = pl.ds(j * block_k, block_k)
         fk = fk_ref[ks] if qk_norm else None
-        if rot:
-            k_rot = _rotate(_norm(_add(k_ref[ks, rs], bias_kr, clip), w_kr, fk), cos_ref[ks, :], sin_ref[ks, :],
-                            p_RxR)
-        qk = jnp.dot(q_pass, _norm(_add(k_ref[ks, :], bias_k, clip), w_k, fk).T, preferred_element_type=_F32)
-        if rot:  # the rotary dims' product (q_pass holds zeros there)
-            qk = qk + jnp.dot(q_rot, k_rot.T, preferred_element_type=_F32)
+        if halves:
+            k_h = [_norm(_add(k_ref[ks, c], bias, clip), w, fk) for c, bias, w in zip((h1, h2), bias_kh, w_kh)]
+            k_rot = _rotate_halves(*k_h, cos_ref[ks, h1], cos_ref[ks, h2], sin_ref[ks, h1], sin_ref[ks, h2])
+            qk = jnp.dot(q_rot[0], k_rot[0].T, preferred_element_type=_F32) \
+                + jnp.dot(q_rot[1], k_rot[1].T, preferred_element_type=_F32)
+            if not full:
+                qk = qk + jnp.dot(q_pass, _norm(_add(k_ref[ks, :], bias_k, clip), w_k, fk).T,
+                                  preferred_element_type=_F32)
+        else:
+            if rot:
+                k_rot = _rotate(_norm(_add(k_ref[ks, rs], bias_kr, clip), w_kr, fk), cos_ref[ks, :], sin_ref[ks, :],
+                                p_RxR)
+            qk = jnp.dot(q_pass, _norm(_add(k_ref[ks, :], bias_k, clip), w_k, fk).T, preferred_element_type=_F32)
+            if rot:  # the rotary dims' product (q_pass holds zeros there)
+                qk = qk + jnp.dot(q_rot, k_rot.T, preferred_element_type=_F32)
         qk = qk * scale
         pos_k = j * block_k + jnp.arange(block_k)
         keep = (seg_q[:, None] == seg_ref[ks][None, :]) & (pos_q[:, None] >= pos_k[None, :])
