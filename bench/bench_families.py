@@ -212,8 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--mlp-kernel", default="auto", choices=["auto", "xla"],
                     help="isojax's MLP: auto (extract's choice, default) or xla (the fused kernels off, for an A/B)")
-    ap.add_argument("--attention", default="auto", choices=["auto", "cudnn"],
-                    help="isojax's attention: auto (extract's choice, default) or cudnn (for an A/B)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "cudnn", "packed"],
+                    help="isojax's attention: auto (extract's choice, default), or cudnn or packed (for an A/B)")
     ap.add_argument("--tiny", action="store_true",
                     help="every preset shrunk to 2 layers of width 64 (512 ids), float32 on CPU: a look that the "
                          "whole bench runs, not a measurement")
