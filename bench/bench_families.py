@@ -92,7 +92,7 @@ def family_models(families: list[str], shrink: bool) -> list[tuple[str, str, dic
 def kernels(cfg, dtype: str, rows: int, row_len: int, mlp: str = "auto", attention: str = "auto") -> dict:
     """The kernels `extract` runs for this model and batch (isojax/run/measure.py: attention auto is
     packed on a GPU in bf16, then choose_attention; the MLP (as `mlp` says: auto or xla) and norms
-    auto, per device's rows); attention "cudnn": cuDNN's, for an A/B."""
+    auto, per device's rows); attention "cudnn" or "packed": that kernel, for an A/B."""
     from isojax.device.kernel_choice import choose_attention, choose_mlp_kernel, choose_norm_kernel
     auto = attention == "auto"
     if auto:
