@@ -205,14 +205,11 @@ def choose_attention(attention: str, auto: bool, cfg, dtype: str, row_len: int, 
     """(kernel, why): the attention kernel for these rows. packed (isojax.kernels.packed_attention)
     where it applies (a head dim that is a power of two >= 16, rotary dims 0 (learned positions)
     or a power of two >= 16, rows of a multiple of 64; any number of key/value heads, q/k norms,
-    clip_qkv) and works here for these shapes, norms and clip, else, under auto, cuDNN (and under
-    auto for q/k norms, where the packed kernel was 15% slower on an H100); cuDNN and
+    clip_qkv) and works here for these shapes, norms and clip, else, under auto, cuDNN; cuDNN and
     Pallas's TPU kernel need rows of a multiple of 64 and 128, else, under auto, plain XLA. An
     explicit choice that cannot run is an error. check=False: as choose_mlp_kernel's."""
     from isojax.kernels import packed_attention
     reason = f"auto: {attention} for this backend and dtype" if auto else "asked for"
-    if attention == "packed" and auto and cfg.qk_norm:
-        attention, reason = "cudnn", "auto: cuDNN's, faster than the packed kernel with q/k norms (bench/RESULTS.md 14)"
     if attention == "packed":
         if not packed_attention.applies(row_len, cfg.head_dim, cfg.rotary_dims, numerics.DTYPES[dtype]):
             why = (f"needs a head dim that is a power of two >= 16, rotary dims 0 or powers of two >= 16 (here "
