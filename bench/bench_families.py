@@ -13,6 +13,7 @@ allocator keeps what it grows, torch's empty_cache gives it back, and qwen2-1.5b
     python -m bench.bench_families                                   # every family, ~6 min on one H100
     python -m bench.bench_families --families llama,qwen2 --tokens 2e6
     python -m bench.bench_families --tiny                             # CPU look: 2 layers, width 64, float32
+    python -m bench.bench_families --per-process                      # each family in a fresh process
 
 With OUT set, OUT/bench_families.{txt,json} (the JSON rewritten after every run, so a run cut short
 keeps what it measured). A family that fails is a row with its error.
@@ -198,6 +199,46 @@ def table(out: dict) -> str:
     return "\n".join(lines)
 
 
+def run_per_process(families: list[str], args) -> int:
+    """main's table with each family measured by `python -m bench.bench_families --families F` in a
+    process of its own (the same options), its JSON read back from a folder of its own; a family
+    whose process wrote none is a row with the process's last error line."""
+    import subprocess
+    import tempfile
+
+    flags = [f"--{name.replace('_', '-')}" for name in ("peer_gram", "no_peer", "tiny") if getattr(args, name)]
+    for name in ("tokens", "row_len", "batch_tokens", "peer_batch_tokens", "peer_seconds", "mlp_kernel", "attention"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    where = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            folder = Path(tmp) / family
+            folder.mkdir()
+            proc = subprocess.run([sys.executable, "-m", "bench.bench_families", "--families", family, *flags],
+                                  env={**os.environ, "OUT": str(folder)}, capture_output=True, text=True,
+                                  cwd=Path(__file__).resolve().parents[1])
+            print(proc.stdout, end="", flush=True)
+            try:
+                results.append(json.loads((folder / "bench_families.json").read_text()))
+            except (OSError, ValueError):
+                why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:300]
+                results.append({"rows": [{"family": family, "preset": FAMILIES[family], "params": 0,
+                                          "isojax_error": f"its process wrote no result: {why}"}]})
+    headed = [r for r in results if "card" in r]
+    if not headed:
+        print("bench_families: no family's process wrote a result", file=sys.stderr)
+        return 1
+    out = {**headed[0], "rows": [row for r in results for row in r["rows"]], "per_process": True}
+    text = table(out)
+    print(text)
+    if where is not None:
+        (where / "bench_families.json").write_text(json.dumps(out, default=str, indent=1))
+        (where / "bench_families.txt").write_text(text + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
@@ -214,6 +255,10 @@ def main(argv=None) -> int:
                     help="isojax's MLP: auto (extract's choice, default) or xla (the fused kernels off, for an A/B)")
     ap.add_argument("--attention", default="auto", choices=["auto", "cudnn", "packed"],
                     help="isojax's attention: auto (extract's choice, default), or cudnn or packed (for an A/B)")
+    ap.add_argument("--per-process", action="store_true",
+                    help="each family (its peer, then isojax) in a process of its own, the rows gathered into one "
+                         "table: JAX's allocator starts empty for each (in one process the larger families may not "
+                         "find their blocks after the smaller ones)")
     ap.add_argument("--tiny", action="store_true",
                     help="every preset shrunk to 2 layers of width 64 (512 ids), float32 on CPU: a look that the "
                          "whole bench runs, not a measurement")
@@ -222,6 +267,8 @@ def main(argv=None) -> int:
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         ap.error(f"unknown families {unknown}; have {', '.join(FAMILIES)}")
+    if args.per_process and len(families) > 1:
+        return run_per_process(families, args)
     tiny_mode = args.tiny
     args.tokens = int(args.tokens or (6000 if tiny_mode else 1e6))
     args.row_len = args.row_len or (128 if tiny_mode else 512)
