@@ -212,6 +212,12 @@ def run_per_process(families: list[str], args) -> int:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     where = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     results = []
+
+    def gathered() -> dict | None:
+        headed = [r for r in results if "card" in r]
+        return {**headed[0], "rows": [row for r in results for row in r["rows"]], "per_process": True} \
+            if headed else None
+
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             folder = Path(tmp) / family
@@ -226,11 +232,12 @@ def run_per_process(families: list[str], args) -> int:
                 why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:300]
                 results.append({"rows": [{"family": family, "preset": FAMILIES[family], "params": 0,
                                           "isojax_error": f"its process wrote no result: {why}"}]})
-    headed = [r for r in results if "card" in r]
-    if not headed:
+            if where is not None and gathered():  # after every family: a run cut short keeps what it measured
+                (where / "bench_families.json").write_text(json.dumps(gathered(), default=str, indent=1))
+    out = gathered()
+    if out is None:
         print("bench_families: no family's process wrote a result", file=sys.stderr)
         return 1
-    out = {**headed[0], "rows": [row for r in results for row in r["rows"]], "per_process": True}
     text = table(out)
     print(text)
     if where is not None:
