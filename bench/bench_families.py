@@ -13,10 +13,13 @@ allocator keeps what it grows, torch's empty_cache gives it back, and qwen2-1.5b
     python -m bench.bench_families                                   # every family, ~6 min on one H100
     python -m bench.bench_families --families llama,qwen2 --tokens 2e6
     python -m bench.bench_families --tiny                             # CPU look: 2 layers, width 64, float32
-    python -m bench.bench_families --per-process                      # each family in a fresh process
+    python -m bench.bench_families --per-process                      # each peer, each isojax in a fresh process
 
 With OUT set, OUT/bench_families.{txt,json} (the JSON rewritten after every run, so a run cut short
-keeps what it measured). A family that fails is a row with its error.
+keeps what it measured). A family that fails is a row with its error. In one process, JAX's memory
+grows piece by piece beside torch's (XLA_PYTHON_CLIENT_PREALLOCATE=false) and the larger families can
+fail to find a contiguous block that extract, which takes its memory at the start, finds (phi-2,
+gemma-2b: bench/RESULTS.md 14b); --per-process measures them as extract runs them.
 """
 
 from __future__ import annotations
@@ -200,38 +203,70 @@ def table(out: dict) -> str:
 
 
 def run_per_process(families: list[str], args) -> int:
-    """main's table with each family measured by `python -m bench.bench_families --families F` in a
-    process of its own (the same options), its JSON read back from a folder of its own; a family
-    whose process wrote none is a row with the process's last error line."""
+    """main's table with each family measured by two processes of its own, `python -m
+    bench.bench_families --families F --no-isojax` (the peer) and then `... --no-peer` (isojax, with
+    JAX's memory taken at its start, XLA_PYTHON_CLIENT_PREALLOCATE=true, as extract's is: in one
+    process beside torch it grows piece by piece, and phi-2's second 17.8 GB block of per-token
+    sums found no contiguous room, bench/RESULTS.md 14b), the same options; their JSON read back
+    from folders of their own. A process that wrote none leaves its side of the row as the
+    process's last error line."""
     import subprocess
     import tempfile
 
-    flags = [f"--{name.replace('_', '-')}" for name in ("peer_gram", "no_peer", "tiny") if getattr(args, name)]
+    flags = [f"--{name.replace('_', '-')}" for name in ("peer_gram", "tiny") if getattr(args, name)]
     for name in ("tokens", "row_len", "batch_tokens", "peer_batch_tokens", "peer_seconds", "mlp_kernel", "attention"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     where = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
-    results = []
+    sides = [("peer", ["--no-isojax"], {}), ("isojax", ["--no-peer"], {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})]
+    sides = [side for side in sides if not getattr(args, f"no_{side[0]}")]
+    results = []  # per family: {side: the child's JSON or None}
+
+    def measured(family: str, side: str, got: dict | None, proc) -> dict:
+        if got is not None:
+            return got
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:300]
+        return {"rows": [{"family": family, "preset": FAMILIES[family], "params": 0,
+                          f"{side}_error": f"its process wrote no result: {why}"}]}
 
     def gathered() -> dict | None:
-        headed = [r for r in results if "card" in r]
-        return {**headed[0], "rows": [row for r in results for row in r["rows"]], "per_process": True} \
-            if headed else None
+        headed = [r for family in results for r in family.values() if "card" in r]
+        if not headed:
+            return None
+        head = next((r for family in results for side, r in family.items() if side == "isojax" and "card" in r),
+                    headed[0])
+        rows = []
+        for family in results:
+            row = {}
+            for side, r in family.items():
+                got = r["rows"][0]
+                row.update({k: v for k, v in got.items() if k not in ("peer", "isojax", "peer_error", "isojax_error")})
+                row.update({k: got[k] for k in (side, f"{side}_error", "peer_build_s") if k in got})
+            rows.append(row)
+        info = {k: r[k] for r in headed for k in ("torch", "transformers") if k in r}
+        # every process measures the card's bf16 rate; one can catch the clocks low (616 against
+        # ~780 TFLOP/s once on an H100): MFU against the median of the processes' rates
+        rate = float(sorted(r["bf16_flops"] for r in headed)[len(headed) // 2])
+        for row in rows:
+            if row.get("isojax"):
+                row["isojax"]["mfu"] = row["isojax"]["tokens_per_s"] * row["isojax"]["flops_per_token"] / rate
+        return {**head, **info, "bf16_flops": rate, "rows": rows, "per_process": True}
 
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
-            folder = Path(tmp) / family
-            folder.mkdir()
-            proc = subprocess.run([sys.executable, "-m", "bench.bench_families", "--families", family, *flags],
-                                  env={**os.environ, "OUT": str(folder)}, capture_output=True, text=True,
-                                  cwd=Path(__file__).resolve().parents[1])
-            print(proc.stdout, end="", flush=True)
-            try:
-                results.append(json.loads((folder / "bench_families.json").read_text()))
-            except (OSError, ValueError):
-                why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:300]
-                results.append({"rows": [{"family": family, "preset": FAMILIES[family], "params": 0,
-                                          "isojax_error": f"its process wrote no result: {why}"}]})
+            results.append({})
+            for side, side_flags, env in sides:
+                folder = Path(tmp) / f"{family}-{side}"
+                folder.mkdir()
+                proc = subprocess.run([sys.executable, "-m", "bench.bench_families", "--families", family, *side_flags,
+                                       *flags], env={**os.environ, **env, "OUT": str(folder)}, capture_output=True,
+                                      text=True, cwd=Path(__file__).resolve().parents[1])
+                print("\n".join(line for line in proc.stdout.splitlines() if line.startswith(f"{family} (")), flush=True)
+                try:
+                    got = json.loads((folder / "bench_families.json").read_text())
+                except (OSError, ValueError):
+                    got = None
+                results[-1][side] = measured(family, side, got, proc)
             if where is not None and gathered():  # after every family: a run cut short keeps what it measured
                 (where / "bench_families.json").write_text(json.dumps(gathered(), default=str, indent=1))
     out = gathered()
@@ -258,14 +293,16 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-seconds", type=float, default=None, help="cap on each peer run (default 8; --tiny: 5)")
     ap.add_argument("--peer-gram", action="store_true", help="the peer also sums x and x x^T (isojax always does)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--no-isojax", action="store_true", help="the peers only")
     ap.add_argument("--mlp-kernel", default="auto", choices=["auto", "xla"],
                     help="isojax's MLP: auto (extract's choice, default) or xla (the fused kernels off, for an A/B)")
     ap.add_argument("--attention", default="auto", choices=["auto", "cudnn", "packed"],
                     help="isojax's attention: auto (extract's choice, default), or cudnn or packed (for an A/B)")
     ap.add_argument("--per-process", action="store_true",
-                    help="each family (its peer, then isojax) in a process of its own, the rows gathered into one "
-                         "table: JAX's allocator starts empty for each (in one process the larger families may not "
-                         "find their blocks after the smaller ones)")
+                    help="each family's peer and each family's isojax in a process of its own, the rows gathered "
+                         "into one table: JAX's allocator starts empty for each and, in isojax's processes, takes "
+                         "its memory at the start as extract's does (grown piece by piece beside torch, the larger "
+                         "families did not find a contiguous block for their per-token sums)")
     ap.add_argument("--tiny", action="store_true",
                     help="every preset shrunk to 2 layers of width 64 (512 ids), float32 on CPU: a look that the "
                          "whole bench runs, not a measurement")
@@ -274,7 +311,7 @@ def main(argv=None) -> int:
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         ap.error(f"unknown families {unknown}; have {', '.join(FAMILIES)}")
-    if args.per_process and len(families) > 1:
+    if args.per_process:
         return run_per_process(families, args)
     tiny_mode = args.tiny
     args.tokens = int(args.tokens or (6000 if tiny_mode else 1e6))
@@ -306,7 +343,8 @@ def main(argv=None) -> int:
         import transformers
         out["torch"], out["transformers"] = torch.__version__, transformers.__version__
         run_peers(models, workloads, out["rows"], args, save)
-    run_isojax_all(models, workloads, out["rows"], args, save)
+    if not args.no_isojax:
+        run_isojax_all(models, workloads, out["rows"], args, save)
     text = table(out)
     print(text)
     save()
