@@ -9,6 +9,7 @@ interpreter's own standard library) as .jsonl.gz, sentence unit.
     python -m bench.bench_end_to_end --shape pythia-1.4b --chars 34e6 --workdir /tmp/e2e
     python -m bench.bench_end_to_end --sources 8     # the documents dealt round-robin into 8 sources
     python -m bench.bench_end_to_end --first-only --no-peer --checkpoint-every 0 --sweep 3
+    python -m bench.bench_end_to_end --first-only --first-again --no-peer --checkpoint-every 0
 
 Each run reports wall, loop and wall minus loop, and the step's plan (run/plan.py: kernels and the
 step's compile beside the weights' load) with the part the run waited for. --sweep N: then N
@@ -164,6 +165,9 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="one more cached run under cProfile: $OUT/cached.pstats")
     ap.add_argument("--peer-batch-tokens", type=int, default=16384)
     ap.add_argument("--first-only", action="store_true", help="no cached run (only the first, without caches)")
+    ap.add_argument("--first-again", action="store_true",
+                    help="after the first run, another first run on what is then a machine that has run isojax: "
+                         "the token cache and compiled programs removed, the kernels' checks kept")
     ap.add_argument("--sweep", type=int, default=0, help="then a sweep of this many checkpoints in one process")
     ap.add_argument("--sweep-max-tokens", type=int, default=2_000_000, help="tokens per checkpoint of the sweep")
     args = ap.parse_args()
@@ -180,6 +184,11 @@ def main() -> int:
     rows = {}
     rows["isojax first run"] = run_isojax(common + ["--out", str(work / "o1"), "--overwrite"], env)
     print(json.dumps(rows["isojax first run"]), flush=True)
+    if args.first_again:
+        for kept_not in ("tokens", "xla"):
+            shutil.rmtree(work / "cache" / kept_not, ignore_errors=True)
+        rows["first run, checks kept"] = run_isojax(common + ["--out", str(work / "o6"), "--overwrite"], env)
+        print(json.dumps(rows["first run, checks kept"]), flush=True)
     if not args.first_only:
         rows["isojax cached"] = run_isojax(common + ["--out", str(work / "o2"), "--overwrite"], env)
         print(json.dumps(rows["isojax cached"]), flush=True)
