@@ -1,6 +1,7 @@
 """User-facing errors: the command-line entry points print these as one short line and exit 2."""
 
 import errno
+import os
 import re
 
 from isojax.log import log
@@ -49,8 +50,18 @@ def explain(e: BaseException) -> str | None:
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
         return f"cannot write {e.filename or 'a file'}: {e.strerror}"
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
-        return OUT_OF_MEMORY
+        return OUT_OF_MEMORY + (PIECEWISE_POOL if _piecewise_pool() else "")
     return None
+
+
+# JAX's pool, grown piece by piece, can hold enough memory in total but no contiguous block for one
+# [S, V, D] array of per-token sums: phi-2 on an 80 GB H100 (bench/RESULTS.md 14b)
+PIECEWISE_POOL = ("; with XLA_PYTHON_CLIENT_PREALLOCATE=false JAX's pool grows piece by piece and may find no "
+                  "contiguous block for the largest accumulator where the plan fits: unset it and run again first")
+
+
+def _piecewise_pool() -> bool:
+    return os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").strip().lower() in ("false", "0", "no")
 
 
 def run_command(body, args) -> int:

@@ -31,8 +31,13 @@ def test_a_full_disk_is_called_a_full_disk(small_disk, capsys):
         assert err.startswith("error: disk full") and "memory" not in err and err.count("\n") == 1
 
 
-def test_device_out_of_memory_names_the_flags():
+def test_device_out_of_memory_names_the_flags(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     xla = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 42949672960 bytes.")
+    assert explain(xla) == OUT_OF_MEMORY
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a pool grown piece by piece: say so first
+    assert explain(xla).startswith(OUT_OF_MEMORY) and "unset it" in explain(xla)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     assert explain(xla) == OUT_OF_MEMORY
     assert "--batch-tokens" in OUT_OF_MEMORY and "--mesh" in OUT_OF_MEMORY
     assert explain(RuntimeError("INTERNAL: something else")) is None
