@@ -220,7 +220,7 @@ def run_per_process(families: list[str], args) -> int:
     where = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     sides = [("peer", ["--no-isojax"], {}), ("isojax", ["--no-peer"], {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})]
     sides = [side for side in sides if not getattr(args, f"no_{side[0]}")]
-    results = []  # per family: {side: the child's JSON or None}
+    results = []  # per family: {side: its process's JSON, or a row holding the process's error}
 
     def measured(family: str, side: str, got: dict | None, proc) -> dict:
         if got is not None:

@@ -36,6 +36,15 @@ class Preempted(Exception):
 OUT_OF_MEMORY = ("the device ran out of memory; lower --batch-tokens, use --no-token-stats or a larger "
                  "'model' axis (--mesh data=N,model=M) to split parameters and accumulators over more devices")
 
+# JAX's pool, grown piece by piece, can hold enough memory in total but no contiguous block for one
+# [S, V, D] array of per-token sums: phi-2 on an 80 GB H100 (bench/RESULTS.md 14b)
+PIECEWISE_POOL = ("; with XLA_PYTHON_CLIENT_PREALLOCATE=false JAX's pool grows piece by piece and may find no "
+                  "contiguous block for the largest accumulator where the plan fits: unset it and run again first")
+
+
+def _piecewise_pool() -> bool:
+    return os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").strip().lower() in ("false", "0", "no")
+
 
 def explain(e: BaseException) -> str | None:
     """The one-line message for an error that is the machine's, not a bug: a full disk (OSError
@@ -52,16 +61,6 @@ def explain(e: BaseException) -> str | None:
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         return OUT_OF_MEMORY + (PIECEWISE_POOL if _piecewise_pool() else "")
     return None
-
-
-# JAX's pool, grown piece by piece, can hold enough memory in total but no contiguous block for one
-# [S, V, D] array of per-token sums: phi-2 on an 80 GB H100 (bench/RESULTS.md 14b)
-PIECEWISE_POOL = ("; with XLA_PYTHON_CLIENT_PREALLOCATE=false JAX's pool grows piece by piece and may find no "
-                  "contiguous block for the largest accumulator where the plan fits: unset it and run again first")
-
-
-def _piecewise_pool() -> bool:
-    return os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").strip().lower() in ("false", "0", "no")
 
 
 def run_command(body, args) -> int:
