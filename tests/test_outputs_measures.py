@@ -183,6 +183,35 @@ def test_load_a_run_and_refuse_a_folder_without_results(tmp_path):
         isojax.load(tmp_path / "nothing")
 
 
+def test_load_keeps_separate_runs_apart_and_layers_in_model_order(tmp_path):
+    """Two runs of one model (plain, --skip-positions 1) in one folder are two runs, not two
+    checkpoints: told apart by run and skip_positions, no diff_erank; a sweep beside them keeps its
+    own; layers sort and pivot in the model's order (block_2 before block_10)."""
+    rng = np.random.default_rng(3)
+    plain = write_step(tmp_path / "plain", rng, revision=None, blocks=10)
+    skip = write_step(tmp_path / "skip1", rng, revision=None, blocks=10)
+    (tmp_path / "skip1" / "manifest.json").write_text(json.dumps({"settings": {"skip_positions": 1, "dtype": "float32"}}))
+    df = isojax.load(tmp_path)
+    assert len(df) == 2 * 12 and "diff_erank" not in df.columns
+    assert df[df["run"] == "skip1"]["skip_positions"].tolist() == [1] * 12
+    assert df[df["run"] == "plain"]["skip_positions"].isna().all()
+    assert df[df["run"] == "skip1"]["inter_sim"].tolist() == [layer["inter_sim"] for layer in skip["layers"]]
+    table = df.pivot(index="run", columns="layer", values="inter_sim")
+    names = ["embed"] + [f"block_{i}" for i in range(1, 11)] + ["final_ln"]
+    assert [str(c) for c in table.columns] == names
+    assert table.loc["plain"].tolist() == [layer["inter_sim"] for layer in plain["layers"]]
+    assert df.sort_values(["run", "layer"])["layer"].astype(str).tolist()[:12] == names
+
+    first = write_step(tmp_path / "sweep" / "m" / "step0", rng, model="m", revision="step0")
+    last = write_step(tmp_path / "sweep" / "m" / "step9", rng, model="m", revision="step9")
+    write_step(tmp_path / "sweep" / "other", rng, model="m", revision="step5")  # a run beside the sweep
+    df = isojax.load(tmp_path / "sweep")
+    assert df["run"].unique().tolist() == ["m/step0", "other", "m/step9"]
+    got = df[df["run"] == "m/step9"]["diff_erank"].tolist()
+    assert got == pytest.approx([a["effective_rank"] - b["effective_rank"] for a, b in zip(first["layers"], last["layers"])])
+    assert df[df["run"] == "other"]["diff_erank"].isna().all()
+
+
 def test_correlate_takes_the_new_measures(tmp_path):
     from isojax.report import collect, correlate
     rng = np.random.default_rng(3)
