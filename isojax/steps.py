@@ -67,7 +67,21 @@ def local_revision(model, revision: str | None) -> Path | None:
     if not path.is_dir():
         return None
     if revision is None:
+        check_not_revisions(path)
         return path
     if not (path / revision).is_dir():
         raise UserError(f"revision {revision!r} not found: {path} has no subfolder {revision}")
     return path / revision
+
+
+def check_not_revisions(path: Path) -> None:
+    """Refuse a folder of revisions (no config.json of its own, subfolders holding one) given as a
+    checkpoint, naming --revision and --revisions."""
+    if (path / "config.json").exists():
+        return
+    subs = sorted((d.name for d in path.iterdir() if (d / "config.json").is_file()),
+                  key=lambda r: (step_of(r) is None, step_of(r) or 0, r))
+    if subs:
+        shown = ", ".join(subs[:4]) + (f" and {len(subs) - 4} more" if len(subs) > 4 else "")
+        raise UserError(f"{path} looks like a folder of revisions ({shown}), not one checkpoint: pick one with "
+                        f"--revision {subs[0]}, or measure them all with --revisions {','.join(subs)}")

@@ -104,6 +104,22 @@ def test_weights_revision_of_a_local_folder_of_revisions(stand_in, tmp_path, cap
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_folder_of_revisions_as_a_model_names_revision_and_revisions(stand_in, tmp_path, capsys):
+    """--model DIR where DIR/step0/, DIR/step1000/ hold checkpoints: extract, its dry run and weights
+    say it looks like a folder of revisions and show --revision/--revisions (not 'no config.json')."""
+    from isojax.extract import main as extract
+    from isojax.weights.command import main as weights
+    (tmp_path / "c.txt").write_text("some text\n")
+    want = (f"error: {stand_in} looks like a folder of revisions (step0, step1000), not one checkpoint: pick one "
+            "with --revision step0, or measure them all with --revisions step0,step1000\n")
+    for main, extra in ((extract, ["--data", str(tmp_path / "c.txt")]), (extract, ["--data", str(tmp_path / "c.txt"),
+                                                                                     "--dry-run"]), (weights, [])):
+        capsys.readouterr()
+        assert main(["--model", str(stand_in), *extra, "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == want
+        assert not (tmp_path / "out").exists()
+
+
 def test_extract_revision_of_a_local_folder_of_revisions(stand_in, tmp_path, monkeypatch):
     from isojax.extract import main
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))

@@ -174,13 +174,14 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     from isojax.run.measure import DEFAULT_MODEL, peek_config, row_length
     from isojax.run.plan import run_dtype, run_sample
     from isojax.run.results import output_bytes
+    from isojax.steps import local_revision
 
     target = targets.parse(args.target) if args.target else None
     machine = target_machine(target) if target else this_machine()
     if args.model and len(args.model) > 1 or args.revisions or args.paper_steps:
         raise UserError("--dry-run plans one model: name one --model, without --revisions or --paper-steps")
     model = (args.model or [DEFAULT_MODEL])[0]
-    cfg = cfg or peek_config(model)
+    cfg = cfg or peek_config(str(local_revision(model, args.revision) or model))
     if cfg is None:
         raise UserError(f"--dry-run needs the model's config without downloading: a preset, random:<preset> or a "
                         f"folder with config.json, not {model!r}")
