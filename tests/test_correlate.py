@@ -380,7 +380,25 @@ def test_report_shows_no_p_without_its_coefficient():
     sec = correlation.section([entry], ["c.json"])
     full, pivot = sec.items[-1].table, sec.items[0].table
     assert full.rows == [["checkpoint", "m", "sciq/acc", "inter_sim", "final_ln", 3, "–", "–", "–", "–", "0.500", "0.3"]]
-    assert pivot.rows == [["sciq/acc", "–", "–", "0.500"]]
+    assert pivot.rows == [["sciq/acc", 3, "–", "–", "–", "–", "0.500 ns", "0.3"]]
+
+
+def test_report_table_shows_n_and_p_and_marks_what_is_not_significant():
+    """Table 1 in the report: rho = 1.000 at n = 4 has the exact p 2/4! = 0.083 (only the two monotone
+    orderings reach |rho| = 1): shown with n and p and marked ns; at n = 8 (p = 2/8!) unmarked."""
+    from isojax.report import correlation
+    entries = []
+    for group, n in (("four", 4), ("eight", 8)):
+        x, y = np.arange(n, dtype=float), np.exp(np.arange(n))
+        entries.append({"metric": "inter_sim", "layer": "final_ln", "task": "sciq/acc", "by": "checkpoint",
+                        "group": group, "n": n, **correlate.statistics(x, y)})
+    pivot = correlation.section(entries, ["c.json"]).items[0].table
+    assert pivot.columns == ["task"] + [f"{g} {c}" for g in ("four", "eight")
+                                        for c in ("n", "r", "p", "ρ", "p", "τ", "p")]
+    four, eight = pivot.rows[0][1:8], pivot.rows[0][8:]
+    assert four[0] == 4 and four[3:5] == ["1.000 ns", format(2 / 24, ".2g")] and four[5:7] == ["1.000 ns", "0.083"]
+    assert four[1].endswith(" ns") and float(four[2]) > correlation.ALPHA
+    assert eight[0] == 8 and eight[3:] == ["1.000", format(2 / 40320, ".2g"), "1.000", format(2 / 40320, ".2g")]
 
 
 def test_smallest_p_of_each_statistic():

@@ -3,6 +3,7 @@ inputs, or computed here from `--scores` with the correlate command's defaults."
 
 from __future__ import annotations
 
+from isojax.report.correlate import EXACT_MAX_N
 from isojax.report.document import Item, Section, Table
 
 # Shown first when present: the paper's Table 1 metric, then InterSim / IntraSim of the last layers.
@@ -31,8 +32,17 @@ def _n(e: dict):
     return sum(1 for pt in points if pt.get("value") is not None and pt.get("score") is not None)
 
 
+ALPHA = 0.05  # a coefficient whose two-sided p is at least this is marked "ns" (not significant)
+_SYMBOL = {"pearson": "r", "spearman": "ρ", "kendall": "τ"}
+
+
+def _marked(c, p) -> str:
+    return "–" if c is None else _f(c) + (" ns" if p >= ALPHA else "")
+
+
 def _pivot(entries: list[dict]) -> Table:
-    """Rows: tasks; columns: per group Pearson, Spearman, Kendall (the layout of Table 1)."""
+    """Rows: tasks; columns: per group n, then Pearson, Spearman, Kendall each beside its p (the layout
+    of Table 1, with what a reader needs to weigh each coefficient)."""
     groups = list(dict.fromkeys(e["group"] for e in entries))
     tasks = list(dict.fromkeys(e["task"] for e in sorted(entries, key=lambda e: e["task"])))
     cells = {(e["group"], e["task"]): e for e in entries}
@@ -41,9 +51,10 @@ def _pivot(entries: list[dict]) -> Table:
         row = [task]
         for g in groups:
             e = cells.get((g, task))
-            row += ["", "", ""] if e is None else [_f(_stat(e, s)[0]) for s in ("pearson", "spearman", "kendall")]
+            row += [""] * 7 if e is None else [_n(e)] + [text for s in _SYMBOL for text in (
+                _marked(*_stat(e, s)), _f(_stat(e, s)[1], ".2g"))]
         rows.append(row)
-    columns = ["task"] + [f"{g} {s}" for g in groups for s in ("r", "ρ", "τ")]
+    columns = ["task"] + [f"{g} {c}" for g in groups for c in ("n", *(x for s in _SYMBOL.values() for x in (s, "p")))]
     return Table(columns, rows)
 
 
@@ -70,7 +81,8 @@ def section(entries: list[dict], sources: list[str]) -> Section:
     for metric, layer, by in (preferred + [k for k in keys if k not in preferred])[:_MAX_PIVOTS]:
         chosen = [e for e in entries if (e["metric"], e.get("layer"), e.get("by")) == (metric, layer, by)]
         what = metric + (f" at {layer}" if layer else "")
-        sec.items.append(Item(f"{what} vs downstream scores, by {by}: r, ρ, τ per "
-                              f"{'model' if by == 'checkpoint' else 'revision'}.", _pivot(chosen)))
+        sec.items.append(Item(f"{what} vs downstream scores, by {by}: n, then r, ρ, τ each with its p, per "
+                              f"{'model' if by == 'checkpoint' else 'revision'}; ns: not significant (p ≥ {ALPHA}, "
+                              f"two-sided; exact over all n! orderings for n ≤ {EXACT_MAX_N}).", _pivot(chosen)))
     sec.items.append(Item(f"All {len(entries)} correlations with p-values.", _full(entries), fold=True))
     return sec
