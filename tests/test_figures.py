@@ -86,6 +86,7 @@ def _review(fig, name: str):
             texts = [t.get_text() for t in _shown("x", ax)]
             assert len(texts) >= 2 and all(LAYER_LABEL.fullmatch(t) for t in texts), f"{name}: {texts}"
             assert texts[0] == "embed", f"{name}: {texts}"
+        _no_line_hidden_without_a_word(ax, name)
         legend = ax.get_legend()
         if legend is not None:
             box = legend.get_window_extent(renderer)
@@ -98,6 +99,59 @@ def _review(fig, name: str):
                 if isinstance(patch, Rectangle) and patch.get_height():
                     assert not _overlap(box, patch.get_window_extent(renderer)), f"{name}: the legend covers a bar"
     return name, titles, layer_axes
+
+
+def _no_line_hidden_without_a_word(ax, name: str) -> None:
+    """A labelled line whose drawn data a later line of about its width repeats (to 0.5% of the y range)
+    says so in its label."""
+    drawn = [(line.get_label(), np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float),
+              line.get_linewidth()) for line in ax.get_lines()]
+    finite = np.concatenate([y[np.isfinite(y)] for _, _, y, _ in drawn] + [np.zeros(0)])
+    tol = 0.005 * np.ptp(finite) if finite.size else 0.0
+    for i, (label, x, y, width) in enumerate(drawn):  # a line wider by a point than the one over it shows
+        if label.startswith("_") or not np.isfinite(y).any():
+            continue
+        over = [lb for lb, x2, y2, w2 in drawn[i + 1:] if x2.shape == x.shape and np.array_equal(x2, x)
+                and np.array_equal(np.isnan(y2), np.isnan(y)) and np.all(np.abs(y2 - y)[np.isfinite(y)] <= tol)
+                and width <= w2 + 1.0]
+        assert not over or f"(same values as\n{over[-1]}, under it)" in label, f"{name}: {label!r} hidden under {over[-1]!r}"
+
+
+def test_intra_sim_by_band_names_a_line_hidden_under_another(tmp_path):
+    """The report's intra_sim_by_band figure of a 6-block model whose block_6 and final_ln have the same
+    IntraSim in every band: the drawn block_6 line holds its data, and its legend entry says it lies
+    under final_ln (rings around the final_ln points); the other lines keep their plain labels."""
+    from isojax.report import collect, states
+    from isojax.report.document import Figures
+    rng = np.random.default_rng(5)
+    names = ["embed"] + [f"block_{i}" for i in range(1, 7)] + ["final_ln"]
+    layers = [fake_layer(rng, n) for n in names]
+    for layer in layers:
+        layer["intra_sim_by_band"] = [{"lo": 2 ** k, "hi": 2 ** (k + 1), "tokens": 3, "intra_sim": float(rng.random())}
+                                      for k in range(1, 6)]
+    layers[-2]["intra_sim_by_band"] = [dict(b) for b in layers[-1]["intra_sim_by_band"]]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.json").write_text(json.dumps({"model": "m", "revision": None, "weights": "pretrained",
+                                                               "tokens": 100, "layers": layers}))
+    kept = []
+
+    class Kept(Figures):
+        def add(self, fig, name, caption, table):
+            kept.append(fig)
+            return super().add(fig, name, caption, table)
+
+    states.bands(collect.Results([collect._extract_run(tmp_path / "run")], [], []), Kept(tmp_path / "figs"))
+    lines = {line.get_label().split("\n")[0]: line for line in kept[0].axes[0].get_lines()}
+    assert list(lines) == ["embed", "block_3", "block_6", "final_ln"]
+    want = [b["intra_sim"] for b in layers[-1]["intra_sim_by_band"]]
+    assert lines["block_6"].get_ydata().tolist() == want == lines["final_ln"].get_ydata().tolist()
+    assert lines["block_6"].get_label() == "block_6\n(same values as\nfinal_ln, under it)"
+    assert lines["block_6"].get_markerfacecolor() == "none" and lines["block_6"].get_markersize() > \
+        lines["final_ln"].get_markersize()
+    assert [lines[n].get_label() for n in ("embed", "block_3", "final_ln")] == ["embed", "block_3", "final_ln"]
+    legend = [t.get_text() for t in kept[0].axes[0].get_legend().get_texts()]
+    assert "block_6\n(same values as\nfinal_ln, under it)" in legend
+    _no_line_hidden_without_a_word(kept[0].axes[0], "intra_sim_by_band")
 
 
 def _random_title(titles) -> bool:

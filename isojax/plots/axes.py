@@ -1,9 +1,12 @@
 """Axis helpers shared by isojax's figures: named layer ticks that never run together, few
-ticks on scatter axes, legends beside the axes (never over the data)."""
+ticks on scatter axes, legends beside the axes (never over the data), no line hidden under
+another without a word."""
 
 from __future__ import annotations
 
 import re
+
+import numpy as np
 
 from matplotlib.textpath import TextPath
 from matplotlib.ticker import MaxNLocator
@@ -63,3 +66,39 @@ def legend_beside(ax, fontsize: float = 8) -> None:
     """The legend to the right of the axes, outside them, so that it never hides data."""
     ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
               borderaxespad=0.0)
+
+
+# No series hidden without a word: a line that a later one covers is drawn with rings around its
+# points and its label names the line over it.
+SAME = 0.005  # lines closer than this share of the axes' y range at every point would hide one another
+WIDER = 1.0  # points: a line at least this much wider than the one over it shows around it
+
+
+def covered_lines(series) -> dict[int, str]:
+    """series: [(label, x, y, style)] in drawing order -> {index: label of the later line over it} for
+    each line a later one covers: the same x and missing points, y within SAME of the y range of all
+    the series at every point, and the earlier line not wider by WIDER (a wide band shows around)."""
+    xs = [np.asarray(x, dtype=float) for _, x, _, _ in series]
+    ys = [np.asarray(y, dtype=float) for _, _, y, _ in series]
+    width = [float(style.get("linewidth", style.get("lw", 1.5))) for *_, style in series]
+    finite = np.concatenate([y[np.isfinite(y)] for y in ys] + [np.zeros(0)])
+    tol = SAME * float(np.ptp(finite)) if finite.size else 0.0
+    out = {}
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if not np.isfinite(y).any():
+            continue
+        for j in range(len(series) - 1, i, -1):
+            if xs[j].shape == x.shape and np.array_equal(xs[j], x) and np.array_equal(np.isnan(ys[j]), np.isnan(y)) \
+                    and np.all(np.abs(ys[j] - y)[np.isfinite(y)] <= tol) and width[i] <= width[j] + WIDER:
+                out[i] = series[j][0] or f"line {j + 1}"
+                break
+    return out
+
+
+def under(label: str, style: dict, over: str | None) -> tuple[str, dict]:
+    """(label, style) of a line drawn under the line `over` (None: as they are): open rings that show
+    around the points of the line over it, and the label saying so."""
+    if over is None:
+        return label, style
+    return (f"{label}\n(same values as\n{over}, under it)",
+            {**style, "marker": "o", "markersize": 8, "markerfacecolor": "none", "markeredgewidth": 1.5})

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from isojax.plots.axes import few_ticks, layer_axis, legend_beside
+from isojax.plots.axes import covered_lines, few_ticks, layer_axis, legend_beside, under
 from isojax.plots.style import plt, styled
 
 
@@ -52,15 +52,18 @@ def _finite(values) -> np.ndarray:
 
 def lines(panels: list[Panel], xlabel: str, ylabel: str, title: str, xscale: str = "linear",
           sharey: bool = True, ncols: int = 3, width: float = 5.2):
-    """One axes per panel, its legend beside it on the right (never over the lines)."""
+    """One axes per panel, its legend beside it on the right (never over the lines); a line that a later
+    one covers is drawn with rings and says so (axes.covered_lines, axes.under)."""
     with styled():
         legends = any(line.label for panel in panels for line in panel.lines)
         fig, axes = _grid(len(panels), ncols, width=width + (1.8 if legends else 0.0), sharey=sharey)
         for ax, panel in zip(axes, panels):
-            for line in panel.lines:
+            covered = covered_lines([(line.label, line.x, _finite(line.y), line.style) for line in panel.lines])
+            for i, line in enumerate(panel.lines):
                 y = _finite(line.y)
                 style = {"marker": "o", "markersize": 3.5 if len(y) <= 40 else 0, **line.style}
-                ax.plot(np.asarray(line.x, dtype=float), y, label=line.label, **style)
+                label, style = under(line.label, style, covered.get(i))
+                ax.plot(np.asarray(line.x, dtype=float), y, label=label, **style)
             if xscale == "log2":
                 ax.set_xscale("log", base=2)
             ax.set(xlabel=xlabel, ylabel=ylabel)

@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 
-from isojax.plots.axes import layer_axis, legend_beside
+from isojax.plots.axes import covered_lines, layer_axis, legend_beside, under
 from isojax.plots.style import DPI, plt, styled
 from isojax.steps import INITIAL, RANDOM, weights_read
 
@@ -62,8 +62,11 @@ def _draw(metrics, names, lines, ylabel, what, path, log_if_wide) -> pathlib.Pat
     fig, ax = plt.subplots(figsize=(width, 4.8), layout="constrained")
     try:
         x = np.arange(len(names))
-        for label, vals, kw in lines:
-            ax.plot(x, vals, marker="o" if len(names) <= 40 else None, markersize=4, label=label, **kw)
+        covered = covered_lines([(label, x, vals, kw) for label, vals, kw in lines])
+        for i, (label, vals, kw) in enumerate(lines):
+            label, style = under(label, {"marker": "o" if len(names) <= 40 else None, "markersize": 4, **kw},
+                                 covered.get(i))
+            ax.plot(x, vals, label=label, **style)
         if log_if_wide:
             finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for _, v, _ in lines])
             if finite.size and finite.max() > 100 * finite.min():

@@ -10,7 +10,7 @@ import numpy as np
 
 from matplotlib.ticker import LogFormatterSciNotation, LogLocator
 
-from isojax.plots.axes import few_ticks, legend_beside
+from isojax.plots.axes import covered_lines, few_ticks, legend_beside, under
 from isojax.plots.style import plt, styled
 
 
@@ -80,9 +80,11 @@ def sweep_plots(rows: list[dict], groups: list[str], matrix_metrics, ln_metrics,
     with styled():
         for name, cols in series:
             fig, ax = plt.subplots(figsize=(8.5, 4))  # 2 inches of it for the legend
-            for c in cols:
-                y = [np.nan if r.get(c) is None else r[c] for r in rows]
-                ax.plot(x, y, marker="o", ms=3, label=c)
+            ys = [np.array([np.nan if r.get(c) is None else r[c] for r in rows], dtype=float) for c in cols]
+            covered = covered_lines([(c, x, y, {}) for c, y in zip(cols, ys)])
+            for i, (c, y) in enumerate(zip(cols, ys)):
+                text, style = under(c, {"marker": "o", "markersize": 3}, covered.get(i))
+                ax.plot(x, y, label=text, **style)
             ax.set(xlabel="training step" if by_step else "revision", ylabel=name, title=_title(name, label))
             if not by_step:
                 ax.set_xticks(x, [r["revision"] for r in rows], rotation=45, ha="right")
