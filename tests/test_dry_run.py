@@ -80,6 +80,36 @@ def test_every_family_lowers_for_tpu_v5p_64(name):
     assert (result["devices"], result["mesh"]) == (32, {"data": 32, "model": 1})
 
 
+@pytest.mark.parametrize("kind", list(__import__("isojax.device.targets", fromlist=["KINDS"]).KINDS))
+def test_every_documented_target_plans_offline_with_the_kernels_it_would_choose(kind):
+    """Each kind of targets.KINDS, 8 of its chips (or TensorCores), plans on this CPU (two layers each):
+    TPUs pythia-70m (every family: the tests above), GPUs pythia-2.8b (head dim 80: cuDNN's attention)
+    and, on H100 and A100-40G, pythia-70m (head dim 64: packed attention; the Hopper MLP kernel) and
+    llama-1b (grouped heads, SwiGLU). The module
+    holds the Pallas kernels as a GPU compiles them (Triton custom calls, not Pallas' interpret mode)
+    and Mosaic GPU's on Hopper; cuDNN's attention, which jax lowers only with the cuDNN library, is
+    named in one line as not lowered, with XLA's attention standing in."""
+    from isojax.run.dry_run import plan
+    gpu, hopper = kind.startswith("gpu"), kind in ("gpu-h100", "gpu-h200")
+    names = ("pythia-70m", "llama-1b", "pythia-2.8b") if kind in ("gpu-h100", "gpu-a100-40g") else \
+        ("pythia-2.8b",) if gpu else ("pythia-70m",)  # H200 and A100-80G: H100's and A100-40G's kernels
+    for name in names:
+        result = plan(dry_args("--target", f"{kind}-8", "--model", f"random:{name}", "--seq-len", "512"),
+                      two_layers(name))
+        kernels, lowered, calls = result["kernels"], result["lowered"], result["lowered"]["custom_calls"]
+        assert lowered["platform"] == ("cuda" if gpu else "tpu") and lowered["module_chars"] > 0, name
+        if not gpu:
+            assert kernels["attention"] == "pallas" and calls.get("tpu_custom_call") and not lowered["not_lowered"]
+            continue
+        want = "cudnn" if name == "pythia-2.8b" else "packed"
+        mosaic = hopper and name != "llama-1b"  # auto takes the Hopper MLP kernel for GELU MLPs (SwiGLU's: asked for)
+        assert kernels["attention"] == want and kernels["mlp"] == ("mosaic" if mosaic else "xla"), (name, kernels)
+        assert ("mosaic_gpu_v2" in calls) == mosaic, (name, calls)
+        triton = (want == "packed") + (kernels["norm"] == "pallas")
+        assert calls.get("__gpu$xla.gpu.triton", 0) == triton * 1, (name, calls)
+        assert list(lowered["not_lowered"]) == (["attention cudnn"] if want == "cudnn" else []), name
+
+
 def test_split_parameters_lower_for_tpu():
     """Parameters and Grams split over 'model' (data=8 x model=4 of a v5p-64): lowered for TPU too."""
     result = lowered_for_tpu("pythia-70m", "tpu-v5p-64", "--mesh", "data=8,model=4")

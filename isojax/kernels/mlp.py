@@ -126,9 +126,10 @@ def tiles(m: int, k: int, n: int, gated: bool = False) -> bool:
     return m % t.tile_m == 0 and n % (t.tile_n // (1 + gated)) == 0 and k % t.tile_k == 0
 
 
-def applies(m: int, k: int, n: int, dtype, gated: bool = False) -> bool:
-    """Whether dense_gelu (gated: dense_swiglu) runs [m, k] x [k, n] in dtype here."""
-    return available() and jnp.dtype(dtype) == jnp.bfloat16 and tiles(m, k, n, gated)
+def applies(m: int, k: int, n: int, dtype, gated: bool = False, hopper: bool | None = None) -> bool:
+    """Whether dense_gelu (gated: dense_swiglu) runs [m, k] x [k, n] in dtype here (hopper: on the
+    GPU lowered for, a Hopper or not; None: this machine's)."""
+    return (available() if hopper is None else hopper) and jnp.dtype(dtype) == jnp.bfloat16 and tiles(m, k, n, gated)
 
 
 def _silu_product(g, u):

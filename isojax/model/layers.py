@@ -83,7 +83,8 @@ def layer_norm_pair(first: Norm, second: Norm, x_BxTxD, options: ForwardOptions)
         rows = b * t // options.devices()
         if norm_kernel.applies(d, first.dtype) and rows % norm_kernel.rows_per_block(d) == 0:
             def local(x_BxTxD, s1, b1, s2, b2):
-                y1, y2 = norm_kernel.layer_norm_pair(x_BxTxD.reshape(-1, d), s1, b1, s2, b2, eps=first.eps)
+                y1, y2 = norm_kernel.layer_norm_pair(x_BxTxD.reshape(-1, d), s1, b1, s2, b2, eps=first.eps,
+                                                     interpret=options.interpret())
                 return y1.reshape(x_BxTxD.shape), y2.reshape(x_BxTxD.shape)
 
             x_BxTxD = x_BxTxD.astype(first.dtype)
@@ -157,7 +158,8 @@ class DenseGelu(nn.Module):
         if self.options.mlp_kernel == "mosaic" and not self.approximate:
             from isojax.kernels import mlp as kernels
             b, t, _ = x_BxTxD.shape
-            if kernels.applies(b * t // self.options.devices(), d, self.features, x_BxTxD.dtype):
+            if kernels.applies(b * t // self.options.devices(), d, self.features, x_BxTxD.dtype,
+                               hopper=self.options.hopper()):
                 def local(x_BxTxD, w_DxF, bias_F):
                     u_NxF = kernels.dense_gelu(x_BxTxD.reshape(-1, d), w_DxF, bias_F)
                     return u_NxF.reshape(*x_BxTxD.shape[:2], self.features)
@@ -182,7 +184,7 @@ def gated(parent: nn.Module, cfg: ModelConfig, options: ForwardOptions, x_BxTxD,
     if options.mlp_kernel == "mosaic" and cfg.hidden_act == "silu" and not cfg.mlp_bias:
         from isojax.kernels import mlp as kernels
         b, t, _ = x_BxTxD.shape
-        if kernels.applies(b * t // options.devices(), d, f, parent.dtype, gated=True):
+        if kernels.applies(b * t // options.devices(), d, f, parent.dtype, gated=True, hopper=options.hopper()):
             (x_BxTxD, wg_DxF), (_, wu_DxF) = gate(x_BxTxD, weights=True), up(x_BxTxD, weights=True)
 
             def local(x_BxTxD, wg_DxF, wu_DxF):
@@ -249,11 +251,11 @@ class Attention(Part):
             product, bias_N = Projection(n * k, cfg.qkv_bias, self.dtype, self.param_dtype, self.precision,
                                          name=qkv_name)(x_BxTxD, split_bias=True)
             if cfg.neox_tree:
-                kernel, qkv, extras = packed_attention.attention, product.reshape(b, t, h, 3, k), \
-                    dict(bias_Hx3xK=bias_N.reshape(h, 3, k))
+                kernel, qkv, extras = functools.partial(packed_attention.attention, interpret=self.options.interpret()), \
+                    product.reshape(b, t, h, 3, k), dict(bias_Hx3xK=bias_N.reshape(h, 3, k))
             else:
                 kernel = functools.partial(packed_attention.attention_grouped, num_heads=h, clip=cfg.clip_qkv,
-                                           norm_eps=cfg.layer_norm_eps)
+                                           norm_eps=cfg.layer_norm_eps, interpret=self.options.interpret())
                 qkv, extras = product.reshape(b, t, n, k), {} if bias_N is None else dict(bias_NxK=bias_N.reshape(n, k))
                 if cfg.qk_norm:  # the norms' weights per head (the kernel's call reduces each row's factors)
                     extras["norm_weights"] = tuple(

@@ -49,6 +49,10 @@ class ForwardOptions:
     # A parallel-residual block's two LayerNorms: "xla" (two kernels) or "pallas" (one Triton
     # kernel reading the state once, isojax.kernels.norm; where it does not apply, XLA's)
     norm_kernel: str = "xla"
+    # The GPU the kernels lower for on a machine without one ("sm_90": Hopper, "sm_80": Ampere), for
+    # extract --dry-run's export to a GPU target: the Pallas kernels as the GPU compiles them (not in
+    # Pallas' interpret mode), the Hopper MLP kernel where the target is one; "": as this machine
+    gpu_arch: str = ""
     # Sharding the activations [B, T, D] keep between blocks (rows over every device, so that
     # XLA gathers sharded weights rather than splitting activations); None on one device
     activation_sharding: Any = None
@@ -60,6 +64,17 @@ class ForwardOptions:
             raise ValueError(f"mlp_kernel must be xla or mosaic, not {self.mlp_kernel!r}")
         if self.norm_kernel not in ("xla", "pallas"):
             raise ValueError(f"norm_kernel must be xla or pallas, not {self.norm_kernel!r}")
+        if self.gpu_arch not in ("", "sm_80", "sm_90"):
+            raise ValueError(f"gpu_arch must be '', sm_80 or sm_90, not {self.gpu_arch!r}")
+
+    def interpret(self) -> bool | None:
+        """The Pallas kernels' interpret argument: False when lowering for gpu_arch, else None (the
+        kernel's own rule: interpreted off a GPU)."""
+        return False if self.gpu_arch else None
+
+    def hopper(self) -> bool | None:
+        """Whether the Hopper MLP kernel's GPU is the one lowered for; None: as this machine."""
+        return self.gpu_arch == "sm_90" if self.gpu_arch else None
 
     def devices(self) -> int:
         return 1 if self.activation_sharding is None else self.activation_sharding.mesh.size

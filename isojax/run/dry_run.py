@@ -121,16 +121,36 @@ def does_not_fit(cfg, args, dtype, machine: Machine, target, row_len: int, group
     return UserError(f"{what} fits no {target.kind} slice{even}{hint}")
 
 
-def step_layout(cfg, dtype: str, chosen, mesh, platform: str, **kwargs):
+def step_layout(cfg, dtype: str, chosen, mesh, platform: str, gpu_arch: str = "", **kwargs):
     """The step's Layout (device/runner.py) as run/plan.py builds it, for `platform`'s per-token sums
-    (StatsOptions.segment_sum_mode: scatter on GPUs, else scan) with the KernelChoice `chosen`;
-    kwargs: Layout's."""
+    (StatsOptions.segment_sum_mode: scatter on GPUs, else scan) with the KernelChoice `chosen`, its
+    kernels lowered for gpu_arch (ForwardOptions.gpu_arch) where given; kwargs: Layout's."""
     from isojax.device.runner import Layout
     from isojax.hf.loading import build_module
     from isojax.run.plan import step_module
     from isojax.stats.options import StatsOptions
-    module = step_module(build_module(cfg, dtype, chosen), mesh)
+    module = build_module(cfg, dtype, chosen)
+    module = step_module(module.clone(options=dataclasses.replace(module.options, gpu_arch=gpu_arch)), mesh)
     return Layout(module, mesh, options=StatsOptions(segment_sum="scatter" if platform == "gpu" else "scan"), **kwargs)
+
+
+# Triton kernels (the packed attention, the LayerNorm pair) lower to custom calls that jax.export keeps
+# off its list of stable targets; a plan is never serialized, so the check is left out for them
+UNSTABLE_KERNEL_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
+
+
+def not_lowered(chosen, machine: Machine) -> tuple[object, dict[str, str]]:
+    """(the KernelChoice lowered, {kernel: why it was not}) for a GPU target off a GPU: jax's cuDNN
+    attention asks the cuDNN library, absent without a GPU, for its version while it lowers, so XLA's
+    attention stands in for it in the lowered module; the memory plan is the same either way (the
+    step's declared bytes, device/memory.py step_bytes, do not depend on the attention kernel)."""
+    import jax
+    if machine.platform != "gpu" or jax.default_backend() == "gpu" or chosen.attention != "cudnn":
+        return chosen, {}
+    why = ("jax lowers it only with the cuDNN library at hand, and there is none without a GPU; XLA's "
+           "attention stands in for it in the lowered module, and the memory plan, the step's declared bytes, "
+           "is the same for either")
+    return dataclasses.replace(chosen, attention="xla"), {"attention cudnn": why}
 
 
 def lower(layout, params, rows: int, row_len: int, platform: str) -> tuple[str, float]:
@@ -144,7 +164,8 @@ def lower(layout, params, rows: int, row_len: int, platform: str) -> tuple[str, 
     centers = jax.ShapeDtypeStruct((cfg.num_states, 0), np.float32, sharding=parallel.replicated(mesh))
     t = time.time()
     try:
-        exported = jax.export.export(layout.step(), platforms=[EXPORT_PLATFORM[platform]])(
+        unchecked = [jax.export.DisabledSafetyCheck.custom_call(name) for name in UNSTABLE_KERNEL_CALLS]
+        exported = jax.export.export(layout.step(), platforms=[EXPORT_PLATFORM[platform]], disabled_checks=unchecked)(
             *signature(params, layout.abstract, mesh, rows, row_len, centers))
     except Exception as e:  # noqa: BLE001 -- what a run there would meet at its first compile
         raise UserError(f"the step does not lower for {platform.upper()} ({type(e).__name__}: "
@@ -169,7 +190,6 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     from isojax.device import targets
     from isojax.device.memory import batch_rows, device_batch_tokens, known_labels, log_shrink
     from isojax.hf.loading import abstract_params
-    from isojax.model.options import KernelChoice
     from isojax.run.config import MeasureConfig, cli_options
     from isojax.run.measure import DEFAULT_MODEL, peek_config, row_length
     from isojax.run.plan import run_dtype, run_sample
@@ -212,13 +232,14 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
                    rows * row_len // n, machine.memory)
     chosen = kernels(args, cfg, machine, dtype, row_len, rows // n * row_len)
 
-    # off a GPU the GPU kernels run as stand-ins (packed attention and the norm pair in Pallas' interpret
-    # mode, the fused MLP as XLA's path): lowered here, those are what the module holds
-    interpreted = platform == "gpu" and jax.default_backend() != "gpu" and chosen != KernelChoice()
+    # off a GPU, for a GPU target: the Pallas and Mosaic GPU kernels lowered as a GPU of the target's
+    # architecture compiles them; cuDNN's attention cannot be (not_lowered)
+    off_gpu = platform == "gpu" and jax.default_backend() != "gpu"
+    lowered_kernels, missing = not_lowered(chosen, machine)
     parallel.use_gspmd_partitioner()
     mesh = jax.sharding.AbstractMesh((n // m, m), parallel.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    layout = step_layout(cfg, dtype, chosen, mesh, platform, token_stats=not args.no_token_stats, num_groups=groups,
-                         sample_size=sample)
+    layout = step_layout(cfg, dtype, lowered_kernels, mesh, platform, ("sm_90" if machine.hopper else "sm_80")
+                         if off_gpu else "", token_stats=not args.no_token_stats, num_groups=groups, sample_size=sample)
     text, seconds = lower(layout, abstract_params(cfg, dtype, mesh), rows, row_len, platform) if lower_step else \
         ("", 0.0)
     size = corpus.size_bytes()
@@ -234,7 +255,7 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
         "output_bytes": output_bytes(cfg, token_stats=not args.no_token_stats, save_token_sums=args.save_token_sums,
                                      sample_states=sample),
         "lowered": {"platform": EXPORT_PLATFORM[platform], "seconds": round(seconds, 2), "module_chars": len(text),
-                    "custom_calls": custom_calls(text), "pallas_interpreted": interpreted} if lower_step else None,
+                    "custom_calls": custom_calls(text), "not_lowered": missing} if lower_step else None,
         "stablehlo": text,
     }
 
@@ -263,7 +284,6 @@ def dry_run(args):
     log(f"the step was lowered for {result['platform'].upper()} (jax.export, platform "
         f"{result['lowered']['platform']}) in {result['lowered']['seconds']:.1f} s; custom calls: {calls}; "
         f"plan in {out / 'plan.json'}")
-    if result["lowered"]["pallas_interpreted"]:
-        log("no GPU here: the GPU kernels were lowered as their stand-ins off a GPU (Pallas' interpret mode, XLA's "
-            "MLP), not as the kernels a GPU compiles")
+    for kernel, why in result["lowered"]["not_lowered"].items():
+        log(f"not lowered: {kernel} ({why})")
     return out
