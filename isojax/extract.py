@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from isojax.run.measure import DEFAULT_MODEL
@@ -278,7 +279,9 @@ def main(argv=None) -> int:
     # it can run out of memory (bench/RESULTS.md 7c). Set the variable to share a GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
     use_cuda_graphs_for_loops()
-    return run_command(run, build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the dry run's launch line repeats it
+    return run_command(run, args)
 
 
 def use_cuda_graphs_for_loops() -> None:

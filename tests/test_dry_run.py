@@ -110,6 +110,38 @@ def test_every_documented_target_plans_offline_with_the_kernels_it_would_choose(
         assert list(lowered["not_lowered"]) == (["attention cudnn"] if want == "cudnn" else []), name
 
 
+def test_the_plan_names_hosts_the_command_on_each_and_the_time_from_a_measured_rate():
+    """What renting the slice takes: hosts and processes (v5p: 4 chips a host, v5e 8, GPUs 8), the run's
+    command with --distributed where there are several hosts, and the time from bench/RESULTS.md's rate
+    (read from its §14b table here); no estimate, and why, where nothing was measured."""
+    import re
+    from isojax.run.dry_run import plan
+    table = (REPO / "bench" / "RESULTS.md").read_text().split("### 14b.")[1]
+    rate = int(re.search(r"\| gpt_neox \| pythia-1b \| ([\d,]+) \|", table).group(1).replace(",", ""))
+
+    def launch(target, model, *extra):
+        argv = ["--dry-run", "--target", target, "--model", model, *extra, "--out", "plans/x"]
+        args = dry_args(*argv[:-2])
+        args.argv = argv
+        return plan(args, lower_step=False)["launch"]
+
+    got = launch("gpu-h100-16", "pythia-1b", "--max-tokens", "1000000000")
+    assert (got["hosts"], got["processes"]) == (2, 2)
+    assert got["command"] == ("python -m isojax.extract --distributed --model pythia-1b --max-tokens 1000000000 "
+                              "--out plans/x")
+    assert got["estimate"]["seconds"] == pytest.approx(1e9 / (rate * 16), abs=0.1)
+    one = launch("gpu-h100-8", "pythia-1b")
+    assert one["hosts"] == 1 and "--distributed" not in one["command"]
+    assert one["estimate"]["seconds"] is None and "--max-tokens" in one["estimate"]["why"]
+    assert one["estimate"]["tokens_per_second"] == pytest.approx(rate * 8, abs=1)
+    for target, hosts in (("tpu-v5p-32", 4), ("tpu-v5e-16", 2), ("tpu-v5e-8", 1), ("tpu-v4-8", 1)):
+        got = launch(target, "random:pythia-70m", "--max-tokens", "1000")
+        assert got["hosts"] == hosts and ("--distributed" in got["command"]) == (hosts > 1), target
+        assert got["estimate"]["seconds"] is None and "no rate measured on tpu" in got["estimate"]["why"]
+    assert "no rate measured on gpu-a100-80g" in launch("gpu-a100-80g-4", "phi-2", "--max-tokens", "9")[
+        "estimate"]["why"]
+
+
 def test_split_parameters_lower_for_tpu():
     """Parameters and Grams split over 'model' (data=8 x model=4 of a v5p-64): lowered for TPU too."""
     result = lowered_for_tpu("pythia-70m", "tpu-v5p-64", "--mesh", "data=8,model=4")

@@ -6,6 +6,9 @@ v5p-8 are 4 chips; v5p-64 is 32), and v5e and v6e slices by chips (v5e-8 is 8 ch
 calls v5e slices v5litepod-N). A JAX device is a chip on all four (v4 and v5p run their two
 TensorCores as one "megacore" device). GPUs are counted one by one.
 
+Hosts: TPU v4 and v5p 4 chips a host, v5e and v6e 8 (cloud.google.com/tpu/docs/v5e, /v6e: v5e 2x4 is
+8 chips on 1 host, 4x4 16 chips on 2), GPUs counted as hosts of 8.
+
 Memory per chip (device memory JAX can use; GPUs at extract's XLA_PYTHON_CLIENT_MEM_FRACTION):
   TPU v4   32 GiB HBM2     cloud.google.com/tpu/docs/v4
   TPU v5e  16 GiB HBM2     cloud.google.com/tpu/docs/v5e
@@ -33,6 +36,7 @@ class Kind:
     chip_memory: int  # bytes per chip
     per_chip: int  # the name's count per chip: 2 TensorCores (v4, v5p), else 1
     sizes: tuple[int, ...]  # the counts a slice of this kind comes in, as the name counts them
+    chips_per_host: int  # a host's chips (one isojax process each host): v4, v5p 4; v5e, v6e 8 (fewer: one host); GPUs 8
 
 
 _PODS = tuple(2 ** k for k in range(3, 13))  # v4-8 ... v4-4096, v5p-8 ... v5p-4096 (TensorCores)
@@ -40,14 +44,14 @@ _LITE = (1, 4, 8, 16, 32, 64, 128, 256)  # v5e and v6e slices (chips)
 _GPUS = tuple(2 ** k for k in range(0, 11))  # 1 ... 1024 GPUs (one to 128 hosts of 8)
 
 KINDS = {
-    "tpu-v4": Kind("tpu", 32 * GiB, 2, _PODS),
-    "tpu-v5e": Kind("tpu", 16 * GiB, 1, _LITE),
-    "tpu-v5p": Kind("tpu", 95 * GiB, 2, _PODS),
-    "tpu-v6e": Kind("tpu", 32 * GiB, 1, _LITE),
-    "gpu-h100": Kind("gpu", int(GPU_MEMORY_FRACTION * 80 * GiB), 1, _GPUS),
-    "gpu-h200": Kind("gpu", int(GPU_MEMORY_FRACTION * 141e9), 1, _GPUS),
-    "gpu-a100-40g": Kind("gpu", int(GPU_MEMORY_FRACTION * 40 * GiB), 1, _GPUS),
-    "gpu-a100-80g": Kind("gpu", int(GPU_MEMORY_FRACTION * 80 * GiB), 1, _GPUS),
+    "tpu-v4": Kind("tpu", 32 * GiB, 2, _PODS, 4),
+    "tpu-v5e": Kind("tpu", 16 * GiB, 1, _LITE, 8),
+    "tpu-v5p": Kind("tpu", 95 * GiB, 2, _PODS, 4),
+    "tpu-v6e": Kind("tpu", 32 * GiB, 1, _LITE, 8),
+    "gpu-h100": Kind("gpu", int(GPU_MEMORY_FRACTION * 80 * GiB), 1, _GPUS, 8),
+    "gpu-h200": Kind("gpu", int(GPU_MEMORY_FRACTION * 141e9), 1, _GPUS, 8),
+    "gpu-a100-40g": Kind("gpu", int(GPU_MEMORY_FRACTION * 40 * GiB), 1, _GPUS, 8),
+    "gpu-a100-80g": Kind("gpu", int(GPU_MEMORY_FRACTION * 80 * GiB), 1, _GPUS, 8),
 }
 
 
@@ -58,6 +62,12 @@ class Target:
     platform: str
     chips: int  # JAX devices
     chip_memory: int
+
+    @property
+    def hosts(self) -> int:
+        """The slice's hosts (VMs), one isojax process each: v4 and v5p 4 chips a host (v5p-32: 16 chips
+        on 4 hosts), v5e and v6e 8 (slices of 8 chips or fewer: one host; v5e-16: 2), GPUs 8 a host."""
+        return -(-self.chips // KINDS[self.kind].chips_per_host)
 
     def slice(self, count: int) -> Target:
         """The slice of this kind of `count` (as the name counts)."""

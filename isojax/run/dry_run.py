@@ -2,7 +2,8 @@
 kernels, mesh, rows, memory per device, sample, output size), without weights and without reading
 the corpus beyond its size, and the measuring step lowered for the target (TPU or GPU slices from
 device/targets.py, on any machine: jax.export over an AbstractMesh of the slice's chips; else this
-machine). Printed, and written to OUT/plan.json (a result file: outdir.staged)."""
+machine), and what renting the slice takes (run/launch.py: hosts, the command on each, the time from a
+measured rate). Printed, and written to OUT/plan.json (a result file: outdir.staged)."""
 
 from __future__ import annotations
 
@@ -242,6 +243,9 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
                          if off_gpu else "", token_stats=not args.no_token_stats, num_groups=groups, sample_size=sample)
     text, seconds = lower(layout, abstract_params(cfg, dtype, mesh), rows, row_len, platform) if lower_step else \
         ("", 0.0)
+    from isojax.run.launch import slice_plan
+    from isojax.run.plan import run_max_tokens
+    launch = slice_plan(cfg, target, getattr(args, "argv", None), run_max_tokens(config, on_accel))
     size = corpus.size_bytes()
     return {
         "target": machine.name, "platform": platform, "devices": n, "device_memory": machine.memory,
@@ -256,7 +260,7 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
                                      sample_states=sample),
         "lowered": {"platform": EXPORT_PLATFORM[platform], "seconds": round(seconds, 2), "module_chars": len(text),
                     "custom_calls": custom_calls(text), "not_lowered": missing} if lower_step else None,
-        "stablehlo": text,
+        "launch": launch, "stablehlo": text,
     }
 
 
@@ -286,4 +290,7 @@ def dry_run(args):
         f"plan in {out / 'plan.json'}")
     for kernel, why in result["lowered"]["not_lowered"].items():
         log(f"not lowered: {kernel} ({why})")
+    from isojax.run.launch import describe
+    for line in describe(result["launch"]):
+        log(line)
     return out
