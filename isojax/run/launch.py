@@ -4,8 +4,8 @@ processes, the command each host runs, and the run's time from a measured rate.
 The estimate takes the one-GPU rates of bench/RESULTS.md §14b (every family on an H100 and an H200,
 extract's kernels, `bench_families`) and §10j (three Pythia sizes on an H100): the measured preset of the model's family nearest in size,
 scaled to the model by forward FLOPs per token (ModelConfig.flops_per_token: the same share of the
-card's rate), times the chips (1.4b and 410m scaled at 91-99% on 2 and 4 H100s, §7b and §7f; more
-chips were not measured). No estimate where nothing was measured (A100s, TPUs, a family without a
+card's rate), times the chips: a figure on the fast side (410m and 1.4b scaled at 83-100% on 2 and 4
+GPUs, §7, §7b and §7f; more chips were not measured). No estimate where nothing was measured (A100s, TPUs, a family without a
 row) or the run's tokens are not known before tokenizing (no --max-tokens)."""
 
 from __future__ import annotations
