@@ -1,4 +1,4 @@
-"""isojax: exact, fast isotropy measurements of GPT-NeoX representations in JAX.
+"""isojax: exact, fast isotropy measurements of language-model representations in JAX (eleven families).
 
 Notebook API:
     model = isojax.load_model("pythia-70m")          # or a directory, a hub id, "random:pythia-1.4b"

@@ -1,5 +1,6 @@
 """python -m isojax.extract: InterSim, IntraSim, anisotropy and more for every hidden state of a
-GPT-NeoX model over a corpus, in one pass, resumable. Results go to --out only; logs and the
+language model of any of eleven families (GPT-NeoX/Pythia, Llama, Mistral, Qwen2, OLMo, OLMo-2,
+GPT-2, OPT, Falcon, Gemma, Phi) over a corpus, in one pass, resumable. Results go to --out only; logs and the
 progress bar to stderr. With no --model and no --data it runs the embedded default: pythia-70m
 (random weights of its shapes when the weights can't be had offline) on the documentation
 bundled with CPython."""

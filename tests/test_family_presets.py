@@ -104,3 +104,19 @@ def test_random_shape_only_preset_measures_offline(tmp_path, monkeypatch):
     results = isojax.measure("random:tiny-mistral", [str(text)], seq_len=64, progress=False)
     assert results.manifest["tokenizer"] == "gpt-neox-20b (bundled, first 320 ids)"
     assert results.metrics["tokens"] > 300 and len(results.metrics["layers"]) == 4
+
+
+def test_help_and_package_description_name_every_family():
+    """extract --help and pyproject's description name the eleven families isojax runs, not GPT-NeoX alone."""
+    import pathlib
+    import tomllib
+    from isojax.extract import build_parser
+    from isojax.hf.family import FAMILIES
+    names = {"gpt_neox": "GPT-NeoX", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "olmo": "OLMo",
+             "olmo2": "OLMo-2", "gpt2": "GPT-2", "opt": "OPT", "falcon": "Falcon", "gemma": "Gemma", "phi": "Phi"}
+    assert set(names) == set(FAMILIES)
+    help_text = " ".join(build_parser().format_help().split())
+    root = pathlib.Path(__file__).resolve().parents[1]
+    description = tomllib.loads((root / "pyproject.toml").read_text())["project"]["description"]
+    for text in (help_text, description):
+        assert all(name in text for name in names.values()), text[:400]
