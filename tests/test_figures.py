@@ -114,7 +114,8 @@ def _no_line_hidden_without_a_word(ax, name: str) -> None:
         over = [lb for lb, x2, y2, w2 in drawn[i + 1:] if x2.shape == x.shape and np.array_equal(x2, x)
                 and np.array_equal(np.isnan(y2), np.isnan(y)) and np.all(np.abs(y2 - y)[np.isfinite(y)] <= tol)
                 and width <= w2 + 1.0]
-        assert not over or f"(same values as\n{over[-1]}, under it)" in label, f"{name}: {label!r} hidden under {over[-1]!r}"
+        assert not over or f"(same values as\n{over[-1]}, under it)" in label, \
+            f"{name}: {label!r} hidden under {over[-1]!r}"
 
 
 def test_intra_sim_by_band_names_a_line_hidden_under_another(tmp_path):

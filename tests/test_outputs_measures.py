@@ -190,7 +190,8 @@ def test_load_keeps_separate_runs_apart_and_layers_in_model_order(tmp_path):
     rng = np.random.default_rng(3)
     plain = write_step(tmp_path / "plain", rng, revision=None, blocks=10)
     skip = write_step(tmp_path / "skip1", rng, revision=None, blocks=10)
-    (tmp_path / "skip1" / "manifest.json").write_text(json.dumps({"settings": {"skip_positions": 1, "dtype": "float32"}}))
+    settings = {"skip_positions": 1, "dtype": "float32"}
+    (tmp_path / "skip1" / "manifest.json").write_text(json.dumps({"settings": settings}))
     df = isojax.load(tmp_path)
     assert len(df) == 2 * 12 and "diff_erank" not in df.columns
     assert df[df["run"] == "skip1"]["skip_positions"].tolist() == [1] * 12
@@ -208,7 +209,8 @@ def test_load_keeps_separate_runs_apart_and_layers_in_model_order(tmp_path):
     df = isojax.load(tmp_path / "sweep")
     assert df["run"].unique().tolist() == ["m/step0", "other", "m/step9"]
     got = df[df["run"] == "m/step9"]["diff_erank"].tolist()
-    assert got == pytest.approx([a["effective_rank"] - b["effective_rank"] for a, b in zip(first["layers"], last["layers"])])
+    assert got == pytest.approx([a["effective_rank"] - b["effective_rank"]
+                                 for a, b in zip(first["layers"], last["layers"])])
     assert df[df["run"] == "other"]["diff_erank"].isna().all()
 
 

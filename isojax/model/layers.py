@@ -251,8 +251,8 @@ class Attention(Part):
             product, bias_N = Projection(n * k, cfg.qkv_bias, self.dtype, self.param_dtype, self.precision,
                                          name=qkv_name)(x_BxTxD, split_bias=True)
             if cfg.neox_tree:
-                kernel, qkv, extras = functools.partial(packed_attention.attention, interpret=self.options.interpret()), \
-                    product.reshape(b, t, h, 3, k), dict(bias_Hx3xK=bias_N.reshape(h, 3, k))
+                kernel = functools.partial(packed_attention.attention, interpret=self.options.interpret())
+                qkv, extras = product.reshape(b, t, h, 3, k), dict(bias_Hx3xK=bias_N.reshape(h, 3, k))
             else:
                 kernel = functools.partial(packed_attention.attention_grouped, num_heads=h, clip=cfg.clip_qkv,
                                            norm_eps=cfg.layer_norm_eps, interpret=self.options.interpret())

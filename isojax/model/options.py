@@ -49,9 +49,9 @@ class ForwardOptions:
     # A parallel-residual block's two LayerNorms: "xla" (two kernels) or "pallas" (one Triton
     # kernel reading the state once, isojax.kernels.norm; where it does not apply, XLA's)
     norm_kernel: str = "xla"
-    # The GPU the kernels lower for on a machine without one ("sm_90": Hopper, "sm_80": Ampere), for
-    # extract --dry-run's export to a GPU target: the Pallas kernels as the GPU compiles them (not in
-    # Pallas' interpret mode), the Hopper MLP kernel where the target is one; "": as this machine
+    # The GPU the kernels lower for ("sm_90": Hopper, "sm_80": Ampere), for extract --dry-run's export
+    # to a GPU target, on any machine: the Pallas kernels as the GPU compiles them (not in Pallas'
+    # interpret mode), the Hopper MLP kernel where the target is one; "": as this machine
     gpu_arch: str = ""
     # Sharding the activations [B, T, D] keep between blocks (rows over every device, so that
     # XLA gathers sharded weights rather than splitting activations); None on one device

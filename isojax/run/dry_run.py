@@ -233,14 +233,14 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
                    rows * row_len // n, machine.memory)
     chosen = kernels(args, cfg, machine, dtype, row_len, rows // n * row_len)
 
-    # off a GPU, for a GPU target: the Pallas and Mosaic GPU kernels lowered as a GPU of the target's
-    # architecture compiles them; cuDNN's attention cannot be (not_lowered)
-    off_gpu = platform == "gpu" and jax.default_backend() != "gpu"
+    # for a GPU, here or not: the Pallas and Mosaic GPU kernels lowered as a GPU of the target's
+    # architecture compiles them (off a GPU cuDNN's attention cannot be: not_lowered)
     lowered_kernels, missing = not_lowered(chosen, machine)
     parallel.use_gspmd_partitioner()
     mesh = jax.sharding.AbstractMesh((n // m, m), parallel.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
     layout = step_layout(cfg, dtype, lowered_kernels, mesh, platform, ("sm_90" if machine.hopper else "sm_80")
-                         if off_gpu else "", token_stats=not args.no_token_stats, num_groups=groups, sample_size=sample)
+                         if platform == "gpu" else "", token_stats=not args.no_token_stats, num_groups=groups,
+                         sample_size=sample)
     text, seconds = lower(layout, abstract_params(cfg, dtype, mesh), rows, row_len, platform) if lower_step else \
         ("", 0.0)
     from isojax.run.launch import slice_plan

@@ -14,10 +14,10 @@ checkpoints of a sweep, diff_erank (isojax.run.sweep_files). A measure a run lac
 
 A folder may hold several runs (OUT/a/, OUT/b/, or a sweep's OUT/<model>/<revision>/): each keeps
 its own rows, told apart by `run` and the settings, never merged. diff_erank compares checkpoints,
-so only runs laid out as a sweep lays them out (OUT/<model>/<revision>/, the folder named by the run's
-revision) get it, computed among the checkpoints of one model folder; a run elsewhere has none. A sweep is read from its step folders' metrics.json
-(whole results only, as isojax's record says); a sweep folder whose step folders are gone is read
-from its sweep.csv.
+so only runs laid out as a sweep lays them out (OUT/<model>/<revision>/, the folder named by the
+run's revision) get it, computed among the checkpoints of one model folder; a run elsewhere has
+none. A sweep is read from its step folders' metrics.json (whole results only, as isojax's record
+says); a sweep folder whose step folders are gone is read from its sweep.csv.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def _read_metrics(folder: Path) -> tuple[dict, dict]:
     doc = _read_json(folder, "metrics.json")
     if not isinstance(doc, dict) or not isinstance(doc.get("layers"), list) or not all(
             isinstance(layer, dict) and "name" in layer for layer in doc["layers"]):
-        raise UserError(f"{folder / 'metrics.json'}: not an isojax metrics.json (needs a 'layers' list of named layers)")
+        raise UserError(f"{folder / 'metrics.json'}: not an isojax metrics.json "
+                        "(needs a 'layers' list of named layers)")
     manifest = _read_json(folder, "manifest.json") if (folder / "manifest.json").is_file() else {}
     manifest = manifest if isinstance(manifest, dict) else {}
     settings = manifest.get("settings") if isinstance(manifest.get("settings"), dict) else {}

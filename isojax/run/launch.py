@@ -2,11 +2,12 @@
 processes, the command each host runs, and the run's time from a measured rate.
 
 The estimate takes the one-GPU rates of bench/RESULTS.md §14b (every family on an H100 and an H200,
-extract's kernels, `bench_families`) and §10j (three Pythia sizes on an H100): the measured preset of the model's family nearest in size,
-scaled to the model by forward FLOPs per token (ModelConfig.flops_per_token: the same share of the
-card's rate), times the chips: a figure on the fast side (410m and 1.4b scaled at 83-100% on 2 and 4
-GPUs, §7, §7b and §7f; more chips were not measured). No estimate where nothing was measured (A100s, TPUs, a family without a
-row) or the run's tokens are not known before tokenizing (no --max-tokens)."""
+extract's kernels, `bench_families`) and §10j (three Pythia sizes on an H100): the measured preset of
+the model's family nearest in size, scaled to the model by forward FLOPs per token
+(ModelConfig.flops_per_token: the same share of the card's rate), times the chips: a figure on the
+fast side (410m and 1.4b scaled at 83-100% on 2 and 4 GPUs, §7, §7b and §7f; more chips were not
+measured). No estimate where nothing was measured (A100s, TPUs, a family without a row) or the run's
+tokens are not known before tokenizing (no --max-tokens)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import shlex
 # tokens/s on one GPU, bench/RESULTS.md §14b ("Each family against its peer": isojax's columns) and, on
 # the H100, §10j (pythia-70m, 410m, 1.4b: "LayerNorm kernel (the default)")
 MEASURED = {
-    "gpu-h100": {"pythia-70m": 6_741_539, "pythia-410m": 652_884, "pythia-1.4b": 189_649, "pythia-1b": 265_070, "gpt2-xl": 134_111, "opt-1.3b": 178_911, "falcon-mqa-1b": 234_698,
+    "gpu-h100": {"pythia-70m": 6_741_539, "pythia-410m": 652_884, "pythia-1.4b": 189_649, "pythia-1b": 265_070,
+                 "gpt2-xl": 134_111, "opt-1.3b": 178_911, "falcon-mqa-1b": 234_698,
                  "llama-1b": 212_645, "mistral-1b": 254_200, "qwen2-1.5b": 173_577, "olmo-1b": 217_722,
                  "olmo2-1b": 212_414, "phi-2": 88_917},
     "gpu-h200": {"pythia-1b": 266_360, "gpt2-xl": 137_349, "opt-1.3b": 178_467, "falcon-mqa-1b": 236_186,
