@@ -78,6 +78,21 @@ class Results:
         self.manifest["seconds_wall"] = time.time() - self.timings.start
         return out
 
+    def detach(self) -> bool:
+        """Wait for the per-source read-out and copy what `save` still reads from the devices (the
+        sample's states) to the host, so that saving needs neither the devices nor the run's
+        accumulators: a sweep saves a checkpoint on a thread while the next one is measured
+        (run/sweep.py). False (nothing changed but the wait) where the per-token unit sums are to be
+        saved: [S, V, D] float64, too large to hold on the host beside the next checkpoint."""
+        self.wait()
+        if self.token_sums is not None:
+            return False
+        states = self.final.get("sample")
+        if states is not None:
+            held = [np.asarray(states(s)) for s in range(len(self.state_names))]  # [K, D] float32 each
+            self.final["sample"] = held.__getitem__
+        return True
+
     def join_save(self) -> None:
         """On the processes other than 0 of a multi-host run: take part, in the same order, in the
         gathers across processes that `save` makes on process 0 (per-token sums, the sample)."""
