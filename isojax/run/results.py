@@ -188,7 +188,7 @@ def write_layers_csv(path: Path, layers: list[dict]) -> None:
     write_csv(path, [flat_layer(layer) for layer in layers])
 
 
-CHUNK_BYTES = 1 << 24  # the largest chunk of an array written one state at a time: several compress in parallel
+CHUNK_BYTES = 1 << 22  # the largest chunk of an array written one state at a time: several compress in parallel
 
 
 def _open_zarr(path: Path, dtype: str, shape: tuple, per_state: bool = False):
