@@ -1,6 +1,6 @@
 """sweep_cka.json's CKA on the device (isojax.stats.cross_cka.CkaAgainst) against the float64 numpy
 computation it replaced (cka_matrix below, moved here as the reference), on random states and on a
-real sweep's samples; isojax.load stays free of JAX; samples.zarr is written one chunk per state
+real sweep's samples; isojax.load stays free of JAX; samples.zarr is written in chunks of one state
 and older folders (one chunk across every state) still read."""
 
 from __future__ import annotations
