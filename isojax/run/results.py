@@ -203,9 +203,19 @@ def write_layers_csv(path: Path, layers: list[dict]) -> None:
     write_csv(path, [flat_layer(layer) for layer in layers])
 
 
-def _open_zarr(path: Path, dtype: str, shape: tuple):
+CHUNK_BYTES = 1 << 22  # the largest chunk of an array written one state at a time: several compress in parallel
+
+
+def _open_zarr(path: Path, dtype: str, shape: tuple, per_state: bool = False):
+    """per_state: for arrays [S, N, D] written one state at a time, chunks of one state (of at most
+    CHUNK_BYTES), so that each chunk is compressed once; tensorstore's default chunks span every
+    state, each compressed again at every state (17.5 s instead of 0.9 s for a [26, 4096, 1024]
+    float32 sample on 2 cores). Readers take the chunks from the array's metadata."""
     import tensorstore as ts
     spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
+    if per_state:
+        row_bytes = int(np.prod(shape[2:])) * np.dtype(dtype).itemsize
+        spec["metadata"] = {"chunks": [1, max(1, min(shape[1], CHUNK_BYTES // max(1, row_bytes))), *shape[2:]]}
     return ts.open(spec, create=True, dtype=dtype, shape=shape).result()
 
 
@@ -217,7 +227,7 @@ def write_token_sums(path: Path, state_sums, num_states: int) -> None:
     """The per-token unit sums [S, V, D] in float64, written one state at a time (all at once in
     float64 they would double the host memory of the accumulators). state_sums(s) -> [V, D]."""
     first = state_sums(0)
-    store = _open_zarr(path, "float64", (num_states, *first.shape))
+    store = _open_zarr(path, "float64", (num_states, *first.shape), per_state=True)
     for s in range(num_states):
         store[s].write(first if s == 0 else state_sums(s)).result()
 
@@ -241,7 +251,8 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
     states = final.get("sample")
     if states is not None:  # the uniform sample, [S, K, D] float32, one state at a time
         first = np.asarray(states(0))
-        store = _open_zarr(stage / "samples.zarr" / "states", "float32", (len(state_names), *first.shape))
+        store = _open_zarr(stage / "samples.zarr" / "states", "float32", (len(state_names), *first.shape),
+                           per_state=True)
         for s in range(len(state_names)):
             store[s].write(first if s == 0 else np.asarray(states(s))).result()
 
