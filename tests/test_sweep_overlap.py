@@ -38,9 +38,10 @@ def inputs(tmp_path_factory):
     return root
 
 
-def _args(inputs: Path, out: Path, *extra) -> list[str]:
+def _args(inputs: Path, out: Path, *extra, plots: bool = False) -> list[str]:
     return ["--model", str(inputs / "repo"), "--revisions", ",".join(REVISIONS), "--data", str(inputs / "pile.jsonl"),
-            "--seq-len", "64", "--batch-tokens", "512", "--sample-states", "64", "--no-plots", "--out", str(out), *extra]
+            "--seq-len", "64", "--batch-tokens", "512", "--sample-states", "64", "--out", str(out), *extra,
+            *([] if plots else ["--no-plots"])]
 
 
 def _files(out: Path) -> dict[str, bytes]:
@@ -51,8 +52,9 @@ def _files(out: Path) -> dict[str, bytes]:
 
 def test_steps_saved_beside_the_next_steps_loop_equal_the_sequential_sweep(tmp_path, monkeypatch, inputs):
     """Each step's files are written while the next step loads and loops (its weights' read begins
-    before the step's saving may go on), and the files equal those of a sweep that saves each step
-    before the next: metrics, layers.csv, samples.zarr, cka.json, sweep.csv, sweep_cka.json."""
+    before the step's saving may go on), its figures drawn in a process of their own, and the files
+    equal those of a sweep that saves each step before the next, figures drawn on a thread: metrics,
+    layers.csv, samples.zarr, cka.json, the PNGs, sweep.csv, sweep_cka.json."""
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     reads, order, lock = [], [], threading.Lock()
     next_read = [threading.Event() for _ in REVISIONS]
@@ -70,20 +72,28 @@ def test_steps_saved_beside_the_next_steps_loop_equal_the_sequential_sweep(tmp_p
         if saved + 1 < len(REVISIONS):  # the last step has no next one to wait for
             assert next_read[saved + 1].wait(WAIT_S), "a step's saving waited for the next step's measurement"
 
-    with faults.hook("weights_read", weights_read), faults.hook("sweep_saving", saving):
-        assert main(_args(inputs, tmp_path / "overlapped")) == 0
+    drawn_here = []  # figures drawn on a thread of this process (the sequential path's way)
+    with faults.hook("weights_read", weights_read), faults.hook("sweep_saving", saving), \
+            faults.hook("plots_drawing", lambda: drawn_here.append(1)):
+        assert main(_args(inputs, tmp_path / "overlapped", plots=True)) == 0
+    assert not drawn_here  # drawn in the figure process
     assert order[0] == "read 1" and set(order[1:3]) == {"saving 1", "read 2"}, order
     assert order.count("saving 3") == 1
 
     monkeypatch.setattr(sweep, "run_sweep", functools.partial(sweep.run_sweep, overlap=False))
     saved_sequentially = []
-    with faults.hook("sweep_saving", lambda: saved_sequentially.append(1)):
-        assert main(_args(inputs, tmp_path / "sequential")) == 0
-    assert not saved_sequentially  # the reference saved each step in the main thread
+    with faults.hook("sweep_saving", lambda: saved_sequentially.append(1)), \
+            faults.hook("plots_drawing", lambda: drawn_here.append(1)):
+        assert main(_args(inputs, tmp_path / "sequential", plots=True)) == 0
+    assert not saved_sequentially and len(drawn_here) == len(REVISIONS)  # saved and drawn by the main process
     overlapped, sequential = _files(tmp_path / "overlapped"), _files(tmp_path / "sequential")
     assert overlapped.keys() == sequential.keys()
     assert any(k.endswith("samples.zarr/states/0.0.0") or "samples.zarr" in k for k in overlapped)
     assert "sweep_cka.json" in overlapped and "sweep.csv" in overlapped
+    assert sum(k.endswith(".png") for k in overlapped) >= 3 * len(REVISIONS)
+    import json
+    timeline = json.loads((tmp_path / "overlapped" / "repo" / "step0" / "manifest.json").read_text())["timeline"]
+    assert any(span[0] == "plots (beside)" for span in timeline)
     assert [k for k in overlapped if overlapped[k] != sequential[k]] == []
 
 

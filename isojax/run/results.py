@@ -17,7 +17,7 @@ import numpy as np
 
 from isojax import storage
 from isojax.run.config import MeasureConfig
-from isojax.run.timings import Timings, in_background
+from isojax.run.timings import BESIDE, Timings, in_background
 
 
 @dataclasses.dataclass
@@ -63,17 +63,19 @@ class Results:
     def spectra(self) -> dict:
         return self.final.get("spectra", {})
 
-    def save(self, out, *, overwrite: bool = False, plots: bool = True, parquet: bool = False) -> Path:
+    def save(self, out, *, overwrite: bool = False, plots: bool = True, parquet: bool = False,
+             drawer=None) -> Path:
         """Write the results into `out` (staged, then committed in one step; isojax.run.outdir):
         refused where isojax's results are already, unless overwrite; the user's files in `out`
-        are never touched. `parquet`: layers.parquet beside layers.csv."""
+        are never touched. `parquet`: layers.parquet beside layers.csv. `drawer`: a process pool
+        (FigureProcess) that draws the figures, once the per-source metrics are in (detach)."""
         from isojax.run import outdir
         out = storage.path(out)
         names = result_names(self.final, plots, parquet)
         with outdir.claim(out, overwrite=overwrite, names=names, flag="overwrite=True"):
             self.manifest["timings"] = self.timings
             write_results(out, self.metrics, self.manifest, self.final, self.state_names, self.token_sums,
-                          plots=plots, timings=self.timings, parquet=parquet, pending=self.pending)
+                          plots=plots, timings=self.timings, parquet=parquet, pending=self.pending, drawer=drawer)
         self.pending = None
         self.manifest["seconds_wall"] = time.time() - self.timings.start
         return out
@@ -271,8 +273,38 @@ def _plot(metrics: dict, plot_dir: Path, timings, pending=None) -> list[Path]:
         return drawn + plot_metrics(metrics, plot_dir, layers=False)
 
 
+class FigureProcess:
+    """A process of its own that draws run figures (plot_metrics): a sweep's per-checkpoint figures,
+    drawn while the next checkpoint loops, without taking the main process's GIL from the loop's
+    host work (drawn on a thread they slowed a 410m loop by ~15%, bench/RESULTS.md 15). Started
+    (spawned, importing matplotlib) when made; `close` ends it."""
+
+    def __init__(self):
+        import multiprocessing
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self.pool.submit(_import_plots)
+
+    def draw(self, metrics: dict, plot_dir: Path) -> concurrent.futures.Future:
+        """Future of (paths drawn, start and end time.time() of the drawing)."""
+        return self.pool.submit(_draw, metrics, str(plot_dir))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _import_plots() -> None:
+    import isojax.plots  # noqa: F401 -- matplotlib loaded before the first figure is asked for
+
+
+def _draw(metrics: dict, plot_dir: str) -> tuple[list[str], float, float]:
+    start = time.time()
+    from isojax.plots import plot_metrics
+    return [str(p) for p in plot_metrics(metrics, Path(plot_dir))], start, time.time()
+
+
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
-                  token_sums=None, plots: bool = True, timings=None, parquet: bool = False, pending=None) -> list[str]:
+                  token_sums=None, plots: bool = True, timings=None, parquet: bool = False, pending=None,
+                  drawer: FigureProcess | None = None) -> list[str]:
     """Stage every file, then commit them into `out` in one step (isojax.run.outdir.staged: isojax's
     earlier results there are replaced, the user's files are left alone).
     `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None.
@@ -280,7 +312,8 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
     gets them and the wall time. `parquet`: layers.parquet beside layers.csv (--format parquet).
     `pending`: the Future of the per-source metrics (metrics["sources"]) still being read out, or
     None: the files and figures that do not need them are made first, and the wait for them is
-    counted as "finalize"; their error, if they failed, is raised here, and nothing is committed."""
+    counted as "finalize"; their error, if they failed, is raised here, and nothing is committed.
+    `drawer` (FigureProcess, with pending None): the figures are drawn in its process, not on a thread."""
     from isojax.run import outdir
     timings = timings if timings is not None else Timings()
     if not storage.is_remote(out):
@@ -290,7 +323,11 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
         try:
             if plots:  # drawn while the data is written; "plots" counts only the wait for them after
                 (stage / "plots").mkdir()
-                drawing = in_background(lambda: _plot(metrics, stage / "plots", timings, pending))
+                if drawer is not None:
+                    assert pending is None, "the figure process draws once the per-source metrics are in"
+                    drawing = drawer.draw(json_safe(metrics), stage / "plots")
+                else:
+                    drawing = in_background(lambda: _plot(metrics, stage / "plots", timings, pending))
             with timings("write"):
                 _write_data(stage, metrics, final, state_names, token_sums, parquet)
             if pending is not None:
@@ -300,7 +337,13 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
                 (stage / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=1) + "\n")
             if drawing is not None:
                 with timings("plots"):
-                    manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]
+                    drawn = drawing.result()
+                if drawer is not None:  # the figure process's span, as a thread's would be
+                    paths, begun, ended = drawn
+                    drawn = [Path(p) for p in paths]
+                    timings.timeline.append(["plots" + BESIDE, round(begun - timings.start, 3),
+                                             round(ended - timings.start, 3)])
+                manifest["plots"] = [str(p.relative_to(stage)) for p in drawn]
             manifest["timings"] = dict(timings)
             manifest["timeline"] = getattr(timings, "timeline", [])
             manifest["seconds_wall"] = time.time() - timings.start

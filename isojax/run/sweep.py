@@ -282,10 +282,10 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
               shard=(0, 1), overlap: bool = True) -> Path:
     """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv (write_sweep_csv);
     `parquet`: layers.parquet in each step folder, sweep.parquet at the top. With `overlap` (single-process
-    runs), a step's files and figures are written on a thread while the next step loads and loops
-    (run_steps): its read-out on the devices done first, the sample copied to the host (Results.detach),
-    so the devices serve one step at a time; the files are those of the sequential path, byte for byte
-    but the timings. Not with --save-token-sums (the per-token sums stay on the devices until written)."""
+    runs), a step's files are written on a thread while the next step loads and loops (run_steps), its
+    figures drawn in a process of their own (FigureProcess): its read-out on the devices done first,
+    the sample copied to the host (Results.detach), so the devices serve one step at a time; the files
+    are those of the sequential path, byte for byte but the timings. Not with --save-token-sums (the per-token sums stay on the devices until written)."""
     from isojax.hf.files import resolve_model
     from isojax.run.measure import start_measure
     steps = plan(models, revisions, out)
@@ -309,18 +309,25 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
             results.join_save()
             return None
 
-        def save():
-            results.save(step.folder, overwrite=True, plots=plots, parquet=parquet)
-            checkpointing.remove(ckpt)  # only what isojax wrote there
         if overlap and results.detach():
-            return save
-        save()
+            return lambda: save(results, step, ckpt, figures)
+        save(results, step, ckpt, None)
         return None
 
-    run_steps(steps, out, result="metrics.json", measure=measure_step, fetch=lambda s: resolve_model(s.repo, s.revision),
-              resume=resume, overwrite=overwrite, delete_downloads=delete_downloads,
-              finish=lambda ready: write_sweep_csv(out, ready, parquet),
-              inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard)
+    def save(results, step: Step, ckpt: Path, drawer) -> None:
+        results.save(step.folder, overwrite=True, plots=plots, parquet=parquet, drawer=drawer)
+        checkpointing.remove(ckpt)  # only what isojax wrote there
+
+    from isojax.run.results import FigureProcess
+    figures = FigureProcess() if overlap and plots and main else None  # its start overlaps the first checkpoint
+    try:
+        run_steps(steps, out, result="metrics.json", measure=measure_step,
+                  fetch=lambda s: resolve_model(s.repo, s.revision), resume=resume, overwrite=overwrite,
+                  delete_downloads=delete_downloads, finish=lambda ready: write_sweep_csv(out, ready, parquet),
+                  inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard)
+    finally:
+        if figures is not None:
+            figures.close()
     return out
 
 
