@@ -148,6 +148,14 @@ def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
                             "outside it")
 
 
+def check_names(out, names) -> None:
+    """Refuse, before any work, a result name in `out` taken by a file or folder of the user's
+    (a sweep's step folders, checked before the first step is measured)."""
+    if storage.is_remote(out):
+        return remote_out.check_names(storage.path(out), names)
+    _check_names(Path(out), names)
+
+
 def _check_names(out: Path, names) -> None:
     mine = set(owned(out))
     for name in sorted(names):

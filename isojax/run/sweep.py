@@ -139,7 +139,7 @@ def finished(steps: list[Step], result: str) -> list[Step]:
 
 
 def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resume: bool, overwrite: bool,
-              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), shard=(0, 1)) -> None:
+              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), step_names=(), shard=(0, 1)) -> None:
     """The loop of every sweep, extract's and weights': each unfinished step of this shard (every
     shard[1]-th from the shard[0]-th) is measured into its folder (measure(step) writes there,
     committed whole) with the folder locked, the next unfinished one downloading meanwhile
@@ -148,7 +148,8 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
     another live job, or finished by one since this job began, is skipped; with delete_downloads, a
     measured step's files this sweep downloaded leave the Hugging Face cache. finish(ready) then
     writes the sweep's files at OUT's top from every finished step of the whole sweep, OUT locked
-    (waiting for another job's rebuild to end), on process 0 only."""
+    (waiting for another job's rebuild to end), on process 0 only. `names`: the sweep's files at OUT's
+    top; `step_names`: those measure(step) writes in a step folder; both checked before any work."""
     main = parallel.is_main_process()
     sweep, steps = steps, steps[shard[0]::shard[1]]
     if shard[1] > 1:
@@ -166,7 +167,8 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
         downloads = Downloads(s.repo for s in todo if s.repo is not None)
     if main:  # OUT checked, a commit of the sweep's files a killed job cut short undone, before any work
         with outdir.claim(out, overwrite=True, names=set(names), inputs=inputs, wait=True):
-            pass
+            for step in todo:
+                outdir.check_names(step.folder, step_names)
     fetching, skipped = None, 0
     for step in steps:
         label = f"[{sweep.index(step) + 1}/{len(sweep)}] {step.model} @ {revision_name(step.revision)}"
@@ -181,7 +183,7 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
             why = None
             if main:
                 try:
-                    held.enter_context(outdir.claim(step.folder, overwrite=True))
+                    held.enter_context(outdir.claim(step.folder, overwrite=True, names=set(step_names)))
                 except outdir.Busy as e:
                     why = f"another job is measuring it (pid {e.holder.get('pid', '?')} on {e.holder.get('host', '?')})"
                 else:
@@ -231,8 +233,10 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
               shard=(0, 1)) -> Path:
     """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv (write_sweep_csv);
     `parquet`: layers.parquet in each step folder, sweep.parquet at the top."""
+    from isojax.device.memory import defaults_platform
     from isojax.hf.files import resolve_model
     from isojax.run.measure import start_measure
+    from isojax.run.results import planned_result_names
     steps = plan(models, revisions, out)
     main = parallel.is_main_process()
 
@@ -257,7 +261,9 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
     run_steps(steps, out, result="metrics.json", measure=measure_step, fetch=lambda s: resolve_model(s.repo, s.revision),
               resume=resume, overwrite=overwrite, delete_downloads=delete_downloads,
               finish=lambda ready: write_sweep_csv(out, ready, parquet),
-              inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard)
+              inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard,
+              step_names=planned_result_names(config, plots=plots, parquet=parquet,
+                                              on_accel=defaults_platform() != "cpu"))
     return out
 
 
