@@ -40,8 +40,9 @@ def measured(monkeypatch):
 
 
 def _users(folder, name: str) -> None:
-    """A file of the user's at `name`, or a folder holding one where the name is a folder's."""
-    if "." in name and not name.endswith(".zarr"):
+    """A file of the user's at `name`, or a folder holding one where the name is a folder's (or ends
+    with /)."""
+    if "." in name and not name.endswith((".zarr", "/")):
         (folder / name).write_text("the user's own file")
     else:
         (folder / name).mkdir()
@@ -50,7 +51,8 @@ def _users(folder, name: str) -> None:
 
 def test_every_name_a_run_writes_is_checked_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """The names a run wrote (its record), each taken in a fresh --out by a file or folder of the
-    user's: refused with one line naming it before the model loads, the user's bytes unchanged."""
+    user's: refused with one line naming it before the model loads, the user's bytes unchanged; so
+    is, with --overwrite, a folder of the user's where the run wrote a file."""
     build_hf_checkpoint(tmp_path / "ckpt", **SMALL)
     (tmp_path / "c.txt").write_text(TEXT)
     args = ["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "c.txt"), "--seq-len", "32",
@@ -70,6 +72,15 @@ def test_every_name_a_run_writes_is_checked_before_the_model_loads(tmp_path, cap
         assert err == [f"error: {out / name} exists and isojax did not write it (it is not in "
                        f"{out / outdir.RECORD}); move it away or choose another --out"]
         assert calls == [] and _sha256s(out) == before and sorted(p.name for p in out.iterdir()) == [name]
+    # a folder of the user's where the run wrote layers.csv: --overwrite refuses it before the model loads
+    run = tmp_path / "run"
+    (run / "layers.csv").unlink()
+    _users(run, "layers.csv/")
+    before = _sha256s(run)
+    assert main(args + ["--out", str(run), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {run / 'layers.csv'} is not the file isojax wrote there")
+    assert calls == [] and _sha256s(run) == before
 
 
 def test_a_sweep_checks_every_step_folder_first(tmp_path, capsys, measured):
