@@ -106,10 +106,18 @@ def test_converter_keeps_its_input_and_the_users_files(tiny_checkpoint, tmp_path
     assert "pass --overwrite" in capsys.readouterr().err
     assert convert_main([str(src), "--out", str(out), "--overwrite"]) == 0
     again = _sha256s(out)  # Orbax's files differ from one save to the next; the user's file keeps its bytes
-    assert again["notes.txt"] == first["notes.txt"] and sorted(p.name for p in out.iterdir()) == \
-        [".isojax-results.json", "isojax.json", "notes.txt", "params", "tokenizer.json", "tokenizer_config.json"]
+    names = [".isojax-results.json", "isojax.json", "notes.txt", "params", "tokenizer.json", "tokenizer_config.json"]
+    assert again["notes.txt"] == first["notes.txt"] and sorted(p.name for p in out.iterdir()) == names
     assert load_model(out).source["checksum"] == load_model(src).source["checksum"]
     assert _sha256s(src) == before
+    # a conversion that fails (truncated weights) leaves the earlier one whole, and nothing of its own
+    import shutil
+    shutil.copytree(src, tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert convert_main([str(tmp_path / "cut"), "--out", str(out), "--overwrite"]) == 2
+    assert "model.safetensors" in capsys.readouterr().err
+    assert _sha256s(out) == again and sorted(p.name for p in out.iterdir()) == sorted(names)
     # a user's file where the converter writes one: refused before any work, the file unchanged
     other = tmp_path / "other"
     other.mkdir()

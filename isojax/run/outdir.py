@@ -149,11 +149,16 @@ def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
 
 
 def check_names(out, names) -> None:
-    """Refuse, before any work, a result name in `out` taken by a file or folder of the user's
-    (a sweep's step folders, checked before the first step is measured)."""
+    """Refuse, before any work and without the lock, what claim(out, names=names) would refuse in a
+    folder: a result name taken by the user's file or folder, a recorded path no longer as isojax
+    wrote it (kind and size). A sweep checks its step folders so before the first is measured; one
+    another job holds (its lock file is there) or a commit left half done is checked at its claim."""
     if storage.is_remote(out):
         return remote_out.check_names(storage.path(out), names)
-    _check_names(Path(out), names)
+    out = Path(out)
+    if not os.path.lexists(out / LOCK) and not os.path.lexists(out / JOURNAL):
+        _check_names(out, names)
+        _check_ours(out, (read_record(out) or {"files": {}})["files"], hashes=False)
 
 
 def _check_names(out: Path, names) -> None:
