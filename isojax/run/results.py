@@ -108,13 +108,28 @@ class Results:
         return plot_metrics(self.metrics, Path(out_dir))
 
 
+def output_names(*, plots: bool, parquet: bool, tokens: bool, samples: bool, cka: bool) -> set[str]:
+    """Every name write_results writes in OUT, by what the results hold: the one list of them (the
+    pre-check before the model loads, the claim before the write; write_results refuses a name not
+    in it)."""
+    return ({"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | ({"plots"} if plots else set())
+            | ({"layers.parquet"} if parquet else set()) | ({"tokens.zarr"} if tokens else set())
+            | ({"samples.zarr"} if samples else set()) | ({"cka.json"} if cka else set()))
+
+
 def result_names(final: dict, plots: bool, parquet: bool = False) -> set[str]:
     """The names write_results will write for these results."""
-    return ({"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | ({"plots"} if plots else set())
-            | ({"layers.parquet"} if parquet else set())
-            | ({"tokens.zarr"} if final.get("token") is not None else set())
-            | ({"samples.zarr"} if final.get("sample") is not None else set())
-            | ({"cka.json"} if final.get("cka") is not None else set()))
+    return output_names(plots=plots, parquet=parquet, tokens=final.get("token") is not None,
+                        samples=final.get("sample") is not None, cka=final.get("cka") is not None)
+
+
+def planned_result_names(config: MeasureConfig, *, plots: bool, parquet: bool, on_accel: bool) -> set[str]:
+    """The names config's run may write, known before the model loads (the per-token arrays with
+    token stats; the sample's states with sample_states; CKA with any sample: on accelerators the
+    default one unless --no-sample)."""
+    sample = config.stats.sample_states
+    return output_names(plots=plots, parquet=parquet, tokens=config.stats.token_stats, samples=bool(sample),
+                        cka=bool(sample) or (sample is None and on_accel))
 
 
 def output_bytes(cfg, *, token_stats: bool, save_token_sums: bool, sample_states: int) -> int:
@@ -348,7 +363,11 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
             manifest["timeline"] = getattr(timings, "timeline", [])
             manifest["seconds_wall"] = time.time() - timings.start
             (stage / "manifest.json").write_text(json.dumps(json_safe(manifest), indent=1) + "\n")
-            return sorted(p.name for p in stage.iterdir())
+            written = sorted(p.name for p in stage.iterdir())
+            unlisted = set(written) - result_names(final, plots, parquet)
+            if unlisted:  # a new result file must be in output_names, so that it is checked before any work
+                raise RuntimeError(f"write_results wrote {sorted(unlisted)}, which output_names does not list")
+            return written
         finally:
             if drawing is not None:  # on a failure, the figures finish before their folder goes
                 concurrent.futures.wait([drawing])

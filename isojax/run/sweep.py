@@ -141,7 +141,7 @@ def finished(steps: list[Step], result: str) -> list[Step]:
 
 
 def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resume: bool, overwrite: bool,
-              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), shard=(0, 1)) -> None:
+              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), step_names=(), shard=(0, 1)) -> None:
     """The loop of every sweep, extract's and weights': each unfinished step of this shard (every
     shard[1]-th from the shard[0]-th) is measured into its folder with the folder locked, the next
     unfinished one downloading meanwhile (fetch(step), in a thread). measure(step) writes the step's
@@ -155,7 +155,9 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
     measured); a step locked by another live job, or finished by one since this job began, is
     skipped; with delete_downloads, a measured step's files this sweep downloaded leave the Hugging
     Face cache. finish(ready) then writes the sweep's files at OUT's top from every finished step of
-    the whole sweep, OUT locked (waiting for another job's rebuild to end), on process 0 only."""
+    the whole sweep, OUT locked (waiting for another job's rebuild to end), on process 0 only. `names`:
+    the sweep's files at OUT's top; `step_names`: those measure(step) writes in a step folder; both
+    checked before any work."""
     main = parallel.is_main_process()
     sweep, steps = steps, steps[shard[0]::shard[1]]
     if shard[1] > 1:
@@ -173,7 +175,8 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
         downloads = Downloads(s.repo for s in todo if s.repo is not None)
     if main:  # OUT checked, a commit of the sweep's files a killed job cut short undone, before any work
         with outdir.claim(out, overwrite=True, names=set(names), inputs=inputs, wait=True):
-            pass
+            for step in todo:
+                outdir.check_names(step.folder, step_names)
     fetching, skipped, saving = None, 0, None
     try:
         for step in steps:
@@ -190,7 +193,7 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
                 why = None
                 if main:
                     try:
-                        held.enter_context(outdir.claim(step.folder, overwrite=True))
+                        held.enter_context(outdir.claim(step.folder, overwrite=True, names=set(step_names)))
                     except outdir.Busy as e:
                         why = f"another job is measuring it (pid {e.holder.get('pid', '?')} on {e.holder.get('host', '?')})"
                     else:
@@ -286,8 +289,10 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
     figures drawn in a process of their own (FigureProcess): its read-out on the devices done first,
     the sample copied to the host (Results.detach), so the devices serve one step at a time; the files
     are those of the sequential path, byte for byte but the timings. Not with --save-token-sums (the per-token sums stay on the devices until written)."""
+    from isojax.device.memory import defaults_platform
     from isojax.hf.files import resolve_model
     from isojax.run.measure import start_measure
+    from isojax.run.results import planned_result_names
     steps = plan(models, revisions, out)
     main = parallel.is_main_process()
     import jax
@@ -324,7 +329,9 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
         run_steps(steps, out, result="metrics.json", measure=measure_step,
                   fetch=lambda s: resolve_model(s.repo, s.revision), resume=resume, overwrite=overwrite,
                   delete_downloads=delete_downloads, finish=lambda ready: write_sweep_csv(out, ready, parquet),
-                  inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard)
+                  inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard,
+                  step_names=planned_result_names(config, plots=plots, parquet=parquet,
+                                                  on_accel=defaults_platform() != "cpu"))
     finally:
         if figures is not None:
             figures.close()
