@@ -1,5 +1,5 @@
-"""Write one file (write_atomic) or one folder (staged_dir, for converters' output) completely or
-not at all. Result folders of commands (--out) have their own rules: isojax.run.outdir."""
+"""Write one file (write_atomic) or one folder (staged_dir, a cache entry) completely or not at
+all. Result folders of commands (--out) have their own rules: isojax.run.outdir."""
 
 from __future__ import annotations
 

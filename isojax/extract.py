@@ -249,14 +249,17 @@ def run(args) -> Path:
         return out
     if args.delete_downloads:
         raise UserError("--delete-downloads applies to sweeps (--revisions, --paper-steps or several --model)")
+    from isojax.device.memory import defaults_platform
     from isojax.run import outdir
-    names = {"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | (set() if args.no_plots else {"plots"}) \
-        | ({"layers.parquet"} if args.format == "parquet" else set())
+    from isojax.run.results import planned_result_names
+    config = MeasureConfig.build(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
+                                 resume_run=args.resume, **options)
+    names = planned_result_names(config, plots=not args.no_plots, parquet=args.format == "parquet",
+                                 on_accel=defaults_platform() != "cpu")  # every name the run may write
     # held to the end: a second run into this --out is refused before it measures anything
-    with outdir.claim(out, overwrite=True, names=names) if parallel.is_main_process() else contextlib.nullcontext():
+    with outdir.claim(out, overwrite=True, names=names, inputs=[*(args.data or []), *(args.model or [])]) \
+            if parallel.is_main_process() else contextlib.nullcontext():
         check_out(out, args)  # after claim: a commit a killed run left half done is undone first
-        config = MeasureConfig.build(models[0], revision=args.revision, checkpoint_dir=out / "checkpoint",
-                                     resume_run=args.resume, **options)
         check_free_space(out, config)
         results = start_measure(config)  # its per-source metrics read out while save draws and writes
         if parallel.is_main_process():

@@ -19,8 +19,12 @@ in a background part of a run ends it with one `error:` line and no partial file
 - `tokens_opened`: the token cache opened, on the thread beside the weights' load (run/measure.py);
 - `sources_readout`: finalize's per-source reductions dispatched, before the first is read, on the
   thread beside the figures and the writes (run/results.py).
+- `sweep_saving`: a sweep's thread about to write and commit a measured step's results while the
+  next step is measured (run/sweep.py): `sweep_saving:2` kills the sweep there at its second step,
+  `sweep_saving:hold` keeps every step uncommitted while the next ones measure.
+Several faults at once: comma-separated (`sweep_saving:hold,checkpoint_written:3`).
 In-process tests order events with `hook(POINT, fn)`: fn() runs in every thread that reaches POINT
-(`weights_read`: the main thread about to read the weights; the two above; `plots_drawing`: the
+(`weights_read`: the main thread about to read the weights; the two above; `sweep_saving`; `plots_drawing`: the
 figures' thread about to draw its first).
 Unset (every real run), `reached` costs two dictionary lookups."""
 
@@ -51,9 +55,11 @@ def reached(point: str) -> None:
     if fn is not None:
         fn()
     spec = os.environ.get("ISOJAX_FAULT")
-    if not spec or not spec.startswith(point + ":"):
+    if not spec:
         return
-    what = spec.split(":", 1)[1]
+    what = next((one.split(":", 1)[1] for one in spec.split(",") if one.startswith(point + ":")), None)
+    if what is None:
+        return
     if what == "raise":
         from isojax.errors import UserError
         raise UserError(f"fault injected at {point} (ISOJAX_FAULT)")

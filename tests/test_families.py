@@ -351,9 +351,9 @@ def test_packed_attention_states_equal_plain_attention(family, shape, change):
 
 
 def test_converted_checkpoint_gives_the_same_states(tmp_path):
-    """`python -m converters` (Orbax) keeps the family: the converted checkpoint's states are the
+    """`python -m isojax.convert` (Orbax) keeps the family: the converted checkpoint's states are the
     Hugging Face folder's."""
-    from isojax.hf.orbax_io import convert_dir
+    from isojax.convert import convert_dir
 
     build(tmp_path / "hf", "falcon", **SHAPES["falcon"][2])
     convert_dir(tmp_path / "hf", tmp_path / "converted")

@@ -167,7 +167,7 @@ def test_nan_in_a_measured_matrix_names_tensor_and_row(tmp_path, capsys):
 def test_nan_in_a_converted_checkpoint_names_the_parameter(tmp_path):
     from isojax.errors import UserError
     from isojax.hf.loading import load_model
-    from isojax.hf.orbax_io import convert_dir
+    from isojax.convert import convert_dir
     ckpt = _checkpoint(tmp_path / "nan")
     _spoil(ckpt, "gpt_neox.final_layer_norm.bias", 4)
     convert_dir(ckpt, tmp_path / "converted")

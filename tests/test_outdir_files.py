@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,39 @@ def test_a_result_file_that_is_a_users_file_is_refused(tmp_path):
         _commit(out, {"report.md": "2", "figures/sub/c.svg": "c"})
     assert _tree(out) == {**before, "figures/sub": "user's file named like a folder"}
     assert not [p for p in out.iterdir() if p.name.startswith(".partial")]
+
+
+def test_what_isojax_would_replace_must_be_what_it_wrote(tmp_path):
+    """--overwrite moves away only what the record names, as it wrote it: a user's folder (or link,
+    or changed file) at a path the record names as a file, or a link where isojax wrote a folder, is
+    refused with one line naming it, before any work, and stays byte for byte."""
+    out = tmp_path / "out"
+    _commit(out, {"metrics.json": "1", "layers.csv": "a,b", "plots/a.png": "p"})
+    (out / "layers.csv").unlink()
+    (out / "layers.csv").mkdir()
+    (out / "layers.csv" / "mine.txt").write_text("precious")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "a.png").write_text("the user's figure")
+    before = {p: _tree(p) for p in (out, tmp_path / "elsewhere")}
+    cases = [("layers.csv", None),
+             ("plots", lambda: (shutil.rmtree(out / "layers.csv"), (out / "layers.csv").write_text("a,b"),
+                                shutil.rmtree(out / "plots"), (out / "plots").symlink_to(tmp_path / "elsewhere"))),
+             ("metrics.json", lambda: ((out / "plots").unlink(), (out / "plots").mkdir(),
+                                       (out / "plots" / "a.png").write_text("p"), (out / "metrics.json").write_text("2")))]
+    for name, change in cases:
+        if change:
+            change()
+            before = {p: _tree(p) for p in (out, tmp_path / "elsewhere")}
+        work = []
+        with pytest.raises(UserError) as refused:
+            with outdir.claim(out, overwrite=True, names={"metrics.json", "layers.csv", "plots"}):
+                work.append("started")
+        assert work == [] and str(refused.value).startswith(f"{out / name} is not the ")
+        assert "\n" not in str(refused.value)
+        assert {p: _tree(p) for p in before} == before
+    (out / "metrics.json").write_text("1")
+    _commit(out, {"metrics.json": "3"})  # as it wrote them: replaced
+    assert _tree(out)["metrics.json"] == "3" and not (out / "layers.csv").exists()
 
 
 def test_sweep_files_beside_step_folders(tmp_path):

@@ -363,7 +363,7 @@ def test_cli_run_stays_beside_user_files(tmp_path, monkeypatch, capsys):
 def test_one_refusal_of_earlier_results(tmp_path, capsys):
     """correlate's file, the converter's folder and a result folder are refused by one rule in one
     words (outdir.refuse_earlier), the converter's before it reads or downloads its source."""
-    from converters.__main__ import main as convert_main
+    from isojax.convert import main as convert_main
     from isojax.report import correlate
     f = tmp_path / "c.json"
     f.write_text("[]")
@@ -371,9 +371,11 @@ def test_one_refusal_of_earlier_results(tmp_path, capsys):
         correlate.write_json(f, [], False)
     assert str(refused.value) == f"{f} exists; pass --overwrite to replace it"
     converted = tmp_path / "converted"
-    converted.mkdir()
+    with outdir.claim(converted, overwrite=False), outdir.staged(converted) as stage:  # an earlier conversion
+        (stage / "isojax.json").write_text("{}")
     assert convert_main([str(tmp_path / "no-such-checkpoint"), "--out", str(converted)]) == 2
-    assert capsys.readouterr().err.strip() == f"error: {converted} exists; pass --overwrite to replace it"
+    assert capsys.readouterr().err.strip() == \
+        f"error: {converted} already holds results (isojax.json); pass --overwrite to replace them"
     _write(tmp_path / "run", 1)
     with pytest.raises(UserError, match=r"run already holds results \(.*\); pass --overwrite to replace them"):
         with outdir.claim(tmp_path / "run", overwrite=False):

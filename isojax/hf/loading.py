@@ -3,7 +3,7 @@ family; README "Model families") -> config, parameters on device, tokenizer.
 
 Accepted names:
   random:<preset>          random weights of a preset's shapes (marked `weights="random"`)
-  DIR with isojax.json      an Orbax checkpoint written by `python -m converters` (the fast path)
+  DIR with isojax.json      an Orbax checkpoint written by `python -m isojax.convert` (the fast path)
   DIR with config.json      a Hugging Face checkpoint directory, read straight onto the devices
   DIR and a revision        DIR/REVISION, DIR standing in for a hub repository (one folder per revision)
   preset or hub id          the same, from huggingface_hub's cache (downloaded once)

@@ -48,24 +48,22 @@ def load_converted(path: Path, dtype=jnp.float32):
     return cfg, jax.tree.map(jnp.asarray, params_np), meta
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CONVERTED_NAMES = (META, "params", *TOKENIZER_FILES)  # every name write_converted may write
 
-def convert_dir(src: Path, dst: Path, source: dict | None = None) -> Path:
-    """Hugging Face dir -> Orbax checkpoint (float32) + isojax.json + tokenizer files, written
-    completely or not at all; a `dst` already there is replaced once the new one is complete
-    (the command refuses that without --overwrite: isojax.run.outdir.refuse_earlier)."""
+
+def write_converted(src: Path, folder: Path, source: dict | None = None) -> None:
+    """Hugging Face dir -> Orbax checkpoint (float32) + isojax.json + tokenizer files, written into
+    `folder` (an empty staging folder: python -m isojax.convert commits it into --out)."""
     import shutil
 
     import numpy as np
 
     from isojax.hf.checkpoint import read_hf_tensors
     from isojax.hf.family import tensors_to_params
-    from isojax.atomic import staged_dir
-    dst = Path(dst)
     cfg, tensors, checksum = read_hf_tensors(Path(src))
     params = tensors_to_params({k: np.asarray(v, np.float32) for k, v in tensors.items()}, cfg)
-    with staged_dir(dst) as tmp:  # the old checkpoint goes once the new one is complete
-        for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (Path(src) / fname).is_file():
-                shutil.copy2(Path(src) / fname, tmp / fname)
-        save_converted(tmp, cfg, params, checksum, source or {"name": str(src), "revision": None})
-    return dst
+    for fname in TOKENIZER_FILES:
+        if (Path(src) / fname).is_file():
+            shutil.copy2(Path(src) / fname, Path(folder) / fname)
+    save_converted(folder, cfg, params, checksum, source or {"name": str(src), "revision": None})

@@ -269,7 +269,8 @@ def dry_run(args):
     from isojax import storage
     from isojax.run import outdir
     out = storage.path(args.out)  # a gs:// URL stays one (Path would make it a local folder "gs:")
-    with outdir.claim(out, overwrite=True, names={"plan.json"}):  # --out checked (and held) before the work
+    inputs = [*(args.data or []), *(args.model or [])]  # checked as a run checks them
+    with outdir.claim(out, overwrite=True, names={"plan.json"}, inputs=inputs):  # --out checked (and held) first
         result = plan(args)
         result.pop("stablehlo")
         with outdir.staged(out, replace_all=False) as tmp:

@@ -42,6 +42,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -147,6 +148,19 @@ def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
                             "outside it")
 
 
+def check_names(out, names) -> None:
+    """Refuse, before any work and without the lock, what claim(out, names=names) would refuse in a
+    folder: a result name taken by the user's file or folder, a recorded path no longer as isojax
+    wrote it (kind and size). A sweep checks its step folders so before the first is measured; one
+    another job holds (its lock file is there) or a commit left half done is checked at its claim."""
+    if storage.is_remote(out):
+        return remote_out.check_names(storage.path(out), names)
+    out = Path(out)
+    if not os.path.lexists(out / LOCK) and not os.path.lexists(out / JOURNAL):
+        _check_names(out, names)
+        _check_ours(out, (read_record(out) or {"files": {}})["files"], hashes=False)
+
+
 def _check_names(out: Path, names) -> None:
     mine = set(owned(out))
     for name in sorted(names):
@@ -172,18 +186,38 @@ def claim(out, *, overwrite: bool, names=(), inputs=(), flag: str = "--overwrite
         return
     out = Path(out)
     check_path(out, inputs)
+    nested = str(out.resolve()) in _held  # checked already by this process's outer claim of OUT
     with _lock(out, wait):
         _recover(out)
         _clean(out)
         _check_names(out, names)
         refuse_earlier(out, owned(out), overwrite=overwrite, flag=flag)
+        _check_ours(out, (read_record(out) or {"files": {}})["files"], hashes=not nested)
         yield out
+
+
+def _check_ours(out: Path, ours: dict, *, hashes: bool) -> None:
+    """What isojax would replace must be what it wrote: each file of its record that is there a
+    regular file of the recorded size (and, with `hashes`, sha256) in real folders; a folder, link
+    or changed file there now is the user's, and refused before it is moved or removed."""
+    for rel, (size, sha) in ours.items():
+        for d in _parents(rel):
+            if os.path.lexists(out / d) and (not (out / d).is_dir() or (out / d).is_symlink()):
+                raise UserError(f"{out / d} is not the folder isojax wrote there ({out / RECORD}); move it away "
+                                "or choose another --out")
+        path = out / rel
+        if not os.path.lexists(path):
+            continue
+        if path.is_symlink() or not path.is_file() or path.stat().st_size != size or \
+                (hashes and _sha256(path) != sha):
+            raise UserError(f"{path} is not the file isojax wrote there (changed since, or replaced; {out / RECORD} "
+                            "records its size and sha256); move it away or choose another --out")
 
 
 def refuse_earlier(path, held, *, overwrite: bool, flag: str = "--overwrite") -> None:
     """The one refusal of earlier results, for every command: `held` names the results already at
-    `path` (a folder), or is True where `path` itself is one (correlate's file, a converted
-    checkpoint); refused unless `overwrite`."""
+    `path` (a folder), or is True where `path` itself is one (correlate's file); refused unless
+    `overwrite`."""
     if not held or overwrite:
         return
     if held is True:
@@ -214,21 +248,24 @@ def _lock(out, wait: bool = False):
 
 @contextlib.contextmanager
 def _flock(out: Path, wait: bool = False):
-    created = not out.exists()
+    made = list(itertools.takewhile(lambda p: not p.exists(), [out.absolute(), *out.absolute().parents]))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = _take(out / LOCK, out, wait)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(out / LOCK)
-        os.close(fd)
-        if created:  # a run that wrote nothing leaves no empty folder behind
+        try:
+            fd = _take(out / LOCK, out, wait)  # makes OUT
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+        try:
+            yield
+        finally:
             with contextlib.suppress(OSError):
-                out.rmdir()
+                os.unlink(out / LOCK)
+            os.close(fd)
+    finally:  # a run that wrote nothing leaves no empty folder behind, OUT's parents it made included
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _take(path: Path, out: Path, wait: bool = False) -> int:
@@ -339,6 +376,7 @@ def _commit(out: Path, stage: Path, replace_all: bool) -> None:
     names = sorted(p.name for p in new.iterdir())
     ours = (read_record(out) or {"files": {}})["files"]
     _check_names(out, names)
+    _check_ours(out, ours, hashes=False)  # claim hashed them; a folder put there since is caught here
     files = _checksums(new, names)
     keep = {} if replace_all else {rel: v for rel, v in ours.items() if _top(rel) not in names}
     _check_files(out, files, ours)

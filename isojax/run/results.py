@@ -17,7 +17,7 @@ import numpy as np
 
 from isojax import storage
 from isojax.run.config import MeasureConfig
-from isojax.run.timings import Timings, in_background
+from isojax.run.timings import BESIDE, Timings, in_background
 
 
 @dataclasses.dataclass
@@ -63,20 +63,37 @@ class Results:
     def spectra(self) -> dict:
         return self.final.get("spectra", {})
 
-    def save(self, out, *, overwrite: bool = False, plots: bool = True, parquet: bool = False) -> Path:
+    def save(self, out, *, overwrite: bool = False, plots: bool = True, parquet: bool = False,
+             drawer=None) -> Path:
         """Write the results into `out` (staged, then committed in one step; isojax.run.outdir):
         refused where isojax's results are already, unless overwrite; the user's files in `out`
-        are never touched. `parquet`: layers.parquet beside layers.csv."""
+        are never touched. `parquet`: layers.parquet beside layers.csv. `drawer`: a process pool
+        (FigureProcess) that draws the figures, once the per-source metrics are in (detach)."""
         from isojax.run import outdir
         out = storage.path(out)
         names = result_names(self.final, plots, parquet)
         with outdir.claim(out, overwrite=overwrite, names=names, flag="overwrite=True"):
             self.manifest["timings"] = self.timings
             write_results(out, self.metrics, self.manifest, self.final, self.state_names, self.token_sums,
-                          plots=plots, timings=self.timings, parquet=parquet, pending=self.pending)
+                          plots=plots, timings=self.timings, parquet=parquet, pending=self.pending, drawer=drawer)
         self.pending = None
         self.manifest["seconds_wall"] = time.time() - self.timings.start
         return out
+
+    def detach(self) -> bool:
+        """Wait for the per-source read-out and copy what `save` still reads from the devices (the
+        sample's states) to the host, so that saving needs neither the devices nor the run's
+        accumulators: a sweep saves a checkpoint on a thread while the next one is measured
+        (run/sweep.py). False (nothing changed but the wait) where the per-token unit sums are to be
+        saved: [S, V, D] float64, too large to hold on the host beside the next checkpoint."""
+        self.wait()
+        if self.token_sums is not None:
+            return False
+        states = self.final.get("sample")
+        if states is not None:
+            held = [np.asarray(states(s)) for s in range(len(self.state_names))]  # [K, D] float32 each
+            self.final["sample"] = held.__getitem__
+        return True
 
     def join_save(self) -> None:
         """On the processes other than 0 of a multi-host run: take part, in the same order, in the
@@ -91,13 +108,28 @@ class Results:
         return plot_metrics(self.metrics, Path(out_dir))
 
 
+def output_names(*, plots: bool, parquet: bool, tokens: bool, samples: bool, cka: bool) -> set[str]:
+    """Every name write_results writes in OUT, by what the results hold: the one list of them (the
+    pre-check before the model loads, the claim before the write; write_results refuses a name not
+    in it)."""
+    return ({"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | ({"plots"} if plots else set())
+            | ({"layers.parquet"} if parquet else set()) | ({"tokens.zarr"} if tokens else set())
+            | ({"samples.zarr"} if samples else set()) | ({"cka.json"} if cka else set()))
+
+
 def result_names(final: dict, plots: bool, parquet: bool = False) -> set[str]:
     """The names write_results will write for these results."""
-    return ({"metrics.json", "layers.csv", "spectra.npz", "manifest.json"} | ({"plots"} if plots else set())
-            | ({"layers.parquet"} if parquet else set())
-            | ({"tokens.zarr"} if final.get("token") is not None else set())
-            | ({"samples.zarr"} if final.get("sample") is not None else set())
-            | ({"cka.json"} if final.get("cka") is not None else set()))
+    return output_names(plots=plots, parquet=parquet, tokens=final.get("token") is not None,
+                        samples=final.get("sample") is not None, cka=final.get("cka") is not None)
+
+
+def planned_result_names(config: MeasureConfig, *, plots: bool, parquet: bool, on_accel: bool) -> set[str]:
+    """The names config's run may write, known before the model loads (the per-token arrays with
+    token stats; the sample's states with sample_states; CKA with any sample: on accelerators the
+    default one unless --no-sample)."""
+    sample = config.stats.sample_states
+    return output_names(plots=plots, parquet=parquet, tokens=config.stats.token_stats, samples=bool(sample),
+                        cka=bool(sample) or (sample is None and on_accel))
 
 
 def output_bytes(cfg, *, token_stats: bool, save_token_sums: bool, sample_states: int) -> int:
@@ -188,9 +220,19 @@ def write_layers_csv(path: Path, layers: list[dict]) -> None:
     write_csv(path, [flat_layer(layer) for layer in layers])
 
 
-def _open_zarr(path: Path, dtype: str, shape: tuple):
+CHUNK_BYTES = 1 << 22  # the largest chunk of an array written one state at a time: several compress in parallel
+
+
+def _open_zarr(path: Path, dtype: str, shape: tuple, per_state: bool = False):
+    """per_state: for arrays [S, N, D] written one state at a time, chunks of one state (of at most
+    CHUNK_BYTES), so that each chunk is compressed once; tensorstore's default chunks span every
+    state, each compressed again at every state (17.5 s instead of 0.9 s for a [26, 4096, 1024]
+    float32 sample on 2 cores). Readers take the chunks from the array's metadata."""
     import tensorstore as ts
     spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
+    if per_state:
+        row_bytes = int(np.prod(shape[2:])) * np.dtype(dtype).itemsize
+        spec["metadata"] = {"chunks": [1, max(1, min(shape[1], CHUNK_BYTES // max(1, row_bytes))), *shape[2:]]}
     return ts.open(spec, create=True, dtype=dtype, shape=shape).result()
 
 
@@ -202,7 +244,7 @@ def write_token_sums(path: Path, state_sums, num_states: int) -> None:
     """The per-token unit sums [S, V, D] in float64, written one state at a time (all at once in
     float64 they would double the host memory of the accumulators). state_sums(s) -> [V, D]."""
     first = state_sums(0)
-    store = _open_zarr(path, "float64", (num_states, *first.shape))
+    store = _open_zarr(path, "float64", (num_states, *first.shape), per_state=True)
     for s in range(num_states):
         store[s].write(first if s == 0 else state_sums(s)).result()
 
@@ -226,7 +268,8 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
     states = final.get("sample")
     if states is not None:  # the uniform sample, [S, K, D] float32, one state at a time
         first = np.asarray(states(0))
-        store = _open_zarr(stage / "samples.zarr" / "states", "float32", (len(state_names), *first.shape))
+        store = _open_zarr(stage / "samples.zarr" / "states", "float32", (len(state_names), *first.shape),
+                           per_state=True)
         for s in range(len(state_names)):
             store[s].write(first if s == 0 else np.asarray(states(s))).result()
 
@@ -245,8 +288,38 @@ def _plot(metrics: dict, plot_dir: Path, timings, pending=None) -> list[Path]:
         return drawn + plot_metrics(metrics, plot_dir, layers=False)
 
 
+class FigureProcess:
+    """A process of its own that draws run figures (plot_metrics): a sweep's per-checkpoint figures,
+    drawn while the next checkpoint loops, without taking the main process's GIL from the loop's
+    host work (drawn on a thread they slowed a 410m loop by ~15%, bench/RESULTS.md 15). Started
+    (spawned, importing matplotlib) when made; `close` ends it."""
+
+    def __init__(self):
+        import multiprocessing
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self.pool.submit(_import_plots)
+
+    def draw(self, metrics: dict, plot_dir: Path) -> concurrent.futures.Future:
+        """Future of (paths drawn, start and end time.time() of the drawing)."""
+        return self.pool.submit(_draw, metrics, str(plot_dir))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _import_plots() -> None:
+    import isojax.plots  # noqa: F401 -- matplotlib loaded before the first figure is asked for
+
+
+def _draw(metrics: dict, plot_dir: str) -> tuple[list[str], float, float]:
+    start = time.time()
+    from isojax.plots import plot_metrics
+    return [str(p) for p in plot_metrics(metrics, Path(plot_dir))], start, time.time()
+
+
 def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_names: list[str],
-                  token_sums=None, plots: bool = True, timings=None, parquet: bool = False, pending=None) -> list[str]:
+                  token_sums=None, plots: bool = True, timings=None, parquet: bool = False, pending=None,
+                  drawer: FigureProcess | None = None) -> list[str]:
     """Stage every file, then commit them into `out` in one step (isojax.run.outdir.staged: isojax's
     earlier results there are replaced, the user's files are left alone).
     `token_sums`: s -> the per-token unit sums of state s, [V, D] float64 (Runner.token_sums), or None.
@@ -254,7 +327,8 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
     gets them and the wall time. `parquet`: layers.parquet beside layers.csv (--format parquet).
     `pending`: the Future of the per-source metrics (metrics["sources"]) still being read out, or
     None: the files and figures that do not need them are made first, and the wait for them is
-    counted as "finalize"; their error, if they failed, is raised here, and nothing is committed."""
+    counted as "finalize"; their error, if they failed, is raised here, and nothing is committed.
+    `drawer` (FigureProcess, with pending None): the figures are drawn in its process, not on a thread."""
     from isojax.run import outdir
     timings = timings if timings is not None else Timings()
     if not storage.is_remote(out):
@@ -264,7 +338,11 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
         try:
             if plots:  # drawn while the data is written; "plots" counts only the wait for them after
                 (stage / "plots").mkdir()
-                drawing = in_background(lambda: _plot(metrics, stage / "plots", timings, pending))
+                if drawer is not None:
+                    assert pending is None, "the figure process draws once the per-source metrics are in"
+                    drawing = drawer.draw(json_safe(metrics), stage / "plots")
+                else:
+                    drawing = in_background(lambda: _plot(metrics, stage / "plots", timings, pending))
             with timings("write"):
                 _write_data(stage, metrics, final, state_names, token_sums, parquet)
             if pending is not None:
@@ -274,12 +352,22 @@ def write_results(out: Path, metrics: dict, manifest: dict, final: dict, state_n
                 (stage / "metrics.json").write_text(json.dumps(json_safe(metrics), indent=1) + "\n")
             if drawing is not None:
                 with timings("plots"):
-                    manifest["plots"] = [str(p.relative_to(stage)) for p in drawing.result()]
+                    drawn = drawing.result()
+                if drawer is not None:  # the figure process's span, as a thread's would be
+                    paths, begun, ended = drawn
+                    drawn = [Path(p) for p in paths]
+                    timings.timeline.append(["plots" + BESIDE, round(begun - timings.start, 3),
+                                             round(ended - timings.start, 3)])
+                manifest["plots"] = [str(p.relative_to(stage)) for p in drawn]
             manifest["timings"] = dict(timings)
             manifest["timeline"] = getattr(timings, "timeline", [])
             manifest["seconds_wall"] = time.time() - timings.start
             (stage / "manifest.json").write_text(json.dumps(json_safe(manifest), indent=1) + "\n")
-            return sorted(p.name for p in stage.iterdir())
+            written = sorted(p.name for p in stage.iterdir())
+            unlisted = set(written) - result_names(final, plots, parquet)
+            if unlisted:  # a new result file must be in output_names, so that it is checked before any work
+                raise RuntimeError(f"write_results wrote {sorted(unlisted)}, which output_names does not list")
+            return written
         finally:
             if drawing is not None:  # on a failure, the figures finish before their folder goes
                 concurrent.futures.wait([drawing])

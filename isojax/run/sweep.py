@@ -38,8 +38,10 @@ from pathlib import Path
 from isojax.device import checkpoints as checkpointing
 from isojax.run import outdir
 from isojax.device import mesh as parallel
-from isojax.errors import UserError
+from isojax import faults
+from isojax.errors import UserError, explain
 from isojax.log import log
+from isojax.run.timings import in_background
 from isojax.run.config import MeasureConfig
 from isojax.steps import local_revision, step_of
 from isojax.run.names import canonical_model, checkpoint_name, revision_name, step_folder
@@ -139,16 +141,23 @@ def finished(steps: list[Step], result: str) -> list[Step]:
 
 
 def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resume: bool, overwrite: bool,
-              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), shard=(0, 1)) -> None:
+              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), step_names=(), shard=(0, 1)) -> None:
     """The loop of every sweep, extract's and weights': each unfinished step of this shard (every
-    shard[1]-th from the shard[0]-th) is measured into its folder (measure(step) writes there,
-    committed whole) with the folder locked, the next unfinished one downloading meanwhile
-    (fetch(step), in a thread); a step whose folder holds `result` is done: skipped with --resume,
-    nothing downloaded for it, refused without (before anything is measured); a step locked by
-    another live job, or finished by one since this job began, is skipped; with delete_downloads, a
-    measured step's files this sweep downloaded leave the Hugging Face cache. finish(ready) then
-    writes the sweep's files at OUT's top from every finished step of the whole sweep, OUT locked
-    (waiting for another job's rebuild to end), on process 0 only."""
+    shard[1]-th from the shard[0]-th) is measured into its folder with the folder locked, the next
+    unfinished one downloading meanwhile (fetch(step), in a thread). measure(step) writes the step's
+    results there, committed whole, or returns a callable that does (save(): the files written and
+    committed, the devices no longer needed): it runs on a thread while the next step is measured,
+    its folder locked until it is done, and at most one runs at a time (it is waited for once the
+    next step's devices are done with, before that step's own saving starts), so at most two steps'
+    results are in memory. Its error stops the sweep, naming its step, once any other step in
+    hand has ended; steps committed before stay. A step whose folder holds `result` is done:
+    skipped with --resume, nothing downloaded for it, refused without (before anything is
+    measured); a step locked by another live job, or finished by one since this job began, is
+    skipped; with delete_downloads, a measured step's files this sweep downloaded leave the Hugging
+    Face cache. finish(ready) then writes the sweep's files at OUT's top from every finished step of
+    the whole sweep, OUT locked (waiting for another job's rebuild to end), on process 0 only. `names`:
+    the sweep's files at OUT's top; `step_names`: those measure(step) writes in a step folder; both
+    checked before any work."""
     main = parallel.is_main_process()
     sweep, steps = steps, steps[shard[0]::shard[1]]
     if shard[1] > 1:
@@ -166,41 +175,60 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
         downloads = Downloads(s.repo for s in todo if s.repo is not None)
     if main:  # OUT checked, a commit of the sweep's files a killed job cut short undone, before any work
         with outdir.claim(out, overwrite=True, names=set(names), inputs=inputs, wait=True):
-            pass
-    fetching, skipped = None, 0
-    for step in steps:
-        label = f"[{sweep.index(step) + 1}/{len(sweep)}] {step.model} @ {revision_name(step.revision)}"
-        if step in done:
-            log(f"{label}: done earlier")
-            continue
-        if fetching is not None:
-            fetching.join()
-        later = todo[todo.index(step) + 1:]
-        fetching = _start_fetch(fetch, later[0]) if later else None
-        with contextlib.ExitStack() as held:
-            why = None
-            if main:
-                try:
-                    held.enter_context(outdir.claim(step.folder, overwrite=True))
-                except outdir.Busy as e:
-                    why = f"another job is measuring it (pid {e.holder.get('pid', '?')} on {e.holder.get('host', '?')})"
-                else:
-                    if step not in existed and finished([step], result):
-                        why = "another job measured it since this one began"
-            if not parallel.all_processes_agree(why is None):
-                log(f"{label}: skipped, {why or 'as process 0 says'}")
-                skipped += 1
+            for step in todo:
+                outdir.check_names(step.folder, step_names)
+    fetching, skipped, saving = None, 0, None
+    try:
+        for step in steps:
+            label = f"[{sweep.index(step) + 1}/{len(sweep)}] {step.model} @ {revision_name(step.revision)}"
+            if step in done:
+                log(f"{label}: done earlier")
                 continue
-            log(label)
-            measure(step)
-        if downloads is not None and step.repo is not None:
-            if fetching is not None:  # its files are in the cache before this step's go
+            if fetching is not None:
                 fetching.join()
-            freed = downloads.release(step.repo, step.revision,
-                                      keep=[s.revision for s in later if s.repo == step.repo])
-            if freed:
-                log(f"{step.repo} @ {revision_name(step.revision)}: deleted the {freed / 1e9:.2f} GB this sweep "
-                    "downloaded (--delete-downloads)")
+            later = todo[todo.index(step) + 1:]
+            fetching = _start_fetch(fetch, later[0]) if later else None
+            held = contextlib.ExitStack()  # the step folder's lock: closed once its results are committed
+            try:
+                why = None
+                if main:
+                    try:
+                        held.enter_context(outdir.claim(step.folder, overwrite=True, names=set(step_names)))
+                    except outdir.Busy as e:
+                        why = f"another job is measuring it (pid {e.holder.get('pid', '?')} on {e.holder.get('host', '?')})"
+                    else:
+                        if step not in existed and finished([step], result):
+                            why = "another job measured it since this one began"
+                if not parallel.all_processes_agree(why is None):
+                    log(f"{label}: skipped, {why or 'as process 0 says'}")
+                    skipped += 1
+                    held.close()
+                    continue
+                log(label)
+                save = measure(step)
+            except BaseException:
+                held.close()
+                raise
+            saving, previous = None, saving
+            _saved(previous)  # the step before, saved beside this one's measurement
+            if save is None:
+                held.close()
+            else:
+                saving = (step, in_background(_saving(save, held), name="isojax-save"))
+            if downloads is not None and step.repo is not None:
+                if fetching is not None:  # its files are in the cache before this step's go
+                    fetching.join()
+                freed = downloads.release(step.repo, step.revision,
+                                          keep=[s.revision for s in later if s.repo == step.repo])
+                if freed:
+                    log(f"{step.repo} @ {revision_name(step.revision)}: deleted the {freed / 1e9:.2f} GB this sweep "
+                        "downloaded (--delete-downloads)")
+    except BaseException:
+        if saving is not None:  # the step saving beside commits (or fails) before the error ends the sweep
+            with contextlib.suppress(BaseException):
+                _saved(saving)
+        raise
+    _saved(saving)
     if main:
         with outdir.claim(out, overwrite=True, names=set(names), inputs=inputs, wait=True):
             ready = finished(sweep, result)
@@ -210,6 +238,32 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
             f"{out}: the sweep's files hold {len(ready)} of its {len(sweep)} steps; {missing} still missing "
             f"({'skipped here, ' if skipped else ''}other jobs' or not yet measured: run the missing shards, "
             "with --resume; the last job to finish writes the complete files)")
+
+
+def _saving(save, held: contextlib.ExitStack):
+    """save() on the saving thread, the step folder's lock freed after it, whatever happens."""
+    def run():
+        with held:
+            faults.reached("sweep_saving")
+            save()
+    return run
+
+
+def _saved(saving) -> None:
+    """Wait for a step's saving thread ((step, Future) or None); its error names the step."""
+    if saving is None:
+        return
+    step, future = saving
+    try:
+        future.result()
+    except UserError as e:
+        raise UserError(f"{step.model} @ {revision_name(step.revision)}: {e}") from None
+    except Exception as e:
+        message = explain(e)
+        if message is None:
+            log(f"{step.model} @ {revision_name(step.revision)}: saving its results failed")
+            raise
+        raise UserError(f"{step.model} @ {revision_name(step.revision)}: {message}") from None
 
 
 def _start_fetch(fetch, step: Step) -> threading.Thread | None:
@@ -228,15 +282,23 @@ def _start_fetch(fetch, step: Step) -> threading.Thread | None:
 
 def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resume: bool, overwrite: bool,
               plots: bool, config: MeasureConfig, delete_downloads: bool = False, parquet: bool = False,
-              shard=(0, 1)) -> Path:
+              shard=(0, 1), overlap: bool = True) -> Path:
     """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv (write_sweep_csv);
-    `parquet`: layers.parquet in each step folder, sweep.parquet at the top."""
+    `parquet`: layers.parquet in each step folder, sweep.parquet at the top. With `overlap` (single-process
+    runs), a step's files are written on a thread while the next step loads and loops (run_steps), its
+    figures drawn in a process of their own (FigureProcess): its read-out on the devices done first,
+    the sample copied to the host (Results.detach), so the devices serve one step at a time; the files
+    are those of the sequential path, byte for byte but the timings. Not with --save-token-sums (the per-token sums stay on the devices until written)."""
+    from isojax.device.memory import defaults_platform
     from isojax.hf.files import resolve_model
     from isojax.run.measure import start_measure
+    from isojax.run.results import planned_result_names
     steps = plan(models, revisions, out)
     main = parallel.is_main_process()
+    import jax
+    overlap = overlap and jax.process_count() == 1
 
-    def measure_step(step: Step) -> None:
+    def measure_step(step: Step):
         local = step.local
         ckpt = step.folder / "checkpoint"
         results = start_measure(config.replace(
@@ -248,16 +310,31 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
         results.manifest.update(model=model, revision=revision)
         if resume and not overwrite:
             check_same_corpus(results.manifest, steps, step)
-        if main:
-            results.save(step.folder, overwrite=True, plots=plots, parquet=parquet)
-            checkpointing.remove(ckpt)  # only what isojax wrote there
-        else:
+        if not main:
             results.join_save()
+            return None
 
-    run_steps(steps, out, result="metrics.json", measure=measure_step, fetch=lambda s: resolve_model(s.repo, s.revision),
-              resume=resume, overwrite=overwrite, delete_downloads=delete_downloads,
-              finish=lambda ready: write_sweep_csv(out, ready, parquet),
-              inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard)
+        if overlap and results.detach():
+            return lambda: save(results, step, ckpt, figures)
+        save(results, step, ckpt, None)
+        return None
+
+    def save(results, step: Step, ckpt: Path, drawer) -> None:
+        results.save(step.folder, overwrite=True, plots=plots, parquet=parquet, drawer=drawer)
+        checkpointing.remove(ckpt)  # only what isojax wrote there
+
+    from isojax.run.results import FigureProcess
+    figures = FigureProcess() if overlap and plots and main else None  # its start overlaps the first checkpoint
+    try:
+        run_steps(steps, out, result="metrics.json", measure=measure_step,
+                  fetch=lambda s: resolve_model(s.repo, s.revision), resume=resume, overwrite=overwrite,
+                  delete_downloads=delete_downloads, finish=lambda ready: write_sweep_csv(out, ready, parquet),
+                  inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard,
+                  step_names=planned_result_names(config, plots=plots, parquet=parquet,
+                                                  on_accel=defaults_platform() != "cpu"))
+    finally:
+        if figures is not None:
+            figures.close()
     return out
 
 

@@ -12,8 +12,9 @@ sweep starts at step0. Null where either lacks it.
 
 sweep_cka.json: {MODEL: {"final": REVISION, "layers": [names], "tokens": K,
 "checkpoints": {REVISION: [[CKA(layer i at REVISION, layer j at final) for j] for i] or null}}}
-(linear CKA, Kornblith et al. 2019, float64, isojax.stats.geometry.linear_cka), from each step's
-samples.zarr/states [S, K, D] (extract --sample-states). The sample holds the K tokens of smallest
+(linear CKA, Kornblith et al. 2019, float64 on a JAX device: isojax.stats.cross_cka, imported only
+where sweep_cka.json is built), from each step's samples.zarr/states [S, K, D] (extract
+--sample-states), each read once. The sample holds the K tokens of smallest
 key, a hash of the token's sequence and position (isojax.stats.sample), in key order: the same
 tokens in the same order at every checkpoint of one model over one corpus. A checkpoint is
 compared only where that holds as far as the files tell (same corpus fingerprint, token count,
@@ -65,31 +66,6 @@ def read_sample(folder: Path) -> np.ndarray | None:
     return np.asarray(ts.open(spec, open=True).result().read().result())
 
 
-def cka_matrix(xs_SxKxD, ys_SxKxD) -> list[list[float | None]]:
-    """[[linear CKA(xs[i], ys[j]) for j] for i], as stats.geometry.linear_cka computes each pair,
-    each state centered and its norm computed once: with K < D through the K x K Grams
-    (||Y^T X||_F^2 = <X X^T, Y Y^T>_F), else through the D x D ones. None where a state is constant."""
-    grams = xs_SxKxD.shape[1] < xs_SxKxD.shape[2]
-
-    def prepared(states):
-        out = []
-        for x in states:
-            x = np.asarray(x, np.float64)
-            x = x - x.mean(axis=0)
-            gram = x @ x.T if grams else x.T @ x
-            out.append((gram if grams else x, np.linalg.norm(gram)))
-        return out
-    xs, ys = prepared(xs_SxKxD), prepared(ys_SxKxD)
-    rows = []
-    for x, nx in xs:
-        row = []
-        for y, ny in ys:
-            cross = np.vdot(x, y) if grams else np.linalg.norm(y.T @ x) ** 2
-            row.append(float(cross / (nx * ny)) if nx > 0 and ny > 0 else None)
-        rows.append(row)
-    return rows
-
-
 def _describe(folder: Path) -> dict:
     """What must match between two checkpoints for their samples to hold the same tokens."""
     metrics = json.loads((folder / "metrics.json").read_text())
@@ -110,6 +86,8 @@ def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
                 "(extract --sample-states K)")
             doc[model] = None
             continue
+        from isojax.stats.cross_cka import CkaAgainst  # JAX only here: isojax.load imports this module
+        against = CkaAgainst(final)
         want = _describe(final_dir)
         entry = {"final": final_rev, "layers": want["layers"], "tokens": int(final.shape[1]), "checkpoints": {}}
         for revision, folder in steps:
@@ -123,6 +101,6 @@ def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
                 log(f"sweep_cka.json: {model} @ {revision} is null: {why}")
                 entry["checkpoints"][revision] = None
             else:
-                entry["checkpoints"][revision] = cka_matrix(states, final)
+                entry["checkpoints"][revision] = against.matrix(states)
         doc[model] = entry
     return doc

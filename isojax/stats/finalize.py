@@ -520,12 +520,13 @@ def sample_cka(states, count: int, state_names: list[str]) -> dict:
     size of the sample again, where it lies); each pair's ||X^T Y||_F^2 in float64 there."""
     num = len(state_names)
     cross_SxS = np.zeros((num, num))
-    kept = []
+    kept, pending = [], []
     with jax.enable_x64(True):
-        for i in range(num):
+        for i in range(num):  # dispatched back to back, read once: no wait for the host between pairs
             kept.append(states(i))
-            for j in range(i + 1):
-                cross_SxS[i, j] = cross_SxS[j, i] = float(_centered_cross(kept[i], kept[j]))
+            pending += [((i, j), _centered_cross(kept[i], kept[j])) for j in range(i + 1)]
+        for (i, j), cross in pending:
+            cross_SxS[i, j] = cross_SxS[j, i] = float(cross)
     matrix = geometry.cka_matrix(cross_SxS)
     if any(v is None for row in matrix for v in row):
         from isojax.log import log
