@@ -3,15 +3,14 @@ name or hub id, with --revision) -> an isojax Orbax checkpoint that `isojax.load
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from isojax.errors import UserError, run_command
+from isojax.errors import ArgumentParser, UserError, run_command
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m converters", description=__doc__)
+    ap = ArgumentParser(prog="python -m converters", description=__doc__)
     ap.add_argument("src", help="Hugging Face checkpoint directory, preset (pythia-1.4b), or hub id (org/name)")
     ap.add_argument("--out", required=True, help="directory to write (must not exist unless --overwrite)")
     ap.add_argument("--revision", default=None, help="hub revision, e.g. step143000 (hub sources only)")

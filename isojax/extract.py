@@ -14,7 +14,7 @@ from pathlib import Path
 
 from isojax.run.measure import DEFAULT_MODEL
 from isojax.run.plan import CPU_DEFAULT_MAX_TOKENS
-from isojax.errors import UserError, exit_with, run_command
+from isojax.errors import ArgumentParser, UserError, exit_with, run_command
 
 
 def zeta_fraction(text: str) -> float:
@@ -48,7 +48,7 @@ def non_negative_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m isojax.extract", description=__doc__)
+    ap = ArgumentParser(prog="python -m isojax.extract", description=__doc__)
     ap.add_argument("--model", action="append", default=None,
                     help="preset (pythia-1.4b, pythia-410m-deduped, ...), random:<preset> (random weights), a local "
                          f"checkpoint directory, or a hub id; default {DEFAULT_MODEL}, falling back to "
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="multi-host: the coordinator (process 0) address; with --num-processes, --process-id")
     scale.add_argument("--num-processes", type=positive_int, default=None, help="multi-host: number of processes")
-    scale.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (0 ...)")
+    scale.add_argument("--process-id", type=non_negative_int, default=None, help="multi-host: this process's index (0 ...)")
     scale.add_argument("--coordinator-timeout", type=positive_int, default=120, metavar="SECONDS",
                        help="multi-host: how long to wait for the coordinator and the other processes (default: 120)")
     scale.add_argument("--distributed", action="store_true",
