@@ -21,13 +21,13 @@ import json
 import numbers
 import os
 import threading
-import warnings
 import zlib
 from pathlib import Path
 from typing import Iterator
 
 from isojax import storage
 from isojax.errors import UserError
+from isojax.log import log
 from isojax.data.units import SPLITTER, UNITS
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -223,7 +223,7 @@ class Corpus:
         if self.bad_records > self.max_bad_records:
             raise UserError(f"{where}: {reason} (more than max_bad_records={self.max_bad_records} bad records)")
         if self.warn and self.bad_records <= _MAX_WARNINGS:
-            warnings.warn(f"{where}: {reason}; record skipped", stacklevel=3)
+            log(f"warning: {where}: {reason}; record skipped")
 
     def _record(self, where: str, rec, default_label: str):
         if not isinstance(rec, dict):

@@ -59,7 +59,6 @@ import socket
 import threading
 import time
 import uuid
-import warnings
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -354,7 +353,7 @@ def _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc) -> di
             os.fsync(f.fileno())
     bar.close()
     if corpus.bad_records:
-        warnings.warn(f"{corpus.describe()}: skipped {corpus.bad_records} bad records in total", stacklevel=3)
+        log(f"warning: {corpus.describe()}: skipped {corpus.bad_records} bad records in total")
     if n_tok == 0:
         what = f" with sources {sorted(corpus.sources)} (sources seen: {sorted(corpus.seen_sources)})" \
             if corpus.sources is not None else ""
@@ -471,7 +470,7 @@ def _open_found(final: Path, key: str, max_len: int, vocab: int) -> TokenCache |
         raise UserError(f"token cache {final} is damaged ({why}) and cannot be moved aside ({e}); "
                         f"delete {final}") from None
     shutil.rmtree(aside, ignore_errors=True)
-    warnings.warn(f"token cache {final} is damaged ({why}); rebuilding it", stacklevel=4)
+    log(f"warning: token cache {final} is damaged ({why}); rebuilding it")
     return None
 
 
