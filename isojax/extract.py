@@ -203,8 +203,10 @@ def check_free_space(out: Path, config) -> None:
     base = next(p for p in [out, *out.absolute().parents] if p.exists())
     free = shutil.disk_usage(base).free
     if need > free:
+        from isojax.log import gb_apart
+        need_gb, free_gb = gb_apart(need, free)
         raise UserError(f"the results{' and checkpoints' if every else ''} of this run need up to about "
-                        f"{need / 1e9:.1f} GB in {out}, and its disk has {free / 1e9:.1f} GB free; free space or "
+                        f"{need_gb} in {out}, and its disk has {free_gb} free; free space or "
                         "choose another --out" + (" (or leave out --save-token-sums)" if config.stats.save_token_sums
                                                  else ""))
 

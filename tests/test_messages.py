@@ -46,3 +46,30 @@ def test_command_line_mistakes_are_one_error_line(module, tmp_path, capsys, monk
         main(["--help"])
     assert e.value.code == 0 and "usage:" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []  # nothing made
+
+
+def test_a_free_space_refusal_shows_need_above_free(tmp_path, monkeypatch):
+    """48.9: 'need up to about 0.2 GB ... has 0.2 GB free' read as a contradiction."""
+    import re
+
+    from isojax import extract
+    from isojax.device.memory import defaults_platform
+    from isojax.errors import UserError
+    from isojax.log import gb_apart
+    from isojax.run.config import MeasureConfig
+    from isojax.run.measure import peek_config
+    from isojax.run.results import planned_output_bytes
+
+    assert gb_apart(2_500_000_000, 1_000_000_000) == ("2.5 GB", "1.0 GB")
+    assert gb_apart(230_000_000, 220_000_000) == ("0.23 GB", "0.22 GB")
+    assert gb_apart(200_000_001, 200_000_000) == ("0.200000001 GB", "0.200000000 GB")
+    config = MeasureConfig.build("random:pythia-70m", None, max_tokens=4096)
+    need = planned_output_bytes(peek_config("random:pythia-70m"), config, defaults_platform() != "cpu")
+    for free in (need - 1, need - need // 100, need // 2, 0):
+        monkeypatch.setattr(extract.shutil, "disk_usage", lambda _, free=free: type("Usage", (), {"free": free}))
+        with pytest.raises(UserError) as e:
+            extract.check_free_space(tmp_path / "out", config)
+        shown_need, shown_free = map(float, re.search(r"need up to about ([\d.]+) GB .* has ([\d.]+) GB free",
+                                                      str(e.value)).groups())
+        assert shown_need > shown_free, str(e.value)
+        assert abs(shown_need - need / 1e9) <= 0.05 and abs(shown_free - free / 1e9) <= 0.05
