@@ -5,6 +5,7 @@ wrong. References: the rules themselves (one line, its first word), the numbers 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,26 @@ def test_a_free_space_refusal_shows_need_above_free(tmp_path, monkeypatch):
                                                       str(e.value)).groups())
         assert shown_need > shown_free, str(e.value)
         assert abs(shown_need - need / 1e9) <= 0.05 and abs(shown_free - free / 1e9) <= 0.05
+
+
+def test_correlate_suggests_a_file_it_accepts(tmp_path, monkeypatch):
+    """48.10: `correlate o/sw10 --out o/sw10` suggested o/sw10/correlation.json, inside an input."""
+    import re
+
+    from isojax.errors import UserError
+    from isojax.run import outdir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "o" / "sw10").mkdir(parents=True)
+    (tmp_path / "scores.csv").write_text("")
+    (tmp_path / "elsewhere").mkdir()
+    for out, inputs, want in (("o/sw10", ["o/sw10", "scores.csv"], "o/correlation.json"),
+                              ("o/sw10", ["o", "scores.csv"], "correlation.json"),
+                              ("o/sw10", ["o/sw10", "o", "scores.csv"], "correlation.json"),
+                              ("elsewhere", ["o/sw10", "scores.csv"], "elsewhere/correlation.json"),
+                              (str(tmp_path / "o"), ["o"], str(tmp_path / "correlation.json"))):
+        with pytest.raises(UserError) as e:
+            outdir.check_path(Path(out), inputs, folder=False)
+        suggested = re.fullmatch(r"--out \S+ is a folder; give a file name, e\.g\. (\S+)", str(e.value)).group(1)
+        assert suggested == want, (out, inputs, str(e.value))
+        outdir.check_path(Path(suggested), inputs, folder=False)  # accepted
