@@ -97,3 +97,34 @@ def test_correlate_suggests_a_file_it_accepts(tmp_path, monkeypatch):
         suggested = re.fullmatch(r"--out \S+ is a folder; give a file name, e\.g\. (\S+)", str(e.value)).group(1)
         assert suggested == want, (out, inputs, str(e.value))
         outdir.check_path(Path(suggested), inputs, folder=False)  # accepted
+
+
+def test_mixed_corpora_say_what_differs(tmp_path, capsys):
+    """48.11: two runs of the same file that differ only in --max-tokens were both labelled with the
+    file's name; the error names the option and each one's value. A manifest from before
+    corpus_options: its settings' max_tokens."""
+    import json
+
+    from isojax.report import build
+
+    def run(folder, revision, fingerprint, max_tokens, old=False):
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"model": "m", "revision": revision, "tokens": 1,
+                                                         "layers": [{"name": "embed", "inter_sim": 0.5}]}))
+        options = {"unit": "sentence", "sources": None, "max_tokens": max_tokens, "max_tokens_per_source": None}
+        (folder / "manifest.json").write_text(json.dumps({
+            "model": "m", "revision": revision, "corpus": "data/a.txt", "corpus_fingerprint": fingerprint,
+            "settings": {"max_tokens": max_tokens}, **({} if old else {"corpus_options": options})}))
+
+    for old in (False, True):
+        root = tmp_path / f"old{old}"
+        run(root / "s1", "step1", "f1", 4096, old)
+        run(root / "s2", "step2", "f2", 8192, old)
+        assert build.main([str(root / "s1"), str(root / "s2"), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "they differ in --max-tokens" in err and "corpus f1 (--max-tokens 4,096)" in err and \
+            "corpus f2 (--max-tokens 8,192)" in err, err
+    run(tmp_path / "same" / "s1", "step1", "f1", 4096)
+    run(tmp_path / "same" / "s2", "step2", "f2", 4096)
+    assert build.main([str(tmp_path / "same"), "--out", str(tmp_path / "out")]) == 2
+    assert "the same data and options: the files changed between the runs" in capsys.readouterr().err
