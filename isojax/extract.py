@@ -47,6 +47,12 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def target_name(text: str) -> str:
+    if not text.strip():  # not "this machine": that is --dry-run without --target
+        raise argparse.ArgumentTypeError(f"expected a kind of slice such as tpu-v5e-8 or gpu-h100-8, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m isojax.extract", description=__doc__)
     ap.add_argument("--model", action="append", default=None,
@@ -154,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="decide everything a run decides before its first batch (mesh, kernels, rows, memory per "
                            "device, sample, output size) and lower the step for the target, without weights or "
                            "reading the corpus; printed and written to OUT/plan.json")
-    plan.add_argument("--target", default=None, metavar="KIND",
+    plan.add_argument("--target", type=target_name, default=None, metavar="KIND",
                       help="with --dry-run: plan for tpu-v4-N, tpu-v5e-N, tpu-v5p-N, tpu-v6e-N (N: chips; TensorCores "
                            "for v4 and v5p), gpu-h100-N, gpu-h200-N, gpu-a100-40g-N or gpu-a100-80g-N; default: this "
                            "machine")
@@ -212,7 +218,7 @@ def check_free_space(out: Path, config) -> None:
 
 
 def run(args) -> Path:
-    if args.dry_run or args.target:
+    if args.dry_run or args.target is not None:  # --target '' is a mistake (targets.parse), not this machine
         if not args.dry_run:
             raise UserError("--target plans for other hardware: it goes with --dry-run")
         from isojax.run.dry_run import dry_run

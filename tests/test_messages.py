@@ -19,7 +19,8 @@ COMMANDS = {  # module, arguments that are otherwise fine
 MISTAKES = {
     "isojax.extract": [["--max-tokens", "0"], ["--max-tokens", "-5"], ["--max-tokens", "1.5"],
                        ["--max-tokens", "abc"], ["--skip-positions", "-1"], ["--max-tokens-per-source", "0"],
-                       ["--process-id", "-1"], ["--seq-len", "x"], ["--unit", "word"], ["--isoscore-zeta", "2"]],
+                       ["--process-id", "-1"], ["--seq-len", "x"], ["--unit", "word"], ["--isoscore-zeta", "2"],
+                       ["--dry-run", "--target", ""], ["--dry-run", "--target", " "]],  # 48.12: not this machine
 }
 EVERY = [["--no-such-option"], ["--out"]]  # an unknown option, an option without its value
 
@@ -39,7 +40,7 @@ def test_command_line_mistakes_are_one_error_line(module, tmp_path, capsys, monk
             main(COMMANDS[module] + mistake)
         assert e.value.code == 2, mistake
         line = one_error_line(capsys.readouterr().err)
-        assert mistake[0] in line or "unrecognized" in line, line
+        assert [m for m in mistake if m.startswith("--")][-1] in line or "unrecognized" in line, line
     with pytest.raises(SystemExit) as e:  # a required argument left out
         main([])
     assert e.value.code == 2 and "required" in one_error_line(capsys.readouterr().err)
