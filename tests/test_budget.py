@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from isojax.data import load_corpus, tokenize_corpus, units
+from isojax.data import load_corpus, readers, tokenize_corpus, units
 from isojax.data import tokens as tokens_mod
 from isojax.errors import UserError
 
@@ -164,8 +164,9 @@ def test_a_source_with_no_tokens_is_named(tmp_path, tok, capsys):
         tokenize_corpus(load_corpus(paths, max_tokens=100), tok, cache_dir=tmp_path / "c", max_len=64)
 
 
-def test_bad_budgets_are_user_errors(tmp_path):
+def test_bad_budgets_are_user_errors(tmp_path, monkeypatch):
     paths = write_sources(tmp_path / "data")
+    monkeypatch.setattr(readers, "check_hub_dataset", lambda inp: None)  # it is there (offline: tests/test_messages.py)
     for kwargs, message in ((dict(max_tokens=0), "--max-tokens must be a positive integer"),
                             (dict(max_tokens_per_source=-5), "--max-tokens-per-source must be a positive"),
                             (dict(max_tokens_per_source=2.5), "--max-tokens-per-source must be a positive")):
@@ -202,9 +203,10 @@ def test_a_run_measures_every_sources_share(tmp_path, monkeypatch, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
-def test_the_flags(tmp_path, capsys):
+def test_the_flags(tmp_path, capsys, monkeypatch):
     from isojax.extract import build_parser, main
     paths = write_sources(tmp_path / "data")
+    monkeypatch.setattr(readers, "check_hub_dataset", lambda inp: None)  # it is there
     for args, message in ((["--max-tokens-per-source", "0"], "positive integer"),
                           (["--data", paths[0], "--data", paths[1], "--max-tokens", "1"], "less than one token"),
                           (["--data", "hub:some/dataset", "--max-tokens", "10"], "name them with --source")):

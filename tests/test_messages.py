@@ -129,3 +129,32 @@ def test_mixed_corpora_say_what_differs(tmp_path, capsys):
     run(tmp_path / "same" / "s2", "step2", "f2", 4096)
     assert build.main([str(tmp_path / "same"), "--out", str(tmp_path / "out")]) == 2
     assert "the same data and options: the files changed between the runs" in capsys.readouterr().err
+
+
+def test_a_misspelt_hub_dataset_is_named_before_the_budget_is_judged(tmp_path):
+    """48.13: `--data hub:<no such dataset> --max-tokens N` said that --max-tokens needs --source; the
+    dataset is looked up first (a hub on 127.0.0.1, tests/hub_server.py)."""
+    import os
+    import subprocess
+    import sys
+
+    from hub_server import LoopbackHub
+
+    (tmp_path / "data" / "data").mkdir(parents=True)
+    (tmp_path / "data" / "data" / "train.jsonl").write_text('{"text": "A record."}\n')
+    hub = LoopbackHub().start()
+    url = hub.url
+    try:
+        hub.add_dataset("tiny-org/pile", {"main": tmp_path / "data"})
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+        env.update(HF_ENDPOINT=url, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_XET="1",
+                   HF_HUB_DISABLE_TELEMETRY="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),
+                                                                            env.get("PYTHONPATH", "")]))
+        code = ("import sys\nfrom isojax.data import load_corpus\nfrom isojax.errors import UserError\n"
+                "try:\n    load_corpus([sys.argv[1]], max_tokens=100)\nexcept UserError as e:\n    print(e)\n")
+        said = {name: subprocess.run([sys.executable, "-c", code, f"hub:{name}:train"], env=env, capture_output=True,
+                                     text=True, timeout=120).stdout for name in ("tiny-org/pile", "tiny-org/plie")}
+    finally:
+        hub.stop()
+    assert said["tiny-org/plie"].startswith(f"hub:tiny-org/plie: no such dataset on {url}"), said
+    assert "name them with --source" in said["tiny-org/pile"], said  # a dataset that is there: as before
