@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--process-id", type=non_negative_int, default=None, help="multi-host: this process's index (0 ...)")
     scale.add_argument("--coordinator-timeout", type=positive_int, default=120, metavar="SECONDS",
                        help="multi-host: how long to wait for the coordinator and the other processes (default: 120)")
+    scale.add_argument("--shutdown-timeout", type=positive_int, default=3600, metavar="SECONDS",
+                       help="multi-host: how long the end of a run waits for the slowest process, once the results "
+                            "are written (default: 3600); a process later than that is a warning")
     scale.add_argument("--distributed", action="store_true",
                        help="multi-host: join the run described by the cluster's environment "
                             "(TPU pod slice, SLURM, Open MPI), as jax.distributed.initialize() finds it")
@@ -226,7 +229,7 @@ def run(args) -> Path:
     from isojax.device import checkpoints as checkpointing
     from isojax.device import mesh as parallel
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
-                        timeout_s=args.coordinator_timeout)
+                        timeout_s=args.coordinator_timeout, shutdown_timeout_s=args.shutdown_timeout)
     from isojax.run.config import MeasureConfig, cli_options
     from isojax.run.measure import start_measure
     from isojax.steps import paper_steps
@@ -252,6 +255,7 @@ def run(args) -> Path:
                   config=MeasureConfig.build(**options), shard=shard)
         log(f"{len(models) * len(revisions)} steps{f' (shard {shard[0]}/{shard[1]})' if shard[1] > 1 else ''}; "
             f"results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
+        parallel.finish(args.shutdown_timeout)
         return out
     if args.delete_downloads:
         raise UserError("--delete-downloads applies to sweeps (--revisions, --paper-steps or several --model)")
@@ -277,6 +281,7 @@ def run(args) -> Path:
         "device loop of one batch (too short to time)"
     log(f"{tokens:,} tokens: wall {wall:.1f} s ({tokens / max(wall, 1e-9):,.0f} tokens/s), {loop_text} "
         f"+ compile {t['compile']:.1f} s; results in {out}")
+    parallel.finish(args.shutdown_timeout)  # after the commit: a slow host at the end is a warning
     return out
 
 
