@@ -259,8 +259,26 @@ def is_main_process() -> bool:
 
 
 def all_processes_agree(ok: bool) -> bool:
-    """Whether `ok` holds on every process (one small all-gather; on one process, ok itself)."""
+    """Whether `ok` holds on every process (on one process, ok itself). Through the key-value store,
+    not a collective: processes come to it far apart (a resume's checkpoint loads), and the first
+    collective of a device set waits only 30 s for the others on CPUs (gloo's context), where
+    exchange waits up to its deadline."""
     if jax.process_count() == 1:
         return bool(ok)
-    from jax.experimental import multihost_utils
-    return bool(np.all(multihost_utils.process_allgather(np.array([ok], np.int32))))
+    return all(v == b"1" for v in exchange(_next("agree"), b"1" if ok else b"0"))
+
+
+def all_processes_here(name: str) -> None:
+    """Wait until every process has come here (each calls it as often, in the same order): before
+    a collective that processes reach far apart, such as the first step (see all_processes_agree)."""
+    if jax.process_count() > 1:
+        exchange(_next(name), b"")
+
+
+_calls: dict[str, int] = {}
+
+
+def _next(name: str) -> str:
+    """name and how often this process asked for it: a fresh key for each call, the same in every process."""
+    _calls[name] = _calls.get(name, 0) + 1
+    return f"{name}/{_calls[name]}"
