@@ -221,7 +221,7 @@ def check_free_space(out: Path, config) -> None:
 
 
 def run(args) -> Path:
-    if args.dry_run or args.target is not None:  # --target '' is a mistake (targets.parse), not this machine
+    if args.dry_run or args.target is not None:  # --target '' is a mistake (target_name), not this machine
         if not args.dry_run:
             raise UserError("--target plans for other hardware: it goes with --dry-run")
         from isojax.run.dry_run import dry_run

@@ -30,8 +30,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from isojax.errors import UserError
 
 AXES = ("data", "model")
-SHUTDOWN_TIMEOUT_S = 3600  # --shutdown-timeout: process 0 may write large results while the others wait
 ALL = AXES  # rows (and token ids) are split over both axes
+SHUTDOWN_TIMEOUT_S = 3600  # extract's --shutdown-timeout: process 0 may write large results while the others wait
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
