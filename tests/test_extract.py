@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import ACCELERATOR_ENV, ACCELERATOR_FLAGS, TOKENIZER_JSON, build_hf_checkpoint, hf_states
+from conftest import ACCELERATOR_ENV, ACCELERATOR_FLAGS, TOKENIZER_JSON, build_hf_checkpoint, hf_states, need
 from isojax.run.plan import CPU_DEFAULT_MAX_TOKENS
 from isojax.extract import main
 
@@ -299,7 +299,7 @@ def test_overwrite_replaces_all_results(tmp_path, monkeypatch):
 def test_sample_states_intrinsic_dimension_and_batch_anisotropy(tmp_path, monkeypatch):
     """--sample-states: metrics.json's intrinsic dimension equals scikit-dimension on the sample
     written to samples.zarr, and the batch anisotropy numpy's SVD of its batches of 4096."""
-    import skdim
+    skdim = need("skdim")
     import tensorstore as ts
 
     from isojax.stats import intrinsic

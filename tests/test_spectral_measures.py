@@ -14,10 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import torch
-from IsoScore import IsoScore as isoscore_package
-
-from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states
+from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states, need
 from isojax.stats import accumulators as stats
 from isojax.stats import finalize as fz
 from test_extract import write_pile_jsonl
@@ -30,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 def reference(x, zeta=0.2) -> dict:
     """Float64 measures of points x [n, D] from their definitions, the IsoScore package for IsoScore
     and IsoScore*, brute force (per-pair products) for the rogue dimensions."""
+    torch, isoscore_package = need("torch"), need("IsoScore.IsoScore")
     x = np.asarray(x, np.float64)
     n, d = x.shape
     lam = np.sort(np.linalg.eigvalsh(np.cov(x.T)))[::-1]

@@ -46,7 +46,7 @@ import numpy as np
 
 from isojax.log import log
 from isojax.run import outdir
-from isojax.errors import UserError, run_command
+from isojax.errors import ArgumentParser, UserError, run_command
 from isojax.report import collect
 from isojax.report.collect import Results, Run, model_key
 from isojax.run.names import checkpoint_name
@@ -443,7 +443,7 @@ def run(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m isojax.correlate", description=__doc__.split("\n\n", 1)[1],
+    ap = ArgumentParser(prog="python -m isojax.correlate", description=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", metavar="RESULTS",
                     help="result folders (searched recursively for metrics.json / weights.json)")
