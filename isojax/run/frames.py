@@ -7,7 +7,7 @@
 Columns: model, revision, step (the training step the revision names, else null), layer (its
 name), layer_index (0 = embed), tokens, then every measure of the layer as layers.csv has it
 (isojax.run.results.flat_layer: rogue_dim_1, rogue_share_1, ..., inter_sim_pos_0, ...) and, for
-a sweep, diff_erank (isojax.run.sweep_files). A measure a run lacks is NaN/None in its rows.
+a sweep, diff_erank_pooled (isojax.run.sweep_files). A measure a run lacks is NaN/None in its rows.
 A sweep is read from its step folders' metrics.json (whole results only, as isojax's record says);
 a sweep folder whose step folders are gone is read from its sweep.csv.
 """

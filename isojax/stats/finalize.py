@@ -43,16 +43,6 @@ def _ratio_top(eig_D):
     return float(eig_D[0] / total) if total > 0 else float("nan")
 
 
-def _effective_rank(eig_D):
-    """Roy & Vetterli (2007): exp of the Shannon entropy of the normalized singular
-    values p_k = s_k / Sum s_j of the centered data matrix (s_k = sqrt(eigenvalue))."""
-    sv = np.sqrt(np.clip(eig_D, 0.0, None))
-    if sv.sum() <= 0:
-        return float("nan")
-    p = sv[sv > 0] / sv.sum()
-    return float(np.exp(-(p * np.log(p)).sum()))
-
-
 def _combine_m2(n_G, sum_GxD, m2_GxDxD):
     """Per-group (n, Sum x, M2) merged into the whole population's M2, group by group."""
     n, s, m2 = n_G[0], sum_GxD[0], m2_GxDxD[0]
@@ -191,10 +181,11 @@ def _whole_readout(eigs):
 
 
 GEOMETRY_KEYS = ("isoscore", "isoscore_star", "alpha_req", "rogue_dims", "rogue_share_top3", "feature_kurtosis")
+SPECTRAL_KEYS = ("effective_rank", "erank_pooled", "null_eigenvalues", "rank_deficient")
 
 
 def _geometry(n, unit_sum_D, centered_D, diag_3xD, zeta: float) -> dict:
-    """The spectral measures of isojax.stats.geometry from one population's centered eigenvalues
+    """The measures of isojax.stats.geometry from one population's floored centered eigenvalues
     and the diagonals of its second moment (Sum x x^T / n) and unit covariance (Sum (u - mean u)
     (u - mean u)^T / n): Sum_t u_ti^2 = n x that diagonal + S_i^2 / n, Sum_t x_ti^2 = n x the other."""
     n = float(n)
@@ -208,31 +199,43 @@ def _geometry(n, unit_sum_D, centered_D, diag_3xD, zeta: float) -> dict:
             "feature_kurtosis": geometry.feature_kurtosis(n, n * diag_3xD[1])}
 
 
-def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometry.ISOSCORE_ZETA):
+def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometry.ISOSCORE_ZETA,
+             bf16: bool = False, unit_D=None):
     """State-level metrics of one population; readout: (the centered covariance's eigenvalues,
     descending, the uncentered and the unit anisotropy, Sum |x|^2 / n, the [3, D] diagonals of
     _covariances' matrices) (_whole_readout, or a group's part of _bisect_states or _host_eigs),
-    or None (no second moments kept for it). zeta: IsoScore*'s shrinkage."""
+    or None (no second moments kept for it). zeta: IsoScore*'s shrinkage. bf16: the states were
+    bfloat16 (geometry.spectral_floor). unit_D: the unit vectors' covariance eigenvalues, for
+    erank_pooled (None: null)."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
            "norm_of_mean": float(np.linalg.norm(sum_D) / n) if n else float("nan")}
     if readout is not None and n:
         centered_D, anisotropy_uncentered, unit_anisotropy, mean_sq_norm, diag_3xD = readout
+        floor = geometry.spectral_floor(centered_D, bf16)
+        kept_D = geometry.floored(centered_D, floor)
+        nulls = int((kept_D == 0).sum()) if kept_D[0] > 0 else None
+        unit_kept_D = None if unit_D is None else geometry.floored(unit_D, geometry.spectral_floor(unit_D, bf16))
         out.update(anisotropy=_ratio_top(centered_D),
                    anisotropy_uncentered=float(anisotropy_uncentered),
                    unit_anisotropy=float(unit_anisotropy),
-                   effective_rank=_effective_rank(centered_D),
+                   effective_rank=geometry.effective_rank(kept_D),
+                   erank_pooled=None if unit_kept_D is None else geometry.erank(unit_kept_D),
+                   null_eigenvalues=nulls, rank_deficient=None if nulls is None else nulls > 0,
                    mean_sq_norm=float(mean_sq_norm),
-                   **_geometry(n, unit_sum_D, centered_D, np.asarray(diag_3xD), zeta))
+                   **_geometry(n, unit_sum_D, kept_D, np.asarray(diag_3xD), zeta))
     return out
 
 
 def _log_nulls(what: str, out: dict) -> None:
     """One log line naming the geometry measures that are null for a population, and why."""
+    from isojax.log import log
     nulls = [k for k in GEOMETRY_KEYS if k in out and out[k] is None]
-    if nulls:
-        from isojax.log import log
+    if nulls == ["alpha_req"] and out["count"] >= 2:
+        lo, hi = geometry.ALPHA_REQ_RANKS
+        log(f"alpha_req of {what}: null (fewer than 2 of its fit ranks {lo} to {hi} above the spectral floor)")
+    elif nulls:
         why = "fewer than 2 tokens" if out["count"] < 2 else "its states do not vary (or InterSim is 0)"
         log(f"{', '.join(nulls)} of {what}: null ({why})")
 
@@ -310,16 +313,17 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
 
 
 def finalize(acc: Accumulators, state_names: list[str],
-             group_names: list[str] | None = None, token=None, isoscore_zeta: float = geometry.ISOSCORE_ZETA) -> dict:
+             group_names: list[str] | None = None, token=None, isoscore_zeta: float = geometry.ISOSCORE_ZETA,
+             bf16: bool = False) -> dict:
     """finalize_whole's metrics with their "groups" filled in (finalize_whole for what they are)."""
-    result, finish_groups = finalize_whole(acc, state_names, group_names, token, isoscore_zeta)
+    result, finish_groups = finalize_whole(acc, state_names, group_names, token, isoscore_zeta, bf16)
     if finish_groups is not None:
         finish_groups()
     return result
 
 
 def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[str] | None = None, token=None,
-                   isoscore_zeta: float = geometry.ISOSCORE_ZETA) -> tuple[dict, object]:
+                   isoscore_zeta: float = geometry.ISOSCORE_ZETA, bf16: bool = False) -> tuple[dict, object]:
     """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
     "spectra": {...}}. "layers" combines all groups; "groups" (only with group_names) holds
     per-source results without per-token fields. Spectra are eigenvalues of the covariance
@@ -327,7 +331,8 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     covariance of unit vectors, each in descending order. `token`: (count_V, intra_sim_SxV)
     when already read out (runner.Runner.token_readout); else taken from acc. The second
     moments may be device arrays (runner.Runner.merged_layers): they are read out there.
-    isoscore_zeta: IsoScore*'s shrinkage (geometry.isoscore_star).
+    isoscore_zeta: IsoScore*'s shrinkage (geometry.isoscore_star). bf16: the states were bfloat16
+    (the spectral floor, geometry.spectral_floor).
 
     Returns (metrics, finish_groups): with group_names, metrics["groups"] is an empty dict that
     finish_groups() fills in: it dispatches the groups' reductions to the devices (one Householder
@@ -373,7 +378,8 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         n_G = n_GxS[:, s]
         whole = reduced[s]
         out = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
-                       _whole_readout(whole) if n_G.sum() else None, isoscore_zeta)
+                       _whole_readout(whole) if n_G.sum() else None, isoscore_zeta, bf16,
+                       unit_D=whole[0][2] if n_G.sum() else None)
         _log_nulls(name, out)
         layer = {"name": name, **out}
         for key, eig in zip(spectra, whole[0] if n_G.sum() else (None,) * 3):
@@ -398,7 +404,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         layer.update(streamed)
     for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
-                    "sample_abs_median", "massive_ratio", *GEOMETRY_KEYS):
+                    "sample_abs_median", "massive_ratio", *GEOMETRY_KEYS, *SPECTRAL_KEYS):
             layer.setdefault(key, None)
     result = {"layers": layers}
     if all(e is not None for e in spectra["centered_SxD"]):
@@ -437,7 +443,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
             glayers = []
             for s, name in enumerate(state_names):
                 out = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s], norm_GxS[g, s],
-                               eigs_GxS[g][s], isoscore_zeta)
+                               eigs_GxS[g][s], isoscore_zeta, bf16)
                 _log_nulls(f"{name} in {gname}", out)
                 if centered:
                     c = csum_GxSxC[g, s]

@@ -13,10 +13,41 @@ from __future__ import annotations
 
 import numpy as np
 
-# Rudman & Eickhoff (ICLR 2024) "Stable Anisotropic Regularization": their experiments, and
-# their repository's example (I-STAR/run_model.sh: "a shrinkage parameter (zeta) of 0.2"), use 0.2.
-ISOSCORE_ZETA = 0.2
-ALPHA_REQ_FLOOR = 1e-12  # eigenvalues at or below this fraction of the largest are left out of alpha_req
+# Rudman & Eickhoff (ICLR 2024), I-STAR/analysis.py: IsoScore* of a layer's points with
+# zeta = 0.75 and C0 = np.cov of a large sample of the same layer's states (training, ~250k points).
+ISOSCORE_ZETA = 0.75
+# alpha-ReQ's fit range (Agrawal et al. 2022 as reptrix.alpha.get_alpha fits it: fit_range
+# np.arange(10, 100), 0-based): ranks 11 to 100 of the descending spectrum.
+ALPHA_REQ_RANKS = (11, 100)
+FLOAT32_ROUNDOFF = 2.0 ** -24
+BF16_ROUNDOFF = 2.0 ** -9
+
+
+def spectral_floor(eig_D, bf16: bool = False) -> float:
+    """The eigenvalue below which a streamed covariance's spectrum is rounding, not signal: every
+    spectral measure counts an eigenvalue at or under it as 0 (floored).
+
+    - D x 2^-24 x lambda_1 (float32 Grams): each batch's Gram is a float32 product; an entry's
+      error is about a unit roundoff of Sum_t |d_ti d_tj|, so the error matrix's norm is about
+      u x trace <= u x D x lambda_1 (the factor D, not 1, for the summation depth and the blocked
+      products). A LayerNorm state's null eigenvalue measured ~1e-7 lambda_1 at D = 32..64
+      (tests/test_author_measures.py), under 64 x 6e-8 = 3.8e-6 lambda_1.
+    - bf16 states: the deviations are rounded to bf16 before their Gram (accumulators._centered_gram),
+      so the computed Gram is the exact Gram of deviations d_t + r_t with |r_t| <= 2^-9 |d_t|. A
+      direction v null for the d_t holds Sum_t (v . r_t)^2 <= 2^-18 Sum_t |d_t|^2 of it, so the
+      null eigenvalues lie under 2^-18 x trace (Courant-Fischer): the floor is the larger of the two.
+    """
+    eig = np.asarray(eig_D, np.float64)
+    if eig.size == 0:
+        return 0.0
+    top, trace = max(float(eig.max()), 0.0), float(np.clip(eig, 0.0, None).sum())
+    return max(eig.size * FLOAT32_ROUNDOFF * top, BF16_ROUNDOFF ** 2 * trace if bf16 else 0.0)
+
+
+def floored(eig_D, floor: float) -> np.ndarray:
+    """The spectrum descending in float64, eigenvalues at or under `floor` set to 0."""
+    eig = np.sort(np.asarray(eig_D, np.float64))[::-1]
+    return np.where(eig > floor, eig, 0.0)
 
 
 def _isoscore_of(pcs_D: np.ndarray) -> float | None:
@@ -32,35 +63,59 @@ def _isoscore_of(pcs_D: np.ndarray) -> float | None:
 
 
 def isoscore(eig_D) -> float | None:
-    """IsoScore (Rudman et al. 2022) from the eigenvalues of a point cloud's covariance: the
-    package's IsoScore(points) takes torch.cov (ddof=1) and its singular values; the score is
+    """IsoScore (Rudman et al. 2022) from the (floored) eigenvalues of a point cloud's covariance:
+    the package's IsoScore(points) takes torch.cov (ddof=1) and its singular values; the score is
     invariant to the covariance's scale, so the population covariance (ddof=0) gives the same."""
     return _isoscore_of(np.abs(np.asarray(eig_D, np.float64)))
 
 
 def isoscore_star(eig_D, n: int, zeta: float = ISOSCORE_ZETA) -> float | None:
-    """IsoScore* (Rudman & Eickhoff 2024) as the package's IsoScore_star(points, C0=I, zeta):
-    the sample covariance C (ddof=1, from the population covariance's eigenvalues eig_D of n
-    points) shrunk to (1 - zeta) C + zeta I, whose eigenvalues are (1 - zeta) eig + zeta."""
+    """IsoScore* (Rudman & Eickhoff 2024) as I-STAR's analysis uses it, the package's
+    IsoScore_star(points, C0, zeta) with C0 the covariance (np.cov, ddof=1) of a large sample of the
+    same space: here the exact covariance of all n states of the layer from its streamed second
+    moments, eigenvalues eig_D (ddof=0). Points and C0 are then the same states, so (1 - zeta) C +
+    zeta C0 = C: the score equals IsoScore whatever zeta (a source's states against the layer's C0
+    would differ; not computed, README)."""
     if n < 2:
         return None
     cov_D = np.asarray(eig_D, np.float64) * (n / (n - 1))
-    return _isoscore_of(np.abs((1.0 - zeta) * cov_D + zeta))
+    return _isoscore_of(np.abs((1.0 - zeta) * cov_D + zeta * cov_D))
 
 
 def alpha_req(eig_D) -> float | None:
-    """alpha-ReQ (Agrawal et al. 2022): minus the least-squares slope of log lambda_k against
-    log k (k = 1, 2, ... in descending order) over the eigenvalues above ALPHA_REQ_FLOOR x
-    lambda_1; None with fewer than two of them."""
+    """alpha-ReQ (Agrawal et al. 2022) as reptrix fits it (after Stringer et al. 2019): the decay
+    alpha of lambda_k ~ k^-alpha, by least squares of log lambda_k against log k weighted by 1/k,
+    over the ranks ALPHA_REQ_RANKS (11 to 100) of the descending (floored) spectrum, cut at the
+    last nonzero eigenvalue; None with fewer than two ranks there (D or rank under 12)."""
     eig = np.sort(np.asarray(eig_D, np.float64))[::-1]
-    if eig.size < 2 or not eig[0] > 0:
+    lo, hi = ALPHA_REQ_RANKS
+    hi = min(hi, int((eig > 0).sum()))
+    if hi - lo + 1 < 2:
         return None
-    kept = eig[eig > ALPHA_REQ_FLOOR * eig[0]]
-    if kept.size < 2:
+    k = np.arange(lo, hi + 1, dtype=np.float64)
+    x, y, w = np.log(k), np.log(eig[lo - 1:hi]), 1.0 / k
+    x0, y0 = x - (w @ x) / w.sum(), y - (w @ y) / w.sum()
+    return float(-(w * x0 @ y0) / (w * x0 @ x0))
+
+
+def effective_rank(eig_D) -> float | None:
+    """Roy & Vetterli (2007): exp of the Shannon entropy of p_k = s_k / Sum s_j, s_k =
+    sqrt(lambda_k) the centered states' singular values (floored spectrum); None without variance."""
+    sv = np.sqrt(np.clip(np.asarray(eig_D, np.float64), 0.0, None))
+    if not sv.sum() > 0:
         return None
-    log_k = np.log(np.arange(1, kept.size + 1, dtype=np.float64))
-    log_k0 = log_k - log_k.mean()
-    return float(-(log_k0 @ np.log(kept)) / (log_k0 @ log_k0))
+    p = sv[sv > 0] / sv.sum()
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def erank(eig_D) -> float | None:
+    """Wei et al. (2024)'s effective rank: exp of the Shannon entropy of the eigenvalues (lambda,
+    not sqrt) of a trace-normalized covariance (floored spectrum); None without variance."""
+    lam = np.clip(np.asarray(eig_D, np.float64), 0.0, None)
+    if not lam.sum() > 0:
+        return None
+    p = lam[lam > 0] / lam.sum()
+    return float(np.exp(-(p * np.log(p)).sum()))
 
 
 def rogue_dims(n: int, unit_sum_D, unit_sq_sum_D, top: int = 3) -> list[dict] | None:
