@@ -28,9 +28,9 @@ from test_stats import _feed
 REPO = Path(__file__).resolve().parents[1]
 
 
-def reference(x, zeta=0.75) -> dict:
+def reference(x, zeta=0.75, c0=None) -> dict:
     """Float64 measures of points x [n, D] from their definitions, the IsoScore package for IsoScore
-    and IsoScore* (C0: the points' own covariance, test_author_measures), brute force (per-pair
+    and IsoScore* (C0: c0, by default the points' own covariance), brute force (per-pair
     products) for the rogue dimensions, alpha-ReQ as test_author_measures fits it."""
     x = np.asarray(x, np.float64)
     n, d = x.shape
@@ -41,7 +41,8 @@ def reference(x, zeta=0.75) -> dict:
     top = np.argsort(-c)[:3]
     s2 = (x * x).mean(0)
     return {"isoscore": float(isoscore_package.IsoScore(x)),
-            "isoscore_star": float(isoscore_package.IsoScore_star(x, torch.tensor(np.cov(x.T)), zeta)),
+            "isoscore_star": float(isoscore_package.IsoScore_star(x, torch.tensor(np.cov(x.T) if c0 is None else c0),
+                                                                  zeta)),
             "alpha_req": author_reference(x, False)["alpha_req"],
             "rogue_dims": [{"dim": int(i), "share": c[i] / c.sum()} for i in top],
             "rogue_share_top3": c[top].sum() / c.sum(),
@@ -79,7 +80,9 @@ def test_finalize_geometry_of_layers_and_sources(how, monkeypatch):
     for k in range(2):
         check(out["layers"][k], reference(x[k], zeta=0.3), what=(how, k))
         for g, name in enumerate("abc"):
-            check(out["groups"][name]["layers"][k], reference(x[k, row_group == g], zeta=0.3), what=(how, name, k))
+            # IsoScore* of a source: its covariance shrunk toward the layer's (C0: all its states)
+            ref = reference(x[k, row_group == g], zeta=0.3, c0=np.cov(x[k].astype(np.float64).T))
+            check(out["groups"][name]["layers"][k], ref, what=(how, name, k))
     assert out["layers"][0]["rogue_dims"][0]["dim"] == 5
 
 

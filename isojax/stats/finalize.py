@@ -126,21 +126,24 @@ def _host_eigs(readout):
 GROUP_LANCZOS_STEPS = 128  # 1e-15 of numpy's top eigenvalue on near-isotropic 2048-wide covariances
 
 
-def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, how: str):
+def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, c0_DxD, zeta, how: str):
     """One source's covariances read out for _moments: the centered one whole (its spectrum gives
-    the effective rank) as a tridiagonal form (how="tridiagonal") or a matrix ("matrices"); of
-    the second moment and of the unit vectors' covariance only sigma_1^2 / sum sigma^2, by
-    Lanczos: one Householder reduction per source and state instead of three (bench/RESULTS.md
-    8e); Sum |x|^2 / n; and the [3, D] diagonals of the three matrices."""
+    the effective rank) and IsoScore*'s shrunk covariance (1 - zeta) C + zeta C0 (C the source's
+    sample covariance, ddof = 1; C0 the layer's, c0_DxD), both as tridiagonal forms ([2, D],
+    how="tridiagonal") or matrices ([2, D, D], "matrices"); of the second moment and of the unit
+    vectors' covariance only sigma_1^2 / sum sigma^2, by Lanczos (bench/RESULTS.md 8e); Sum |x|^2 / n;
+    and the [3, D] diagonals of the three matrices."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
     top_2 = jax.vmap(lambda a: _top_eigenvalue(a, GROUP_LANCZOS_STEPS))(mats[1:])
     trace_2 = jnp.trace(mats[1:], axis1=1, axis2=2)
     ratios_2 = jnp.where(trace_2 > 0, top_2 / jnp.where(trace_2 > 0, trace_2, 1.0), jnp.nan)
     diag_3xD = jnp.diagonal(mats, axis1=1, axis2=2)
+    shrunk = (1.0 - zeta) * mats[0] * (n / jnp.maximum(n - 1.0, 1.0)) + zeta * c0_DxD
+    both = jnp.stack([mats[0], shrunk])
     if how == "tridiagonal":
-        _, diag_D, off_D, _ = jax.lax.linalg.tridiagonal(mats[0], lower=True)
-        return (diag_D, off_D), ratios_2, mean_sq_norm, diag_3xD
-    return mats[0], ratios_2, mean_sq_norm, diag_3xD
+        _, diag_2xD, off_2xD, _ = jax.lax.linalg.tridiagonal(both, lower=True)
+        return (diag_2xD, off_2xD), ratios_2, mean_sq_norm, diag_3xD
+    return both, ratios_2, mean_sq_norm, diag_3xD
 
 
 def _float64_m2(m2, unit_m2):
@@ -166,12 +169,16 @@ def _whole_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how
 
 
 @functools.partial(jax.jit, static_argnames=("how",))
-def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, how: str = "tridiagonal"):
+def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, zeta, how: str = "tridiagonal"):
     """One state's covariances of each group (_group_readout), m2 holding each group's
-    (_whole_spectra for the arguments). Apart from _whole_spectra, so that the whole population's
-    metrics, figures and files are ready while the devices reduce these (bench/RESULTS.md 8e)."""
+    (_whole_spectra for the arguments; zeta: IsoScore*'s shrinkage toward the layer's covariance).
+    Apart from _whole_spectra, so that the whole population's metrics, figures and files are ready
+    while the devices reduce these (bench/RESULTS.md 8e)."""
     m2_HxDxD, unit_m2_HxDxD = _float64_m2(m2, unit_m2)
-    return jax.vmap(functools.partial(_group_readout, how=how))(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD)
+    c0 = _combine_m2(n_G, sum_GxD, m2_HxDxD) / jnp.maximum(n_G.sum() - 1.0, 1.0)
+    c0 = (c0 + c0.T) / 2
+    return jax.vmap(functools.partial(_group_readout, how=how), in_axes=(0, 0, 0, 0, None, None))(
+        n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD, c0, zeta)
 
 
 def _whole_readout(eigs):
@@ -200,13 +207,14 @@ def _geometry(n, unit_sum_D, centered_D, diag_3xD, zeta: float) -> dict:
 
 
 def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometry.ISOSCORE_ZETA,
-             bf16: bool = False, unit_D=None):
+             bf16: bool = False, unit_D=None, shrunk_D=None):
     """State-level metrics of one population; readout: (the centered covariance's eigenvalues,
     descending, the uncentered and the unit anisotropy, Sum |x|^2 / n, the [3, D] diagonals of
     _covariances' matrices) (_whole_readout, or a group's part of _bisect_states or _host_eigs),
     or None (no second moments kept for it). zeta: IsoScore*'s shrinkage. bf16: the states were
     bfloat16 (geometry.spectral_floor). unit_D: the unit vectors' covariance eigenvalues, for
-    erank_pooled (None: null)."""
+    erank_pooled (None: null). shrunk_D: the eigenvalues of a source's IsoScore* covariance
+    (1 - zeta) C + zeta C0 (_group_readout); None: the population is the layer, C0 = C."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
@@ -225,6 +233,9 @@ def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometr
                    null_eigenvalues=nulls, rank_deficient=None if nulls is None else nulls > 0,
                    mean_sq_norm=float(mean_sq_norm),
                    **_geometry(n, unit_sum_D, kept_D, np.asarray(diag_3xD), zeta))
+        if shrunk_D is not None and n >= 2:  # IsoScore* is IsoScore of the shrunk covariance (scale-free)
+            floor = geometry.spectral_floor(shrunk_D, bf16)
+            out["isoscore_star"] = geometry.isoscore(geometry.floored(shrunk_D, floor))
     return out
 
 
@@ -298,11 +309,11 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
         args = (f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair)
         _whole_spectra.lower(*args, per_group=per_group, how="tridiagonal").compile()
         # _bisect_states' calls: every state's whole population, then every state's groups
-        parts = [[(3,)] * s] + ([[(num_groups,)] * s] if per_group else [])
+        parts = [[(3,)] * s] + ([[(num_groups, 2)] * s] if per_group else [])
         for part in parts:
             _bisect.lower([f64_on(*k, d) for k in part], [f64_on(*k, d - 1) for k in part]).compile()
         if per_group:
-            _group_spectra.lower(*args, how="tridiagonal").compile()
+            _group_spectra.lower(*args, f64(), how="tridiagonal").compile()
         if sample_count >= BATCH:
             x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
             _batch_anisotropy.lower(x).compile()
@@ -419,7 +430,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         if s in dispatched:
             return dispatched.pop(s)
         with jax.enable_x64(True):
-            return _group_spectra(*state_args(s), how=how)
+            return _group_spectra(*state_args(s), np.float64(isoscore_zeta), how=how)
 
     # the first two states' reductions traced and dispatched here, the rest one ahead by finish_groups
     dispatched = {}
@@ -429,12 +440,14 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     def finish_groups():  # where the second moments are split over devices, not on a thread: see below
         from isojax import faults
         eigs_GxS = [[None] * num_states for _ in range(num_groups)]  # groups with their own second moments
+        shrunk_GxS = [[None] * num_states for _ in range(num_groups)]  # their IsoScore* covariances' eigenvalues
         if per_group_m2:
             groups_S = _read_states(dispatch_groups, num_states, on_cpu,
                                     before_read=lambda: faults.reached("sources_readout"))
             for s, groups in enumerate(groups_S):
                 for g in range(num_groups):
-                    eigs_GxS[g][s] = (groups[0][g], *groups[1][g], groups[2][g], groups[3][g])
+                    eigs_GxS[g][s] = (groups[0][g][0], *groups[1][g], groups[2][g], groups[3][g])
+                    shrunk_GxS[g][s] = groups[0][g][1]
         elif num_groups == 1:
             faults.reached("sources_readout")
             eigs_GxS[0] = [_whole_readout(whole) for whole in reduced]
@@ -443,7 +456,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
             glayers = []
             for s, name in enumerate(state_names):
                 out = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s], norm_GxS[g, s],
-                               eigs_GxS[g][s], isoscore_zeta, bf16)
+                               eigs_GxS[g][s], isoscore_zeta, bf16, shrunk_D=shrunk_GxS[g][s])
                 _log_nulls(f"{name} in {gname}", out)
                 if centered:
                     c = csum_GxSxC[g, s]

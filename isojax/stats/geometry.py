@@ -74,8 +74,9 @@ def isoscore_star(eig_D, n: int, zeta: float = ISOSCORE_ZETA) -> float | None:
     IsoScore_star(points, C0, zeta) with C0 the covariance (np.cov, ddof=1) of a large sample of the
     same space: here the exact covariance of all n states of the layer from its streamed second
     moments, eigenvalues eig_D (ddof=0). Points and C0 are then the same states, so (1 - zeta) C +
-    zeta C0 = C: the score equals IsoScore whatever zeta (a source's states against the layer's C0
-    would differ; not computed, README)."""
+    zeta C0 = C: the score equals IsoScore whatever zeta. A source's states against the layer's C0
+    differ: stats.finalize shrinks each source's covariance toward the layer's and takes IsoScore
+    of that."""
     if n < 2:
         return None
     cov_D = np.asarray(eig_D, np.float64) * (n / (n - 1))
