@@ -346,8 +346,9 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     (the spectral floor, geometry.spectral_floor).
 
     Returns (metrics, finish_groups): with group_names, metrics["groups"] is an empty dict that
-    finish_groups() fills in: it dispatches the groups' reductions to the devices (one Householder
-    reduction per source and state: seconds at 8 sources, bench/RESULTS.md 8e) and reads them out;
+    finish_groups() fills in: it dispatches the groups' reductions to the devices (two Householder
+    reductions per source and state, its covariance's and IsoScore*'s: seconds at 8 sources,
+    bench/RESULTS.md 8e for one) and reads them out;
     run on a thread, the host meanwhile draws and writes what needs only the whole population
     (run/results.py). None without group_names, or where the second moments are split over
     devices: then the groups are read out here (their gathers in this thread's order)."""
