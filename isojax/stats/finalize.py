@@ -221,10 +221,13 @@ def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometr
            "norm_of_mean": float(np.linalg.norm(sum_D) / n) if n else float("nan")}
     if readout is not None and n:
         centered_D, anisotropy_uncentered, unit_anisotropy, mean_sq_norm, diag_3xD = readout
-        floor = geometry.spectral_floor(centered_D, bf16)
-        kept_D = geometry.floored(centered_D, floor)
+        diag_3xD = np.asarray(diag_3xD)
+        # bf16 states: the floor scales with the largest mean square of a coordinate (spectral_floor)
+        mean_sq = float(diag_3xD[1].max()) if bf16 else None
+        unit_mean_sq = float((diag_3xD[2] + (unit_sum_D / n) ** 2).max()) if bf16 else None
+        kept_D = geometry.floored(centered_D, geometry.spectral_floor(centered_D, mean_sq))
         nulls = int((kept_D == 0).sum()) if kept_D[0] > 0 else None
-        unit_kept_D = None if unit_D is None else geometry.floored(unit_D, geometry.spectral_floor(unit_D, bf16))
+        unit_kept_D = None if unit_D is None else geometry.floored(unit_D, geometry.spectral_floor(unit_D, unit_mean_sq))
         out.update(anisotropy=_ratio_top(centered_D),
                    anisotropy_uncentered=float(anisotropy_uncentered),
                    unit_anisotropy=float(unit_anisotropy),
@@ -232,9 +235,9 @@ def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometr
                    erank_pooled=None if unit_kept_D is None else geometry.erank(unit_kept_D),
                    null_eigenvalues=nulls, rank_deficient=None if nulls is None else nulls > 0,
                    mean_sq_norm=float(mean_sq_norm),
-                   **_geometry(n, unit_sum_D, kept_D, np.asarray(diag_3xD), zeta))
+                   **_geometry(n, unit_sum_D, kept_D, diag_3xD, zeta))
         if shrunk_D is not None and n >= 2:  # IsoScore* is IsoScore of the shrunk covariance (scale-free)
-            floor = geometry.spectral_floor(shrunk_D, bf16)
+            floor = geometry.spectral_floor(shrunk_D, mean_sq)
             out["isoscore_star"] = geometry.isoscore(geometry.floored(shrunk_D, floor))
     return out
 

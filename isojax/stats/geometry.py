@@ -23,25 +23,33 @@ FLOAT32_ROUNDOFF = 2.0 ** -24
 BF16_ROUNDOFF = 2.0 ** -9
 
 
-def spectral_floor(eig_D, bf16: bool = False) -> float:
+def spectral_floor(eig_D, bf16_mean_sq: float | None = None) -> float:
     """The eigenvalue below which a streamed covariance's spectrum is rounding, not signal: every
-    spectral measure counts an eigenvalue at or under it as 0 (floored).
+    spectral measure counts an eigenvalue at or under it as 0 (floored). bf16_mean_sq: None for
+    float32 states; for bfloat16 states, the largest mean square of a coordinate, max_i mean_t x_ti^2.
 
-    - D x 2^-24 x lambda_1 (float32 Grams): each batch's Gram is a float32 product; an entry's
-      error is about a unit roundoff of Sum_t |d_ti d_tj|, so the error matrix's norm is about
+    - D x 2^-24 x lambda_1 (float32 Grams): each batch's Gram is a float32 product; an entry's error
+      is about a unit roundoff of Sum_t |d_ti d_tj|, so the error matrix's norm is about
       u x trace <= u x D x lambda_1 (the factor D, not 1, for the summation depth and the blocked
-      products). A LayerNorm state's null eigenvalue measured ~1e-7 lambda_1 at D = 32..64
-      (tests/test_author_measures.py), under 64 x 6e-8 = 3.8e-6 lambda_1.
-    - bf16 states: the deviations are rounded to bf16 before their Gram (accumulators._centered_gram),
-      so the computed Gram is the exact Gram of deviations d_t + r_t with |r_t| <= 2^-9 |d_t|. A
-      direction v null for the d_t holds Sum_t (v . r_t)^2 <= 2^-18 Sum_t |d_t|^2 of it, so the
-      null eigenvalues lie under 2^-18 x trace (Courant-Fischer): the floor is the larger of the two.
+      products). Measured (tests/test_author_measures.py, D = 64): null eigenvalues of 3e-10 to
+      1.5e-7 lambda_1, under 64 x 6e-8 = 3.8e-6 lambda_1.
+    - at least 2^-18 x max(lambda_1, bf16_mean_sq) with bf16 states. The forward rounds each state
+      to bf16 (x_ti + r_ti, independent errors |r_ti| <= 2^-9 |x_ti|, variance <= 2^-18 / 3 x_ti^2),
+      and the step rounds the deviations from the batch mean to bf16 again before their Gram
+      (accumulators._centered_gram, errors relative to d_ti). A direction v null for the exact
+      states then holds, per token on average, at most Sum_i v_i^2 2^-18 / 3 mean_t x_ti^2 <=
+      2^-18 / 3 x bf16_mean_sq of the first and 2^-18 / 3 x lambda_1 of the second: the floor is 3
+      times the larger. Relative to |x|, not to the deviations: a state whose mean dwarfs its
+      spread (a random GPT-2's final LayerNorm in the test: lambda_1 = 0.008, mean_t x_i^2 up to
+      8.5) has its null direction at 2.4e-4 lambda_1 once rounded to bf16. The worst case, every
+      rounding aligned with v (2^-18 x trace), cut eigenvalues that bf16 resolves to 3%.
     """
     eig = np.asarray(eig_D, np.float64)
     if eig.size == 0:
         return 0.0
-    top, trace = max(float(eig.max()), 0.0), float(np.clip(eig, 0.0, None).sum())
-    return max(eig.size * FLOAT32_ROUNDOFF * top, BF16_ROUNDOFF ** 2 * trace if bf16 else 0.0)
+    top = max(float(eig.max()), 0.0)
+    bf16 = 0.0 if bf16_mean_sq is None else BF16_ROUNDOFF ** 2 * max(top, float(bf16_mean_sq))
+    return max(eig.size * FLOAT32_ROUNDOFF * top, bf16)
 
 
 def floored(eig_D, floor: float) -> np.ndarray:
