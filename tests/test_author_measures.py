@@ -32,10 +32,10 @@ from isojax.stats import finalize as fz
 
 
 def floor_of(lam, points, bf16):
-    """The documented floor (README "Measures"): D 2^-24 lambda_1; with bf16 states at least
+    """The documented floor (README "Measures"): 64 x 2^-24 lambda_1; with bf16 states at least
     2^-18 max(lambda_1, the largest mean square of a coordinate of the points)."""
     scale = max(lam[0], (points * points).mean(0).max()) if bf16 else 0.0
-    return max(lam.size * 2.0 ** -24 * lam[0], 2.0 ** -18 * scale)
+    return max(64 * 2.0 ** -24 * lam[0], 2.0 ** -18 * scale)
 
 
 def entropy_exp(p):

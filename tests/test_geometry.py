@@ -154,3 +154,18 @@ def test_linear_cka_against_centered_gram_hsic(n):
             assert abs(matrix[i][j] - hsic_cka(a, b)) < 1e-10
     const = np.ones_like(x)
     assert geometry.linear_cka(x, const) is None
+
+
+def test_spectral_floor_takes_rounding_and_keeps_an_anisotropic_spectrum():
+    """The floor (README "Measures"): 64 x 2^-24 lambda_1; with bf16 states at least 2^-18 x
+    max(lambda_1, max_i mean x_i^2). A state at D = 2048 whose lambda_1 is 0.9 of the trace keeps
+    its other 2047 eigenvalues (5e-5 lambda_1 on average; D x 2^-24 lambda_1 would floor most),
+    and loses a null eigenvalue at float32 noise (2.5 u lambda_1) or at bf16 rounding of its values."""
+    rng = np.random.default_rng(3)
+    rest = rng.uniform(0.2, 1.8, 2047) * 0.1 / 2047
+    eig = np.r_[0.9, rest, 2.5 * 2.0 ** -24 * 0.9]
+    assert (geometry.floored(eig, geometry.spectral_floor(eig)) > 0).sum() == 2048
+    assert geometry.spectral_floor(eig) == 64 * 2.0 ** -24 * 0.9
+    assert geometry.spectral_floor(eig, bf16_mean_sq=0.1) == 2.0 ** -18 * 0.9  # lambda_1 the larger
+    assert geometry.spectral_floor(eig, bf16_mean_sq=50.0) == 2.0 ** -18 * 50.0  # a mean that dwarfs the spread
+    assert geometry.spectral_floor(np.zeros(3)) == 0.0

@@ -20,6 +20,7 @@ ISOSCORE_ZETA = 0.75
 # np.arange(10, 100), 0-based): ranks 11 to 100 of the descending spectrum.
 ALPHA_REQ_RANKS = (11, 100)
 FLOAT32_ROUNDOFF = 2.0 ** -24
+FLOOR_ULPS = 64  # the float32 floor in unit roundoffs of lambda_1 (spectral_floor)
 BF16_ROUNDOFF = 2.0 ** -9
 
 
@@ -28,11 +29,13 @@ def spectral_floor(eig_D, bf16_mean_sq: float | None = None) -> float:
     spectral measure counts an eigenvalue at or under it as 0 (floored). bf16_mean_sq: None for
     float32 states; for bfloat16 states, the largest mean square of a coordinate, max_i mean_t x_ti^2.
 
-    - D x 2^-24 x lambda_1 (float32 Grams): each batch's Gram is a float32 product; an entry's error
-      is about a unit roundoff of Sum_t |d_ti d_tj|, so the error matrix's norm is about
-      u x trace <= u x D x lambda_1 (the factor D, not 1, for the summation depth and the blocked
-      products). Measured (tests/test_author_measures.py, D = 64): null eigenvalues of 3e-10 to
-      1.5e-7 lambda_1, under 64 x 6e-8 = 3.8e-6 lambda_1.
+    - FLOOR_ULPS x 2^-24 x lambda_1 (float32 Grams). A null eigenvalue's computed value is the Gram's
+      rounding error in that direction: measured within 2.5 u x lambda_1 (1.5e-7 lambda_1 for an
+      embedding's null space at D = 64 on the CPU, tests/test_author_measures.py; ~1e-7 lambda_1
+      for a LayerNorm's on a GPU, issue 45), so 64 u leaves a margin of 25. Not D u lambda_1, the
+      bound if each of D summed terms added u: at D = 2048 that is 1.2e-4 lambda_1, above most of
+      the spectrum of an anisotropic state (lambda_1 = 0.9 of the trace leaves the others 5e-5
+      lambda_1 on average), which it would call null.
     - at least 2^-18 x max(lambda_1, bf16_mean_sq) with bf16 states. The forward rounds each state
       to bf16 (x_ti + r_ti, independent errors |r_ti| <= 2^-9 |x_ti|, variance <= 2^-18 / 3 x_ti^2),
       and the step rounds the deviations from the batch mean to bf16 again before their Gram
@@ -49,7 +52,7 @@ def spectral_floor(eig_D, bf16_mean_sq: float | None = None) -> float:
         return 0.0
     top = max(float(eig.max()), 0.0)
     bf16 = 0.0 if bf16_mean_sq is None else BF16_ROUNDOFF ** 2 * max(top, float(bf16_mean_sq))
-    return max(eig.size * FLOAT32_ROUNDOFF * top, bf16)
+    return max(FLOOR_ULPS * FLOAT32_ROUNDOFF * top, bf16)
 
 
 def floored(eig_D, floor: float) -> np.ndarray:
