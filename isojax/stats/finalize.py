@@ -139,11 +139,10 @@ def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, c0_DxD, zeta, how: str):
     ratios_2 = jnp.where(trace_2 > 0, top_2 / jnp.where(trace_2 > 0, trace_2, 1.0), jnp.nan)
     diag_3xD = jnp.diagonal(mats, axis1=1, axis2=2)
     shrunk = (1.0 - zeta) * mats[0] * (n / jnp.maximum(n - 1.0, 1.0)) + zeta * c0_DxD
-    both = jnp.stack([mats[0], shrunk])
-    if how == "tridiagonal":
-        _, diag_2xD, off_2xD, _ = jax.lax.linalg.tridiagonal(both, lower=True)
-        return (diag_2xD, off_2xD), ratios_2, mean_sq_norm, diag_3xD
-    return both, ratios_2, mean_sq_norm, diag_3xD
+    if how == "tridiagonal":  # one matrix at a time: no [2, D, D] copy on the device
+        forms = [jax.lax.linalg.tridiagonal(m, lower=True)[1:3] for m in (mats[0], shrunk)]
+        return tuple(jnp.stack(parts) for parts in zip(*forms)), ratios_2, mean_sq_norm, diag_3xD
+    return jnp.stack([mats[0], shrunk]), ratios_2, mean_sq_norm, diag_3xD
 
 
 def _float64_m2(m2, unit_m2):
