@@ -226,7 +226,8 @@ def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometr
         unit_mean_sq = float((diag_3xD[2] + (unit_sum_D / n) ** 2).max()) if bf16 else None
         kept_D = geometry.floored(centered_D, geometry.spectral_floor(centered_D, mean_sq))
         nulls = int((kept_D == 0).sum()) if kept_D[0] > 0 else None
-        unit_kept_D = None if unit_D is None else geometry.floored(unit_D, geometry.spectral_floor(unit_D, unit_mean_sq))
+        unit_floor = None if unit_D is None else geometry.spectral_floor(unit_D, unit_mean_sq)
+        unit_kept_D = None if unit_D is None else geometry.floored(unit_D, unit_floor)
         out.update(anisotropy=_ratio_top(centered_D),
                    anisotropy_uncentered=float(anisotropy_uncentered),
                    unit_anisotropy=float(unit_anisotropy),
