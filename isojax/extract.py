@@ -119,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "only; on CPU no sample is kept unless asked for")
     ap.add_argument("--intrinsic-k", type=positive_int, default=20, metavar="k",
                     help="neighbours for the MLE and MoM intrinsic dimension (default: 20)")
-    ap.add_argument("--isoscore-zeta", type=zeta_fraction, default=0.2, metavar="ZETA",
-                    help="IsoScore*'s covariance shrinkage (1 - ZETA) C + ZETA I, 0 to 1 (default: 0.2, "
-                         "Rudman & Eickhoff 2024)")
+    ap.add_argument("--isoscore-zeta", type=zeta_fraction, default=0.75, metavar="ZETA",
+                    help="IsoScore*'s covariance shrinkage (1 - ZETA) C + ZETA C0, 0 to 1, C0 the covariance of all "
+                         "the layer's states (default: 0.75, I-STAR's analysis, Rudman & Eickhoff 2024)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
     ap.add_argument("--skip-positions", type=non_negative_int, default=0, metavar="K",
                     help="leave the first K positions of every sequence (window) out of every statistic; the model "

@@ -117,10 +117,9 @@ def test_metrics_match_float64_reference_from_hugging_face(tmp_path, monkeypatch
         for got, want in zip(got_src["layers"], ref_src):
             for key in ("inter_sim", "anisotropy", "anisotropy_uncentered", "unit_anisotropy"):
                 assert abs(got[key] - want[key]) < 2e-5, (src, got["name"], key)
-            # final_ln's states lie in a hyperplane (LayerNorm): its zero eigenvalue is ~1e-7 of the
-            # largest after float32 accumulation, and the square root makes that ~3e-4 of sigma_1
-            rel = 1e-4 if got["name"] == "final_ln" else 1e-6
-            assert got["effective_rank"] == pytest.approx(want["effective_rank"], rel=rel), (src, got["name"])
+            # final_ln's states lie in a hyperplane (LayerNorm): its zero eigenvalue, ~1e-7 of the
+            # largest after float32 accumulation, is under the spectral floor (README "Measures")
+            assert got["effective_rank"] == pytest.approx(want["effective_rank"], rel=1e-6), (src, got["name"])
     assert (out / "layers.csv").read_text().splitlines()[0].startswith("name,")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["weight_checksum"].startswith("sha256:") and manifest["tokens"] == metrics["tokens"]

@@ -7,7 +7,7 @@
 Columns: model, revision, step (the training step the revision names, else null), layer (its
 name), layer_index (0 = embed), tokens, then every measure of the layer as layers.csv has it
 (isojax.run.results.flat_layer: rogue_dim_1, rogue_share_1, ..., inter_sim_pos_0, ...) and, for
-a sweep, diff_erank (isojax.run.sweep_files). A measure a run lacks is NaN/None in its rows.
+a sweep, diff_erank_pooled (isojax.run.sweep_files). A measure a run lacks is NaN/None in its rows.
 A sweep is read from its step folders' metrics.json (whole results only, as isojax's record says);
 a sweep folder whose step folders are gone is read from its sweep.csv.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 from isojax.errors import UserError
 from isojax.run import outdir
 from isojax.run.names import checkpoint_name, revision_name
-from isojax.run.results import flat_layer
+from isojax.run.results import BEFORE_FLOOR, flat_layer
 from isojax.run.sweep_files import add_diff_erank, revision_order
 from isojax.steps import step_of
 
@@ -72,6 +72,12 @@ def _from_sweep_csv(path: Path):
     outdir.check_results(path.parent, reads=(path.name,))
     df = pd.read_csv(path).rename(columns={"name": "layer"})
     df["layer_index"] = df.groupby(["model", "revision"], sort=False).cumcount()
+    # rows written before the spectral floor (results.flat_layer): their changed measures are n/a, and
+    # the older diff_erank (effective_rank from the first checkpoint) is not diff_erank_pooled
+    before = df["null_eigenvalues"].isna() if "null_eigenvalues" in df.columns else pd.Series(True, index=df.index)
+    for key in (*BEFORE_FLOOR, "diff_erank"):
+        if key in df.columns:
+            df[key] = df[key].where(~before)
     return df
 
 
