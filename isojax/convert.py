@@ -6,15 +6,14 @@ record), and the user's files there stay."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from isojax.errors import UserError, run_command
+from isojax.errors import ArgumentParser, UserError, run_command
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m isojax.convert", description=__doc__)
+    ap = ArgumentParser(prog="python -m isojax.convert", description=__doc__)
     ap.add_argument("src", help="Hugging Face checkpoint directory, preset (pythia-1.4b), or hub id (org/name)")
     ap.add_argument("--out", required=True, help="folder to write the converted checkpoint into (one that holds "
                     "isojax's results already only with --overwrite)")

@@ -1,8 +1,10 @@
 """User-facing errors: the command-line entry points print these as one short line and exit 2."""
 
+import argparse
 import errno
 import os
 import re
+import sys
 
 from isojax.log import log
 
@@ -13,6 +15,16 @@ class UserError(Exception):
     The message must be complete and short: the CLI prints `error: <message>` and exits
     with status 2, never a traceback.
     """
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse as every command uses it: a mistake on the command line (a bad value, an unknown or
+    missing option) is one line `error: ...` on stderr and exit status 2, as a UserError is; the
+    usage is printed by --help only."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 class Busy(UserError):
@@ -67,7 +79,6 @@ def run_command(body, args) -> int:
     """Run a command-line body: bad input (UserError), a full disk or a device out of memory ->
     one line `error: ...` on stderr and exit status 2; SIGTERM after its checkpoint -> 143;
     Ctrl-C -> 130; anything else is a bug and raises."""
-    import sys
     try:
         body(args)
     except UserError as e:

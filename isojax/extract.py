@@ -16,7 +16,7 @@ from pathlib import Path
 
 from isojax.run.measure import DEFAULT_MODEL
 from isojax.run.plan import CPU_DEFAULT_MAX_TOKENS
-from isojax.errors import UserError, exit_with, run_command
+from isojax.errors import ArgumentParser, UserError, exit_with, run_command
 
 
 def zeta_fraction(text: str) -> float:
@@ -49,8 +49,14 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def target_name(text: str) -> str:
+    if not text.strip():  # not "this machine": that is --dry-run without --target
+        raise argparse.ArgumentTypeError(f"expected a kind of slice such as tpu-v5e-8 or gpu-h100-8, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m isojax.extract", description=__doc__)
+    ap = ArgumentParser(prog="python -m isojax.extract", description=__doc__)
     ap.add_argument("--model", action="append", default=None,
                     help="preset (pythia-1.4b, pythia-410m-deduped, ...), random:<preset> (random weights), a local "
                          f"checkpoint directory, or a hub id; default {DEFAULT_MODEL}, falling back to "
@@ -115,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "only; on CPU no sample is kept unless asked for")
     ap.add_argument("--intrinsic-k", type=positive_int, default=20, metavar="k",
                     help="neighbours for the MLE and MoM intrinsic dimension (default: 20)")
-    ap.add_argument("--isoscore-zeta", type=zeta_fraction, default=0.2, metavar="ZETA",
-                    help="IsoScore*'s covariance shrinkage (1 - ZETA) C + ZETA I, 0 to 1 (default: 0.2, "
-                         "Rudman & Eickhoff 2024)")
+    ap.add_argument("--isoscore-zeta", type=zeta_fraction, default=0.75, metavar="ZETA",
+                    help="IsoScore*'s covariance shrinkage (1 - ZETA) C + ZETA C0, 0 to 1, C0 the covariance of all "
+                         "the layer's states (default: 0.75, I-STAR's analysis, Rudman & Eickhoff 2024)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
     ap.add_argument("--skip-positions", type=non_negative_int, default=0, metavar="K",
                     help="leave the first K positions of every sequence (window) out of every statistic; the model "
@@ -145,9 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="multi-host: the coordinator (process 0) address; with --num-processes, --process-id")
     scale.add_argument("--num-processes", type=positive_int, default=None, help="multi-host: number of processes")
-    scale.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (0 ...)")
+    scale.add_argument("--process-id", type=non_negative_int, default=None, help="multi-host: this process's index (0 ...)")
     scale.add_argument("--coordinator-timeout", type=positive_int, default=120, metavar="SECONDS",
                        help="multi-host: how long to wait for the coordinator and the other processes (default: 120)")
+    scale.add_argument("--shutdown-timeout", type=positive_int, default=3600, metavar="SECONDS",
+                       help="multi-host: how long the end of a run waits for the slowest process, once the results "
+                            "are written (default: 3600); a process later than that is a warning")
     scale.add_argument("--distributed", action="store_true",
                        help="multi-host: join the run described by the cluster's environment "
                             "(TPU pod slice, SLURM, Open MPI), as jax.distributed.initialize() finds it")
@@ -156,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="decide everything a run decides before its first batch (mesh, kernels, rows, memory per "
                            "device, sample, output size) and lower the step for the target, without weights or "
                            "reading the corpus; printed and written to OUT/plan.json")
-    plan.add_argument("--target", default=None, metavar="KIND",
+    plan.add_argument("--target", type=target_name, default=None, metavar="KIND",
                       help="with --dry-run: plan for tpu-v4-N, tpu-v5e-N, tpu-v5p-N, tpu-v6e-N (N: chips; TensorCores "
                            "for v4 and v5p), gpu-h100-N, gpu-h200-N, gpu-a100-40g-N or gpu-a100-80g-N; default: this "
                            "machine")
@@ -205,14 +214,16 @@ def check_free_space(out: Path, config) -> None:
     base = next(p for p in [out, *out.absolute().parents] if p.exists())
     free = shutil.disk_usage(base).free
     if need > free:
+        from isojax.log import gb_apart
+        need_gb, free_gb = gb_apart(need, free)
         raise UserError(f"the results{' and checkpoints' if every else ''} of this run need up to about "
-                        f"{need / 1e9:.1f} GB in {out}, and its disk has {free / 1e9:.1f} GB free; free space or "
+                        f"{need_gb} in {out}, and its disk has {free_gb} free; free space or "
                         "choose another --out" + (" (or leave out --save-token-sums)" if config.stats.save_token_sums
                                                  else ""))
 
 
 def run(args) -> Path:
-    if args.dry_run or args.target:
+    if args.dry_run or args.target is not None:  # --target '' is a mistake (target_name), not this machine
         if not args.dry_run:
             raise UserError("--target plans for other hardware: it goes with --dry-run")
         from isojax.run.dry_run import dry_run
@@ -220,7 +231,7 @@ def run(args) -> Path:
     from isojax.device import checkpoints as checkpointing
     from isojax.device import mesh as parallel
     parallel.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
-                        timeout_s=args.coordinator_timeout)
+                        timeout_s=args.coordinator_timeout, shutdown_timeout_s=args.shutdown_timeout)
     from isojax.run.config import MeasureConfig, cli_options
     from isojax.run.measure import start_measure
     from isojax.steps import paper_steps
@@ -246,6 +257,7 @@ def run(args) -> Path:
                   config=MeasureConfig.build(**options), shard=shard)
         log(f"{len(models) * len(revisions)} steps{f' (shard {shard[0]}/{shard[1]})' if shard[1] > 1 else ''}; "
             f"results in {out}/<model>/<revision>/ and {out / 'sweep.csv'}")
+        parallel.finish(args.shutdown_timeout)
         return out
     if args.delete_downloads:
         raise UserError("--delete-downloads applies to sweeps (--revisions, --paper-steps or several --model)")
@@ -274,6 +286,7 @@ def run(args) -> Path:
         "device loop of one batch (too short to time)"
     log(f"{tokens:,} tokens: wall {wall:.1f} s ({tokens / max(wall, 1e-9):,.0f} tokens/s), {loop_text} "
         f"+ compile {t['compile']:.1f} s; results in {out}")
+    parallel.finish(args.shutdown_timeout)  # after the commit: a slow host at the end is a warning
     return out
 
 

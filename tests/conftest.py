@@ -41,11 +41,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU (the GPU lane: pytest -m gpu)"))
 
 
+# Packages the tests compare against (pyproject's `test` extra, not isojax's dependencies): a host may
+# lack one (the GPU lane's did IsoScore); a test that needs one asks need(), so it is skipped there,
+# saying why, instead of failing, or failing its whole file at collection.
+REFERENCE_PACKAGES = ("torch", "IsoScore", "skdim")
+
+
+def need(module: str):
+    """The reference package `module` (or a module of it), imported; the test is skipped without it."""
+    assert module.split(".")[0] in REFERENCE_PACKAGES, module
+    return pytest.importorskip(module, reason=f"reference package {module.split('.')[0]} is not installed on this "
+                                              "host (pip install -e '.[test]')")
+
+
 def build_hf_checkpoint(directory, *, seed=0, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                         intermediate_size=None, rotary_pct=0.25, parallel=True, hidden_act="gelu",
                         tokenizer=True, **save_kwargs):
     """GPTNeoXForCausalLM with random weights (LayerNorms randomized too) saved with save_pretrained."""
-    import torch
+    torch = need("torch")
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
@@ -67,7 +80,7 @@ def build_hf_checkpoint(directory, *, seed=0, vocab_size=512, hidden_size=64, nu
 
 def hf_states(model, ids) -> np.ndarray:
     """Reference: Hugging Face's L+1 hidden states plus the raw last block (forward hook), [L+2, T, D] float64."""
-    import torch
+    torch = need("torch")
 
     captured = {}
     hook = model.gpt_neox.layers[-1].register_forward_hook(

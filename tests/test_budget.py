@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from isojax.data import load_corpus, tokenize_corpus, units
+from isojax.data import load_corpus, readers, tokenize_corpus, units
 from isojax.data import tokens as tokens_mod
 from isojax.errors import UserError
 
@@ -95,12 +95,9 @@ def test_a_cache_serves_only_its_own_budget(tmp_path, tok):
     assert len(list((tmp_path / "c").iterdir())) == 5
 
 
-def test_a_budget_reads_and_tokenizes_only_its_share(tmp_path, tok, monkeypatch):
-    """A long one-line text: tokenizing stops at the budget; its text is split and encoded only
-    a little past it (counted: characters given to the tokenizer and to the sentence splitter)."""
-    line = " ".join(" ".join((DATA / "moby-dick.txt").read_text().split()) for _ in range(80))  # 4 MB, one line
-    (tmp_path / "big.txt").write_text(line)
-    (tmp_path / "small.txt").write_text("A second source. It is short.")
+def count_characters(monkeypatch):
+    """(characters given to the tokenizer, characters given to the sentence splitter): lists that
+    the build fills, one entry a call."""
     encoded, split = [], []
 
     class Spy:
@@ -118,6 +115,16 @@ def test_a_budget_reads_and_tokenizes_only_its_share(tmp_path, tok, monkeypatch)
     monkeypatch.setattr(tokens_mod, "backend_tokenizer", lambda t: Spy(backend(t)))
     words = units._WORDS.tokenize
     monkeypatch.setattr(units._WORDS, "tokenize", lambda text: (split.append(len(text)), words(text))[1])
+    return encoded, split
+
+
+def test_a_budget_reads_and_tokenizes_only_its_share(tmp_path, tok, monkeypatch):
+    """A long one-line text: tokenizing stops at the budget; its text is split and encoded only
+    a little past it (counted: characters given to the tokenizer and to the sentence splitter)."""
+    line = " ".join(" ".join((DATA / "moby-dick.txt").read_text().split()) for _ in range(80))  # 4 MB, one line
+    (tmp_path / "big.txt").write_text(line)
+    (tmp_path / "small.txt").write_text("A second source. It is short.")
+    encoded, split = count_characters(monkeypatch)
     corpus = load_corpus([str(tmp_path / "big.txt"), str(tmp_path / "small.txt")], max_tokens=8192)
     cache = tokenize_corpus(corpus, tok, cache_dir=tmp_path / "c", max_len=512)
     counts = cache.source_counts()
@@ -126,6 +133,21 @@ def test_a_budget_reads_and_tokenizes_only_its_share(tmp_path, tok, monkeypatch)
     assert len(line) > 3_000_000 and sum(encoded) < 100_000 and sum(split) < 200_000, (sum(encoded), sum(split))
     first = [i for s in units.split_sentences(line[:60_000]) for i in tok.encode(s).ids][:4096]
     assert np.asarray(cache.tokens[:4096]).tolist() == first
+
+
+def test_a_budget_reads_a_text_without_sentence_ends_only_as_far_as_its_share(tmp_path, tok, monkeypatch):
+    """A one-line text with no sentence end (code, minified data): split and encoded only a little
+    past the budget too, not whole before its first unit comes out (issue 48.6)."""
+    words = "".join(c for c in (DATA / "moby-dick.txt").read_text() if c not in ".!?;:\"\'").split()
+    line = " ".join(words * 50)  # 2.3 MB, one line, no sentence end
+    (tmp_path / "code.txt").write_text(line)
+    encoded, split = count_characters(monkeypatch)
+    cache = tokenize_corpus(load_corpus([str(tmp_path / "code.txt")], max_tokens=4096), tok,
+                            cache_dir=tmp_path / "c", max_len=512)
+    assert cache.n_tokens == 4096
+    assert len(line) > 2_000_000 and sum(split) <= 3 * units._WINDOW and sum(encoded) < 100_000, \
+        (sum(split), sum(encoded))  # before: split whole (2.3M characters), then 64K tokenized
+    assert np.asarray(cache.tokens).tolist() == tok.encode(line[:40_000]).ids[:4096]
 
 
 def test_a_source_with_no_tokens_is_named(tmp_path, tok, capsys):
@@ -142,8 +164,9 @@ def test_a_source_with_no_tokens_is_named(tmp_path, tok, capsys):
         tokenize_corpus(load_corpus(paths, max_tokens=100), tok, cache_dir=tmp_path / "c", max_len=64)
 
 
-def test_bad_budgets_are_user_errors(tmp_path):
+def test_bad_budgets_are_user_errors(tmp_path, monkeypatch):
     paths = write_sources(tmp_path / "data")
+    monkeypatch.setattr(readers, "check_hub_dataset", lambda inp: None)  # it is there (offline: tests/test_messages.py)
     for kwargs, message in ((dict(max_tokens=0), "--max-tokens must be a positive integer"),
                             (dict(max_tokens_per_source=-5), "--max-tokens-per-source must be a positive"),
                             (dict(max_tokens_per_source=2.5), "--max-tokens-per-source must be a positive")):
@@ -180,9 +203,10 @@ def test_a_run_measures_every_sources_share(tmp_path, monkeypatch, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
-def test_the_flags(tmp_path, capsys):
+def test_the_flags(tmp_path, capsys, monkeypatch):
     from isojax.extract import build_parser, main
     paths = write_sources(tmp_path / "data")
+    monkeypatch.setattr(readers, "check_hub_dataset", lambda inp: None)  # it is there
     for args, message in ((["--max-tokens-per-source", "0"], "positive integer"),
                           (["--data", paths[0], "--data", paths[1], "--max-tokens", "1"], "less than one token"),
                           (["--data", "hub:some/dataset", "--max-tokens", "10"], "name them with --source")):

@@ -5,6 +5,8 @@ Expected token ids are computed here by encoding the texts directly with `tokeni
 
 import gzip
 import json
+import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -329,17 +331,21 @@ def test_bad_input_is_a_user_error(tmp_path, tok, name):
     assert not list((tmp_path / "c").glob(".tmp*"))  # a failed build leaves nothing behind
 
 
-def test_a_few_bad_records_are_skipped_with_warnings(tmp_path, tok):
+def test_a_few_bad_records_are_skipped_with_warnings(tmp_path, tok, capsys):
     lines = [json.dumps({"text": f"Record {i}."}) for i in range(6)]
     lines[1] = "{oops"
     lines[4] = json.dumps({"meta": {}})
     (tmp_path / "f.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.warns(UserWarning) as caught:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no Python warning, with its source line: isojax's warning: lines
         cache = tokenize_corpus(load_corpus([str(tmp_path / "f.jsonl")]), tok, cache_dir=tmp_path / "c",
                                 max_len=64, workers=1)
-    messages = [str(w.message) for w in caught]
-    assert any("f.jsonl:2: malformed JSON" in m for m in messages)
-    assert any("f.jsonl:5: record has no 'text' field" in m for m in messages)
+    lines = capsys.readouterr().err.splitlines()
+    path = tmp_path / "f.jsonl"
+    assert lines == [f"isojax: warning: {path}:2: malformed JSON (Expecting property name enclosed in double quotes "
+                     "at column 2); record skipped",
+                     f"isojax: warning: {path}:5: record has no 'text' field; record skipped",
+                     f"isojax: warning: {path}: skipped 2 bad records in total"]
     assert cache.n_sequences == 4 and cache.meta["bad_records"] == 2
     assert cache.n_tokens == sum(len(encode(tok, f"Record {i}.")) for i in (0, 2, 3, 5))
 
@@ -358,12 +364,14 @@ def test_no_special_tokens_and_no_truncation(tmp_path, records):
     check_cache(cache, *expected(plain, records[:10]))
 
 
-def test_damaged_cache_is_rebuilt(tmp_path, tok, records):  # more damage: tests/test_data_integrity.py
+def test_damaged_cache_is_rebuilt(tmp_path, tok, records, capsys):  # more damage: tests/test_data_integrity.py
     path = write_jsonl(tmp_path / "c.jsonl", records[:5])
     cache = tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "c", max_len=64, workers=1)
     ids = np.array(cache.tokens)
     with open(cache.path / "tokens.bin", "r+b") as f:
         f.truncate(8)
-    with pytest.warns(UserWarning, match=r"is damaged \(tokens.bin: 8 bytes, expected \d+\); rebuilding it"):
-        again = tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "c", max_len=64, workers=1)
+    capsys.readouterr()
+    again = tokenize_corpus(load_corpus([path]), tok, cache_dir=tmp_path / "c", max_len=64, workers=1)
+    assert re.fullmatch(rf"isojax: warning: token cache {re.escape(str(cache.path))} is damaged \(tokens.bin: 8 bytes, "
+                        r"expected \d+\); rebuilding it\n", capsys.readouterr().err)
     assert not again.from_cache and np.array_equal(again.tokens, ids)

@@ -5,6 +5,7 @@ worker processes and no `.tmp-*` folder behind. CPU, offline."""
 import gzip
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -149,12 +150,14 @@ FAST_DAMAGE = {"token_minus_one_crc_fixed", "tokens_truncated", "meta_missing"} 
 
 
 @pytest.mark.parametrize("damage", [pytest.param(d, marks=[] if d in FAST_DAMAGE else pytest.mark.slow) for d in DAMAGE])
-def test_a_damaged_cache_is_rebuilt_with_a_warning(cached, tok, damage):
+def test_a_damaged_cache_is_rebuilt_with_a_warning(cached, tok, damage, capsys):
     paths, cache_dir, folder, arrays = cached
     harm, why = DAMAGE[damage]
     harm(folder)
-    with pytest.warns(UserWarning, match=rf"token cache .*{folder.name} is damaged \({why}.*\); rebuilding it"):
-        again = build(paths, tok, cache_dir)
+    capsys.readouterr()
+    again = build(paths, tok, cache_dir)
+    assert re.fullmatch(rf"isojax: warning: token cache \S*{folder.name} is damaged \({why}.*\); rebuilding it\n",
+                        capsys.readouterr().err)
     assert not again.from_cache and again.path == folder and again.source_names == ["Books3", "PG-19"]
     for name, a in arrays.items():
         np.testing.assert_array_equal(np.fromfile(folder / name, a.dtype), a)
@@ -176,8 +179,10 @@ def test_a_long_paragraph_is_split_a_window_at_a_time(monkeypatch):
     whole = units.split_sentences(one)
     monkeypatch.setattr(units, "_WINDOW", 3000, raising=False)
     assert units.split_sentences(one) == whole  # the same sentences
-    long_sentence = "word " * 3000 + "end. Next one."  # a sentence longer than a window continues
-    assert units.split_sentences(long_sentence) == [long_sentence[:-10], "Next one."]
+    long_sentence = "word " * 3000 + "end. Next one."  # a window with no sentence end is a unit
+    pieces = units.split_sentences(long_sentence)
+    assert " ".join(pieces) == long_sentence.strip() and pieces[-1] == "Next one." and pieces[-2].endswith("end.")
+    assert all(len(p) <= 3000 for p in pieces) and len(pieces) > 5
     tracemalloc.start()
     try:
         units.split_sentences(one)
@@ -185,6 +190,26 @@ def test_a_long_paragraph_is_split_a_window_at_a_time(monkeypatch):
     finally:
         tracemalloc.stop()
     assert peak < 10 * len(one), peak  # today: ~40 bytes a character (syntok's tokens of all of it)
+
+
+@pytest.mark.parametrize("window", [1 << 16, 2000])
+def test_sentences_of_normal_text_are_syntoks_of_each_whole_paragraph(monkeypatch, window):
+    """Reference: syntok itself over each whole paragraph (whitespace collapsed by str.split), no
+    windows, no pieces; windows of 2000 characters cut every paragraph of the books' excerpts."""
+    from syntok.segmenter import split
+    from syntok.tokenizer import Tokenizer as Words
+
+    monkeypatch.setattr(units, "_WINDOW", window)
+    for name in ("moby-dick.txt", "tinyshakespeare.txt"):
+        text = (DATA / name).read_text()
+        for block in [text, " ".join(text.split())]:  # its paragraphs, and all of it as one
+            want = []
+            for para in (" ".join(b.split()) for b in block.split("\n\n") if b.strip()):
+                starts = [sent[0].offset for sent in split(Words().tokenize(para)) if sent]
+                starts[0] = 0
+                want += [para[a:b].strip() for a, b in zip(starts, starts[1:] + [len(para)])]
+            assert max(map(len, want)) < window * 7 // 8
+            assert units.split_sentences(block) == want
 
 
 def test_a_long_unit_is_tokenized_in_bounded_pieces(monkeypatch, tok):

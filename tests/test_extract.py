@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import ACCELERATOR_ENV, ACCELERATOR_FLAGS, TOKENIZER_JSON, build_hf_checkpoint, hf_states
+from conftest import ACCELERATOR_ENV, ACCELERATOR_FLAGS, TOKENIZER_JSON, build_hf_checkpoint, hf_states, need
 from isojax.run.plan import CPU_DEFAULT_MAX_TOKENS
 from isojax.extract import main
 
@@ -117,10 +117,9 @@ def test_metrics_match_float64_reference_from_hugging_face(tmp_path, monkeypatch
         for got, want in zip(got_src["layers"], ref_src):
             for key in ("inter_sim", "anisotropy", "anisotropy_uncentered", "unit_anisotropy"):
                 assert abs(got[key] - want[key]) < 2e-5, (src, got["name"], key)
-            # final_ln's states lie in a hyperplane (LayerNorm): its zero eigenvalue is ~1e-7 of the
-            # largest after float32 accumulation, and the square root makes that ~3e-4 of sigma_1
-            rel = 1e-4 if got["name"] == "final_ln" else 1e-6
-            assert got["effective_rank"] == pytest.approx(want["effective_rank"], rel=rel), (src, got["name"])
+            # final_ln's states lie in a hyperplane (LayerNorm): its zero eigenvalue, ~1e-7 of the
+            # largest after float32 accumulation, is under the spectral floor (README "Measures")
+            assert got["effective_rank"] == pytest.approx(want["effective_rank"], rel=1e-6), (src, got["name"])
     assert (out / "layers.csv").read_text().splitlines()[0].startswith("name,")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["weight_checksum"].startswith("sha256:") and manifest["tokens"] == metrics["tokens"]
@@ -299,7 +298,7 @@ def test_overwrite_replaces_all_results(tmp_path, monkeypatch):
 def test_sample_states_intrinsic_dimension_and_batch_anisotropy(tmp_path, monkeypatch):
     """--sample-states: metrics.json's intrinsic dimension equals scikit-dimension on the sample
     written to samples.zarr, and the batch anisotropy numpy's SVD of its batches of 4096."""
-    import skdim
+    skdim = need("skdim")
     import tensorstore as ts
 
     from isojax.stats import intrinsic

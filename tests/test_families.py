@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import TOKENIZER_JSON, max_rel_error
+from conftest import TOKENIZER_JSON, max_rel_error, need
 from isojax import load_model
 from isojax.errors import UserError
 from isojax.hf.family import from_hf_dict
@@ -71,7 +71,7 @@ FAST = {("llama", 0), ("falcon", 0), ("gpt2", 0), ("gemma", 0), ("phi", 0)}  # p
 def build(directory, family: str, seed: int = 0, tokenizer: bool = False, **kwargs):
     """A transformers model of the family with random weights, norms and biases randomized too,
     saved with save_pretrained (safetensors)."""
-    import torch
+    torch = need("torch")
     import transformers
 
     config_class, model_class = (getattr(transformers, name) for name in CLASSES[family])
@@ -93,7 +93,7 @@ def build(directory, family: str, seed: int = 0, tokenizer: bool = False, **kwar
 def hf_states(model, ids) -> np.ndarray:
     """Hugging Face's L+1 hidden states plus the raw last block (a forward hook on the last layer:
     HF's last entry is after the final norm), [L+2, T, D] float64."""
-    import torch
+    torch = need("torch")
 
     trunk = model.base_model
     layers = getattr(trunk, "layers", None) or getattr(trunk, "h", None) or trunk.decoder.layers
@@ -141,7 +141,7 @@ def test_gemma_embedding_normalizer_is_rounded_to_the_weights_dtype(tmp_path):
     """Gemma's embeddings times sqrt(d) with the normalizer in the weights' dtype, as transformers:
     in bfloat16, sqrt(48) = 6.928 is 6.9375, and the embed state is Hugging Face's bit for bit (the
     product by the float32 normalizer, rounded once, differs)."""
-    import torch
+    torch = need("torch")
 
     model = build(tmp_path, "gemma", **dict(SHAPES["gemma"][0], hidden_size=48, head_dim=12))
     ids = np.arange(3, 40)

@@ -209,7 +209,7 @@ def test_report_figures(report_figures):
     names = {n.rsplit("/", 1)[-1].rsplit(".", 1)[0]: (titles, layers) for n, titles, layers in report_figures}
     for stem in ("inter_sim_by_layer", "anisotropy_by_layer", "intrinsic_dimension_twonn_by_layer",
                  "sources_inter_sim", "isotropy_embed_out_sizes", "svd2d_embed_out", "layernorm_training",
-                 "isoscore_by_layer", "alpha_req_last_layer_training", "diff_erank_last_layer_training",
+                 "isoscore_by_layer", "alpha_req_last_layer_training", "diff_erank_pooled_last_layer_training",
                  "inter_sim_by_position", "inter_sim_by_position_training", "cka_layers", "cka_training"):
         assert stem in names, sorted(names)
     for stem, (titles, layers) in names.items():

@@ -21,22 +21,22 @@ def population_eigs(x):
     return np.linalg.eigvalsh(np.cov(x.T, ddof=0))[::-1]
 
 
-@pytest.mark.parametrize("n, d", [(300, 12), (8, 12)])  # n < d: rank-deficient, where IsoScore* matters
+@pytest.mark.parametrize("n, d", [(300, 12), (8, 12)])  # n < d: rank-deficient
 def test_isoscore_and_isoscore_star_equal_the_isoscore_package(n, d):
-    import torch
-    from IsoScore import IsoScore as package
+    """IsoScore*, as I-STAR's analysis calls it: C0 = np.cov of a large sample of the same space, here
+    all the points themselves (isojax's C0: every state of the layer), so it equals IsoScore at any zeta."""
+    from conftest import need
+    torch, package = need("torch"), need("IsoScore.IsoScore")
 
     rng = np.random.default_rng(n)
     x = anisotropic_points(rng, n, d)
     eig = population_eigs(x)
     assert abs(geometry.isoscore(eig) - float(package.IsoScore(x))) < 1e-6
-    for zeta in (0.0, geometry.ISOSCORE_ZETA, 0.7, 1.0):
-        want = float(package.IsoScore_star(x, torch.eye(d, dtype=torch.float64), zeta))
+    for zeta in (0.0, geometry.ISOSCORE_ZETA, 1.0):
+        want = float(package.IsoScore_star(x, torch.tensor(np.cov(x.T)), zeta))
         assert abs(geometry.isoscore_star(eig, n, zeta) - want) < 1e-6, zeta
-    # the shrinkage mixes the sample covariance (ddof=1) with I: ddof=0 would give another value
-    ddof0 = geometry._isoscore_of((1 - 0.2) * eig + 0.2)
-    assert abs(ddof0 - geometry.isoscore_star(eig, n, 0.2)) > 1e-4
-    assert geometry.isoscore(np.zeros(d)) is None and geometry.isoscore_star(eig, 1, 0.2) is None
+    assert geometry.ISOSCORE_ZETA == 0.75
+    assert geometry.isoscore(np.zeros(d)) is None and geometry.isoscore_star(eig, 1, 0.75) is None
 
 
 def test_isoscore_of_isotropic_and_one_dimensional_points():
@@ -44,19 +44,24 @@ def test_isoscore_of_isotropic_and_one_dimensional_points():
     assert geometry.isoscore(np.r_[1.0, np.zeros(6)]) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_alpha_req_is_the_slope_of_numpy_polyfit():
+def test_alpha_req_is_the_weighted_fit_over_ranks_11_to_100():
+    """reptrix's fit: log lambda_k on log k over ranks 11..100, residuals weighted by 1/k (polyfit's
+    w multiplies residuals before squaring: w = k^-1/2)."""
     rng = np.random.default_rng(1)
-    x = anisotropic_points(rng)
+    x = rng.standard_normal((400, 150)) * np.arange(1, 151) ** -0.8 + rng.standard_normal(150)
     lam = np.sort(np.linalg.eigvalsh(np.cov(x.T)))[::-1]
-    want = -np.polyfit(np.log(np.arange(1, lam.size + 1)), np.log(lam), 1)[0]
+    k = np.arange(11, 101)
+    want = -np.polyfit(np.log(k), np.log(lam[k - 1]), 1, w=k ** -0.5)[0]
     assert abs(geometry.alpha_req(population_eigs(x)) - want) < 1e-10  # the scale (ddof) moves only the intercept
-    # eigenvalues at or below 1e-12 of the largest are left out (points in a subspace)
-    lam_cut = np.r_[lam[:5], 1e-14 * lam[0], 0.0]
-    want_cut = -np.polyfit(np.log(np.arange(1, 6)), np.log(lam[:5]), 1)[0]
+    # cut at the last nonzero (floored) eigenvalue: ranks 11..30
+    lam_cut = np.r_[lam[:30], np.zeros(5)]
+    k = np.arange(11, 31)
+    want_cut = -np.polyfit(np.log(k), np.log(lam[k - 1]), 1, w=k ** -0.5)[0]
     assert abs(geometry.alpha_req(lam_cut) - want_cut) < 1e-10
-    power = 1.0 / np.arange(1, 50) ** 1.3
+    power = 1.0 / np.arange(1, 150) ** 1.3
+    power[:10] = 1.0  # the head is outside the fit
     assert geometry.alpha_req(power) == pytest.approx(1.3, abs=1e-12)
-    assert geometry.alpha_req(np.r_[1.0, 0.0]) is None and geometry.alpha_req(np.zeros(3)) is None
+    assert geometry.alpha_req(np.r_[np.ones(11), 0.0]) is None and geometry.alpha_req(np.zeros(30)) is None
 
 
 def test_rogue_dims_against_brute_pairs():
@@ -149,3 +154,18 @@ def test_linear_cka_against_centered_gram_hsic(n):
             assert abs(matrix[i][j] - hsic_cka(a, b)) < 1e-10
     const = np.ones_like(x)
     assert geometry.linear_cka(x, const) is None
+
+
+def test_spectral_floor_takes_rounding_and_keeps_an_anisotropic_spectrum():
+    """The floor (README "Measures"): 64 x 2^-24 lambda_1; with bf16 states at least 2^-18 x
+    max(lambda_1, max_i mean x_i^2). A state at D = 2048 whose lambda_1 is 0.9 of the trace keeps
+    its other 2047 eigenvalues (5e-5 lambda_1 on average; D x 2^-24 lambda_1 would floor most),
+    and loses a null eigenvalue at float32 noise (2.5 u lambda_1) or at bf16 rounding of its values."""
+    rng = np.random.default_rng(3)
+    rest = rng.uniform(0.2, 1.8, 2047) * 0.1 / 2047
+    eig = np.r_[0.9, rest, 2.5 * 2.0 ** -24 * 0.9]
+    assert (geometry.floored(eig, geometry.spectral_floor(eig)) > 0).sum() == 2048
+    assert geometry.spectral_floor(eig) == 64 * 2.0 ** -24 * 0.9
+    assert geometry.spectral_floor(eig, bf16_mean_sq=0.1) == 2.0 ** -18 * 0.9  # lambda_1 the larger
+    assert geometry.spectral_floor(eig, bf16_mean_sq=50.0) == 2.0 ** -18 * 50.0  # a mean that dwarfs the spread
+    assert geometry.spectral_floor(np.zeros(3)) == 0.0

@@ -9,13 +9,14 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from isojax.hf import files as hf_files
 from isojax.weights import isotropy
 from isojax.errors import UserError
+from conftest import need
 
+torch = need("torch")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -295,3 +295,63 @@ def test_four_processes_distributed_killed_and_resumed_equal_one(setup, one, tmp
         assert p.returncode == 0, err[-3000:]
     assert "resuming after" in outs[0][1], (written, outs[0][1][:3000])
     _check_shares(setup, out, [err for _, err in outs], 4, one)
+
+
+FINISH = """
+import os, sys, pathlib
+from isojax.device import mesh
+p, port, scenario, d = int(sys.argv[1]), sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
+def note(event):  # one line, one write, appended: the order the events happened in
+    with open(d / "events", "a") as f:
+        f.write(f"{event}\\n")
+mesh.initialize(f"localhost:{port}", 2, p, shutdown_timeout_s=600)
+import jax
+from jax._src import distributed
+jax.devices()  # the backend up, as at the end of a run
+leave = distributed.global_state.shutdown
+distributed.global_state.shutdown = lambda: (note(f"p{p} enters the shutdown barrier"), leave())
+if scenario == "late" and p == 1:  # the slow host: it comes once process 0 waits in finish
+    client = distributed.global_state.client
+    client.blocking_key_value_get_bytes("isojax/finished/0", 600_000)
+if scenario == "never" and p == 0:  # the host that never comes: it leaves once process 1 has ended
+    client = distributed.global_state.client
+    while not (d / "p1 ended").exists():
+        import time; time.sleep(0.1)
+    os._exit(0)
+note(f"p{p} finishes")
+mesh.finish(600 if scenario == "late" else 3)
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_end_waits_for_a_slow_host_and_a_missing_one_is_a_warning(tmp_path):
+    """48.15: jax.distributed's shutdown barrier ended a resumed 4-process run on a loaded machine
+    (the coordination service's fatal error, which no handler catches). mesh.finish, after the results
+    are committed, waits in the key-value store: no process enters the barrier before every process
+    has finished (the order of events, not clocks); a process that never comes is a warning, and the
+    other leaves with exit status 0."""
+    def launch(scenario):
+        d = tmp_path / scenario
+        d.mkdir()
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, "-c", FINISH, str(p), str(port), scenario, str(d)], cwd=REPO,
+                                  env=_env(tmp_path, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for p in range(2)]
+        return d, procs
+
+    d, procs = launch("late")
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    events = (d / "events").read_text().splitlines()
+    assert events[:2] == ["p0 finishes", "p1 finishes"] and sorted(events[2:]) == \
+        ["p0 enters the shutdown barrier", "p1 enters the shutdown barrier"], events
+    assert "warning" not in outs[0][1] + outs[1][1]
+
+    d, procs = launch("never")
+    _, err = procs[1].communicate(timeout=300)
+    (d / "p1 ended").touch()
+    procs[0].communicate(timeout=300)
+    assert procs[1].returncode == 0, err[-2000:]
+    assert "isojax: warning: the results are complete, but exchange 'finished': process 0 of 2 did not publish " \
+           "within 3 s" in err and "--shutdown-timeout SECONDS waits longer" in err, err[-2000:]
+    assert (d / "events").read_text().splitlines() == ["p1 finishes"]  # no barrier: nothing to time out

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import build_hf_checkpoint
+from conftest import build_hf_checkpoint, need
 from hub_server import LoopbackHub
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def write_zst_jsonl(path: Path, n_docs: int, seed: int) -> None:
 
 def save_bin(model, directory: Path) -> None:
     """pytorch_model.bin beside what save_pretrained wrote (it writes safetensors only)."""
-    import torch
+    torch = need("torch")
     torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, directory / "pytorch_model.bin")
 
 

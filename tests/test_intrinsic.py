@@ -9,9 +9,10 @@ import pytest
 
 from isojax.stats import intrinsic
 from isojax.errors import UserError
+from conftest import need
 
-skdim = pytest.importorskip("skdim")
-from skdim._commonfuncs import get_nn  # noqa: E402  (the neighbours skdim's local estimators use)
+skdim = need("skdim")
+get_nn = need("skdim._commonfuncs").get_nn  # the neighbours skdim's local estimators use
 
 N, D = 2000, 64
 RTOL = 1e-3

@@ -8,13 +8,15 @@ import re
 
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import save_file as np_save_safetensors
-from safetensors.torch import save_file as torch_save_safetensors
 
+from conftest import need
 from isojax.weights import isotropy
 from isojax.weights import matrix_files
 from isojax.weights import command as weights
+
+torch = need("torch")
+from safetensors.torch import save_file as torch_save_safetensors  # noqa: E402  (it imports torch)
 
 MATRIX_KEYS = {"isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
                "isotropy_scaled_centered", "mean_norm", "mean_vector_norm"}

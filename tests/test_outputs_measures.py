@@ -17,7 +17,7 @@ from isojax.run import results, sweep, sweep_files
 from isojax.stats.geometry import linear_cka
 
 NEW_SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
-               "massive_ratio", "feature_kurtosis", "alpha_req", "effective_rank"]
+               "massive_ratio", "feature_kurtosis", "alpha_req", "effective_rank", "erank_pooled"]
 BANDS = [(0, 1), (1, 16), (16, 128), (128, None)]
 POS_COLUMNS = ["inter_sim_pos_0", "inter_sim_pos_1_16", "inter_sim_pos_16_128", "inter_sim_pos_128_"]
 
@@ -25,7 +25,7 @@ POS_COLUMNS = ["inter_sim_pos_0", "inter_sim_pos_1_16", "inter_sim_pos_16_128", 
 def fake_layer(rng, name: str, d: int = 16) -> dict:
     """A metrics.json layer with every measure of MEASURES.md, random values."""
     layer = {"name": name, "count": 500, "inter_sim": float(rng.random()),
-             **{k: float(rng.random()) for k in NEW_SCALARS},
+             **{k: float(rng.random()) for k in NEW_SCALARS}, "null_eigenvalues": 0, "rank_deficient": False,
              "massive_dim": int(rng.integers(d)), "massive_token": int(rng.integers(50000)),
              "massive_position": int(rng.integers(64)),
              "rogue_dims": [{"dim": int(i), "share": float(rng.random())} for i in rng.permutation(d)[:3]],
@@ -59,16 +59,6 @@ def test_flat_layer_flattens_rogue_dims_and_position_bands():
         assert row[k] == layer[k]
     assert "rogue_dims" not in row and "inter_sim_by_position" not in row
     assert row["intrinsic_dimension_twonn"] == 3.0
-
-
-def test_diff_erank_is_first_checkpoint_minus_this_one():
-    """Wei et al.: erank(untrained) - erank(trained); the first checkpoint by step, not by listing."""
-    rows = [{"model": m, "revision": r, "name": n, "effective_rank": e}
-            for m, r, n, e in [("a", "step1000", "x", 5.0), ("a", "step0", "x", 9.0), ("a", "main", "x", 2.0),
-                               ("a", "step1000", "y", 1.0), ("a", "step0", "y", None), ("b", "step5", "x", 4.0)]]
-    got = {(r["model"], r["revision"], r["name"]): r["diff_erank"] for r in sweep_files.add_diff_erank(rows)}
-    assert got == {("a", "step1000", "x"): 4.0, ("a", "step0", "x"): 0.0, ("a", "main", "x"): 7.0,
-                   ("a", "step1000", "y"): None, ("a", "step0", "y"): None, ("b", "step5", "x"): 0.0}
 
 
 def _cka_reference(x, y):
@@ -119,20 +109,20 @@ def test_sweep_files_hold_every_measure(swept, capsys):
     rows = list(csv.DictReader(open(out / "sweep.csv")))
     assert len(rows) == 6 * 4
     cols = rows[0].keys()
-    for c in NEW_SCALARS + POS_COLUMNS + ["diff_erank", "rogue_dim_1", "rogue_share_3", "massive_position"]:
+    for c in NEW_SCALARS + POS_COLUMNS + ["diff_erank_pooled", "rogue_dim_1", "rogue_share_3", "massive_position"]:
         assert c in cols, c
     for model in ("pythia-70m", "pythia-160m"):
         docs = {r: json.loads((out / model / r / "metrics.json").read_text()) for r in ("step0", "step2000")}
         row = next(r for r in rows if r["model"] == f"EleutherAI/{model}" and r["revision"] == "step2000"
                    and r["name"] == "block_2")
-        want = docs["step0"]["layers"][2]["effective_rank"] - docs["step2000"]["layers"][2]["effective_rank"]
-        assert float(row["diff_erank"]) == pytest.approx(want, abs=1e-12)
+        want = docs["step0"]["layers"][2]["erank_pooled"] - docs["step2000"]["layers"][2]["erank_pooled"]
+        assert float(row["diff_erank_pooled"]) == pytest.approx(want, abs=1e-12)
         assert float(row["inter_sim_pos_16_128"]) == docs["step2000"]["layers"][2]["inter_sim_by_position"][2][
             "inter_sim"]
     import pandas as pd
     table = pd.read_parquet(out / "sweep.parquet")
     assert list(table.columns) == list(cols) and len(table) == len(rows)
-    assert table["diff_erank"].tolist() == pytest.approx([float(r["diff_erank"]) for r in rows])
+    assert table["diff_erank_pooled"].tolist() == pytest.approx([float(r["diff_erank_pooled"]) for r in rows])
 
     cka = json.loads((out / "sweep_cka.json").read_text())
     entry = cka["EleutherAI/pythia-70m"]
@@ -153,9 +143,9 @@ def test_sweep_files_hold_every_measure(swept, capsys):
 
     df = isojax.load(out)
     assert list(df.columns[:6]) == ["model", "revision", "step", "layer", "layer_index", "tokens"]
-    assert len(df) == 24 and set(NEW_SCALARS + POS_COLUMNS + ["diff_erank"]) <= set(df.columns)
-    got = df.set_index(["model", "revision", "layer"])["diff_erank"]
-    csv_rows = {(r["model"], r["revision"], r["name"]): float(r["diff_erank"]) for r in rows}
+    assert len(df) == 24 and set(NEW_SCALARS + POS_COLUMNS + ["diff_erank_pooled"]) <= set(df.columns)
+    got = df.set_index(["model", "revision", "layer"])["diff_erank_pooled"]
+    csv_rows = {(r["model"], r["revision"], r["name"]): float(r["diff_erank_pooled"]) for r in rows}
     assert all(got[k] == pytest.approx(v, abs=1e-12) for k, v in csv_rows.items())
     assert df["step"].tolist()[:4] == [0, 0, 0, 0]
 
@@ -174,7 +164,7 @@ def test_load_a_run_and_refuse_a_folder_without_results(tmp_path):
     df = isojax.load(tmp_path / "run")
     assert df["layer"].tolist() == ["embed", "block_1", "block_2", "block_3", "final_ln"]
     assert df["layer_index"].tolist() == list(range(5)) and set(df["revision"]) == {"main"}
-    assert df["step"].isna().all() and "diff_erank" not in df.columns
+    assert df["step"].isna().all() and "diff_erank_pooled" not in df.columns
     assert df["rogue_share_2"].tolist() == [layer["rogue_dims"][1]["share"] for layer in metrics["layers"]]
     assert isojax.load(tmp_path / "run" / "metrics.json").equals(df)
     (tmp_path / "empty").mkdir()
@@ -186,7 +176,7 @@ def test_load_a_run_and_refuse_a_folder_without_results(tmp_path):
 
 def test_load_keeps_separate_runs_apart_and_layers_in_model_order(tmp_path):
     """Two runs of one model (plain, --skip-positions 1) in one folder are two runs, not two
-    checkpoints: told apart by run and skip_positions, no diff_erank; a sweep beside them keeps its
+    checkpoints: told apart by run and skip_positions, no diff_erank_pooled; a sweep beside them keeps its
     own; layers sort and pivot in the model's order (block_2 before block_10)."""
     rng = np.random.default_rng(3)
     plain = write_step(tmp_path / "plain", rng, revision=None, blocks=10)
@@ -194,7 +184,7 @@ def test_load_keeps_separate_runs_apart_and_layers_in_model_order(tmp_path):
     settings = {"skip_positions": 1, "dtype": "float32"}
     (tmp_path / "skip1" / "manifest.json").write_text(json.dumps({"settings": settings}))
     df = isojax.load(tmp_path)
-    assert len(df) == 2 * 12 and "diff_erank" not in df.columns
+    assert len(df) == 2 * 12 and "diff_erank_pooled" not in df.columns
     assert df[df["run"] == "skip1"]["skip_positions"].tolist() == [1] * 12
     assert df[df["run"] == "plain"]["skip_positions"].isna().all()
     assert df[df["run"] == "skip1"]["inter_sim"].tolist() == [layer["inter_sim"] for layer in skip["layers"]]
@@ -209,10 +199,10 @@ def test_load_keeps_separate_runs_apart_and_layers_in_model_order(tmp_path):
     write_step(tmp_path / "sweep" / "other", rng, model="m", revision="step5")  # a run beside the sweep
     df = isojax.load(tmp_path / "sweep")
     assert df["run"].unique().tolist() == ["m/step0", "other", "m/step9"]
-    got = df[df["run"] == "m/step9"]["diff_erank"].tolist()
-    assert got == pytest.approx([a["effective_rank"] - b["effective_rank"]
+    got = df[df["run"] == "m/step9"]["diff_erank_pooled"].tolist()
+    assert got == pytest.approx([a["erank_pooled"] - b["erank_pooled"]
                                  for a, b in zip(first["layers"], last["layers"])])
-    assert df[df["run"] == "other"]["diff_erank"].isna().all()
+    assert df[df["run"] == "other"]["diff_erank_pooled"].isna().all()
 
 
 def test_correlate_takes_the_new_measures(tmp_path):
@@ -257,7 +247,7 @@ def test_report_draws_every_measure_and_skips_absent_ones(swept, tmp_path):
     figs = {p.stem for p in (tmp_path / "rep" / "figures").glob("*.png")}
     for key in NEW_SCALARS:
         assert f"{key}_by_layer" in figs and f"{key}_last_layer_training" in figs, key
-    for stem in ("diff_erank_last_layer_training", "inter_sim_by_position", "inter_sim_by_position_training",
+    for stem in ("diff_erank_pooled_last_layer_training", "inter_sim_by_position", "inter_sim_by_position_training",
                  "cka_layers", "cka_training"):
         assert stem in figs, stem
     md = (tmp_path / "rep" / "report.md").read_text()

@@ -86,6 +86,8 @@ def test_free_space_check_counts_the_runs_sample_and_measure_leaves_the_model(tm
     assert loaded.params is params
     assert fields() == before  # measure never changes the LoadedModel it is given
     assert results.metrics["dtype"] == "bfloat16"
+    assert results.manifest["corpus_options"] == {"unit": "sentence", "sources": None, "max_tokens": 4096,
+                                                  "max_tokens_per_source": None}  # what collect names (48.11)
     assert all(layer["centered_inter_sim"] is not None for layer in results.layers)
     assert results.manifest["kernels"] == {"attention": "xla", "mlp": "xla", "norm": "xla"}  # CPU
     assert results.manifest["kernel_reasons"]["attention"] == "auto: xla for this backend and dtype"

@@ -18,14 +18,14 @@ MODELS = {"pythia-70m": 6, "pythia-160m": 12, "pythia-410m": 24}   # name -> blo
 REVISIONS = ["step0", "step1000", "step71000", "step143000"]
 FINGERPRINT = "f00dfeed" * 4
 LAYER_KEYS = ["inter_sim", "intra_sim", "intra_sim_weighted", "anisotropy", "anisotropy_uncentered",
-              "unit_anisotropy", "effective_rank", "mean_norm", "norm_of_mean"]
+              "unit_anisotropy", "effective_rank", "erank_pooled", "mean_norm", "norm_of_mean"]
 
 
 def _layers(rng, blocks, sources=False):
     names = ["embed"] + [f"block_{i}" for i in range(1, blocks + 1)] + ["final_ln"]
     out = []
     for name in names:
-        layer = {"name": name, "count": 5000, **{k: float(rng.random()) for k in LAYER_KEYS}}
+        layer = {"name": name, "count": 5000, **{k: float(rng.random()) for k in LAYER_KEYS}, "null_eigenvalues": 0}
         if sources:
             for k in ("intra_sim", "intra_sim_weighted"):
                 del layer[k]
@@ -96,8 +96,10 @@ EXPECTED = ["inter_sim_by_layer", "intra_sim_by_layer", "anisotropy_by_layer", "
             "isotropy_training", "layernorm_sizes", "layernorm_training", "svd2d_embed_out",
             "svd2d_embed_out_training_pythia-70m", "svd2d_embed_out_training_pythia-160m",
             "svd2d_embed_out_training_pythia-410m", "intra_sim_by_band", "sources_inter_sim", "sources_anisotropy",
-            # the further measures' section (report/measures.py): these results hold effective_rank only
-            "effective_rank_by_layer", "effective_rank_last_layer_training", "diff_erank_last_layer_training"]
+            # the further measures' section (report/measures.py): these results hold effective_rank and
+            # erank_pooled only
+            "effective_rank_by_layer", "effective_rank_last_layer_training", "erank_pooled_by_layer",
+            "erank_pooled_last_layer_training", "diff_erank_pooled_last_layer_training"]
 
 
 @pytest.mark.slow

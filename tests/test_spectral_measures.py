@@ -14,12 +14,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import torch
-from IsoScore import IsoScore as isoscore_package
-
-from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states
+from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states, need
 from isojax.stats import accumulators as stats
 from isojax.stats import finalize as fz
+from test_author_measures import reference as author_reference
 from test_extract import write_pile_jsonl
 from test_geometry import hsic_cka
 from test_stats import _feed
@@ -27,13 +25,13 @@ from test_stats import _feed
 REPO = Path(__file__).resolve().parents[1]
 
 
-def reference(x, zeta=0.2) -> dict:
+def reference(x, zeta=0.75, c0=None) -> dict:
     """Float64 measures of points x [n, D] from their definitions, the IsoScore package for IsoScore
-    and IsoScore*, brute force (per-pair products) for the rogue dimensions."""
+    and IsoScore* (C0: c0, by default the points' own covariance), brute force (per-pair
+    products) for the rogue dimensions, alpha-ReQ as test_author_measures fits it."""
+    torch, isoscore_package = need("torch"), need("IsoScore.IsoScore")
     x = np.asarray(x, np.float64)
     n, d = x.shape
-    lam = np.sort(np.linalg.eigvalsh(np.cov(x.T)))[::-1]
-    kept = lam[lam > 1e-12 * lam[0]]
     u = x / np.linalg.norm(x, axis=1, keepdims=True)
     # dimension i's part of the sum over distinct pairs of u_t . u_s (brute force: test_geometry.py)
     c = (u.sum(0) ** 2 - (u * u).sum(0)) / (n * n - n)
@@ -41,27 +39,21 @@ def reference(x, zeta=0.2) -> dict:
     top = np.argsort(-c)[:3]
     s2 = (x * x).mean(0)
     return {"isoscore": float(isoscore_package.IsoScore(x)),
-            "isoscore_star": float(isoscore_package.IsoScore_star(x, torch.eye(d, dtype=torch.float64), zeta)),
-            "alpha_req": -np.polyfit(np.log(np.arange(1, kept.size + 1)), np.log(kept), 1)[0],
+            "isoscore_star": float(isoscore_package.IsoScore_star(x, torch.tensor(np.cov(x.T) if c0 is None else c0),
+                                                                  zeta)),
+            "alpha_req": author_reference(x, False)["alpha_req"],
             "rogue_dims": [{"dim": int(i), "share": c[i] / c.sum()} for i in top],
             "rogue_share_top3": c[top].sum() / c.sum(),
             "feature_kurtosis": (s2 ** 2).mean() / s2.mean() ** 2}
 
 
-def own_alpha_req(ref: dict, eig_D) -> dict:
-    """ref with alpha_req from a run's own centered spectrum: where the states are rank-deficient
-    (fewer tokens than dimensions; LayerNorm's hyperplane) the null eigenvalues, ~1e-16 of the
-    largest in float64, are ~1e-7 after float32 Grams (README alpha_req), above the 1e-12 floor."""
-    lam = np.asarray(eig_D, np.float64)
-    assert lam[-1] < 1e-6 * lam[0]
-    kept = lam[lam > 1e-12 * lam[0]]
-    return {**ref, "alpha_req": -np.polyfit(np.log(np.arange(1, kept.size + 1)), np.log(kept), 1)[0]}
-
-
 def check(layer: dict, ref: dict, tol: float = 1e-6, what="") -> None:
     for key in ("isoscore", "isoscore_star", "rogue_share_top3", "feature_kurtosis"):
         assert abs(layer[key] - ref[key]) < tol * max(1.0, abs(ref[key])), (what, key, layer[key], ref[key])
-    assert abs(layer["alpha_req"] - ref["alpha_req"]) < max(tol, 1e-5), (what, layer["alpha_req"], ref["alpha_req"])
+    if ref["alpha_req"] is None or layer["alpha_req"] is None:
+        assert layer["alpha_req"] is ref["alpha_req"] is None, (what, layer["alpha_req"], ref["alpha_req"])
+    else:
+        assert abs(layer["alpha_req"] - ref["alpha_req"]) < max(tol, 1e-5), (what, layer["alpha_req"], ref["alpha_req"])
     assert [r["dim"] for r in layer["rogue_dims"]] == [r["dim"] for r in ref["rogue_dims"]], what
     for got, want in zip(layer["rogue_dims"], ref["rogue_dims"]):
         assert abs(got["share"] - want["share"]) < tol * max(1.0, abs(want["share"])), (what, got, want)
@@ -86,7 +78,9 @@ def test_finalize_geometry_of_layers_and_sources(how, monkeypatch):
     for k in range(2):
         check(out["layers"][k], reference(x[k], zeta=0.3), what=(how, k))
         for g, name in enumerate("abc"):
-            check(out["groups"][name]["layers"][k], reference(x[k, row_group == g], zeta=0.3), what=(how, name, k))
+            # IsoScore* of a source: its covariance shrunk toward the layer's (C0: all its states)
+            ref = reference(x[k, row_group == g], zeta=0.3, c0=np.cov(x[k].astype(np.float64).T))
+            check(out["groups"][name]["layers"][k], ref, what=(how, name, k))
     assert out["layers"][0]["rogue_dims"][0]["dim"] == 5
 
 
@@ -98,7 +92,9 @@ def test_finalize_geometry_of_few_tokens():
     acc = stats.init_accumulators(1, 16, 4, token_stats=False)
     acc = _feed(acc, x[None], np.zeros(12, np.int32), np.ones(12, bool), batch=64)
     out = fz.finalize(acc, ["s"])
-    check(out["layers"][0], own_alpha_req(reference(x), out["spectra"]["centered_SxD"][0]))
+    layer = out["layers"][0]
+    assert layer["null_eigenvalues"] == 16 - 11 and layer["rank_deficient"]  # 12 points span 11 dimensions
+    check(layer, reference(x))
 
 
 def test_constant_and_single_token_states_are_null(capsys):
@@ -126,8 +122,7 @@ def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
     spectra = np.load(out / "spectra.npz")["centered_SxD"]
     n = x_SxNxD.shape[1]
     for layer, x, ref, lam in zip(metrics["layers"], x_SxNxD, refs, spectra):
-        if layer["name"] == "final_ln":  # LayerNorm's states lie in a hyperplane: own_alpha_req
-            ref = own_alpha_req(ref, lam)
+        assert layer["rank_deficient"] == (layer["name"] == "final_ln"), layer["name"]  # LayerNorm's hyperplane
         check(layer, ref, what=layer["name"])
         # the sample holds every token: its measures are those of all the states
         assert layer["sample_tokens"] == n

@@ -7,13 +7,15 @@ import json
 
 import numpy as np
 import pytest
-import torch
 import transformers as T
 from safetensors.numpy import load_file, save_file
 
+from conftest import need
 from isojax.weights import isotropy
 
 from test_weights import close, ref_ln, ref_matrix, run_cli
+
+torch = need("torch")
 
 SMALL = dict(vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
              bos_token_id=0, eos_token_id=0, pad_token_id=0)

@@ -10,12 +10,14 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
+from conftest import need
 from isojax.weights import isotropy
 from isojax.weights import command as weights
+
+torch = need("torch")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RTOL = 1e-6

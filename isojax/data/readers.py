@@ -21,13 +21,13 @@ import json
 import numbers
 import os
 import threading
-import warnings
 import zlib
 from pathlib import Path
 from typing import Iterator
 
 from isojax import storage
 from isojax.errors import UserError
+from isojax.log import log
 from isojax.data.units import SPLITTER, UNITS
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -223,7 +223,7 @@ class Corpus:
         if self.bad_records > self.max_bad_records:
             raise UserError(f"{where}: {reason} (more than max_bad_records={self.max_bad_records} bad records)")
         if self.warn and self.bad_records <= _MAX_WARNINGS:
-            warnings.warn(f"{where}: {reason}; record skipped", stacklevel=3)
+            log(f"warning: {where}: {reason}; record skipped")
 
     def _record(self, where: str, rec, default_label: str):
         if not isinstance(rec, dict):
@@ -478,12 +478,12 @@ def load_corpus(paths: list[str] | None, *, unit: str = "sentence", sources=None
         corpus = default_corpus(unit=unit)
     else:
         inputs = [inp for spec in paths for inp in _expand(str(spec))]
+        for inp in inputs:  # first: a misspelt dataset is "no such dataset", whatever else is wrong
+            if inp.kind == "hub":
+                check_hub_dataset(inp)
         if max_tokens is not None and srcs is None and any(inp.kind == "hub" for inp in inputs):
             raise UserError("--max-tokens is split over the sources, and a hub dataset's are known only once it "
                             "is read: name them with --source, or give --max-tokens-per-source alone")
-        for inp in inputs:
-            if inp.kind == "hub":
-                check_hub_dataset(inp)
         corpus = Corpus(tuple(inputs), unit=unit)
     corpus.sources, corpus.text_field, corpus.max_bad_records = srcs, text_field, max_bad_records
     corpus.max_tokens, corpus.max_tokens_per_source = (None if v is None else int(v) for v in

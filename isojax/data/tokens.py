@@ -34,8 +34,9 @@ A token budget (Corpus.budget: max_tokens split equally over the sources, or
 max_tokens_per_source) is applied while building: each source keeps its first `share` tokens, the
 unit that fills it cut (_cut), and the build stops reading once every source is full (a text file
 of a full source is not opened). A source's text is split and encoded only about
-_BUDGET_CHARS_PER_TOKEN characters per token it still wants at a time (encode_chunk's room), so a
-50 MB one-line text under a budget of 4096 tokens is tokenized in 0.8 s, not minutes. The budget is
+_BUDGET_CHARS_PER_TOKEN characters per token it still wants at a time (encode_chunk's room; a long
+unit in pieces of that size), so a 50 MB one-line text under a budget of 4096 tokens is tokenized in
+0.8 s, not minutes; with no sentence end in it too (units.py cuts such a run into units of a window). The budget is
 in the key: a cache serves only the budget it was built under.
 
 On a first run `stream_tokens` builds the cache in a background thread (`TokenStream`) and the
@@ -58,7 +59,6 @@ import socket
 import threading
 import time
 import uuid
-import warnings
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -198,7 +198,8 @@ def encode_chunk(unit: str, texts: list[str], srcs: list[int], tok: Tokenizer | 
             continue
         for unit_text in text_units(text, unit):
             owners.append(src)
-            for k, piece in enumerate(_pieces(unit_text, _PIECE_CHARS)):
+            piece_chars = _PIECE_CHARS if left is None else min(_PIECE_CHARS, _budget_chars(left[src]))
+            for k, piece in enumerate(_pieces(unit_text, piece_chars)):
                 batch.append(piece)
                 firsts.append(k == 0)
                 batch_srcs.append(src)
@@ -352,7 +353,7 @@ def _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc) -> di
             os.fsync(f.fileno())
     bar.close()
     if corpus.bad_records:
-        warnings.warn(f"{corpus.describe()}: skipped {corpus.bad_records} bad records in total", stacklevel=3)
+        log(f"warning: {corpus.describe()}: skipped {corpus.bad_records} bad records in total")
     if n_tok == 0:
         what = f" with sources {sorted(corpus.sources)} (sources seen: {sorted(corpus.seen_sources)})" \
             if corpus.sources is not None else ""
@@ -469,7 +470,7 @@ def _open_found(final: Path, key: str, max_len: int, vocab: int) -> TokenCache |
         raise UserError(f"token cache {final} is damaged ({why}) and cannot be moved aside ({e}); "
                         f"delete {final}") from None
     shutil.rmtree(aside, ignore_errors=True)
-    warnings.warn(f"token cache {final} is damaged ({why}); rebuilding it", stacklevel=4)
+    log(f"warning: token cache {final} is damaged ({why}); rebuilding it")
     return None
 
 

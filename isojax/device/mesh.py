@@ -31,13 +31,15 @@ from isojax.errors import UserError
 
 AXES = ("data", "model")
 ALL = AXES  # rows (and token ids) are split over both axes
+SHUTDOWN_TIMEOUT_S = 3600  # extract's --shutdown-timeout: process 0 may write large results while the others wait
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               auto: bool = False, timeout_s: int = 120) -> None:
+               auto: bool = False, timeout_s: int = 120, shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S) -> None:
     """Join a multi-process run: explicit (coordinator, count, id), or auto = the cluster's
     environment (TPU pod slices, SLURM, Open MPI; see jax.distributed.initialize). Must run
-    before anything touches a JAX backend."""
+    before anything touches a JAX backend. shutdown_timeout_s: how long the end waits for the
+    slowest process (finish)."""
     explicit = coordinator is not None or num_processes is not None or process_id is not None
     if not (explicit or auto):
         return
@@ -51,10 +53,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU stand-in for a pod
     try:
         if explicit:
-            jax.distributed.initialize(coordinator, num_processes, process_id,
-                                       initialization_timeout=timeout_s)
+            jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout_s,
+                                       shutdown_timeout_seconds=shutdown_timeout_s)
         else:
-            jax.distributed.initialize(initialization_timeout=timeout_s)
+            jax.distributed.initialize(initialization_timeout=timeout_s, shutdown_timeout_seconds=shutdown_timeout_s)
     except Exception as e:  # unreachable coordinator, no cluster found, ...
         raise UserError(f"could not join the distributed run ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
             from None
@@ -173,9 +175,32 @@ def global_rows(local_LxT: np.ndarray, mesh: Mesh, total_rows: int) -> jax.Array
 
 
 EXCHANGE_DEADLINE_S = 3600.0  # ISOJAX_EXCHANGE_TIMEOUT (seconds) overrides it
+_LONGER = "ISOJAX_EXCHANGE_TIMEOUT=SECONDS waits longer"
 
 
-def exchange(name: str, value: bytes, deadline_s: float | None = None) -> list[bytes]:
+def finish(timeout_s: float) -> None:
+    """The end of a multi-process run, in every process once the results are committed (process 0
+    wrote them): wait, up to timeout_s, until every process has got here, so that jax.distributed's
+    shutdown barrier at exit finds them all at once. That barrier cannot be caught: a process that
+    comes later than its timeout ends every waiting one in the coordination service's fatal error
+    (a loaded host writing the results was one). This wait goes through the key-value store, whose
+    deadline isojax keeps: a process that does not come in time is a warning, and this process then
+    leaves without the barrier, exit status 0, its results whole."""
+    if jax.process_count() == 1:
+        return
+    from isojax.log import log
+    try:
+        exchange("finished", b"", deadline_s=timeout_s, longer="--shutdown-timeout SECONDS waits longer")
+    except UserError as e:
+        log(f"warning: the results are complete, but {e}; process {jax.process_index()} leaves without "
+            "jax.distributed's shutdown barrier")
+        import sys
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def exchange(name: str, value: bytes, deadline_s: float | None = None, longer: str = _LONGER) -> list[bytes]:
     """Every process's `value` published under `name`, in process order; each process calls it once
     per name. Through jax.distributed's key-value store, so from any thread and with no device
     involved. It waits for the others up to deadline_s (default: $ISOJAX_EXCHANGE_TIMEOUT, else an
@@ -203,8 +228,7 @@ def exchange(name: str, value: bytes, deadline_s: float | None = None) -> list[b
                     missing = [q for q in range(p, jax.process_count()) if not _published(client, f"isojax/{name}/{q}")]
                     raise UserError(f"exchange {name!r}: process{'es' if len(missing) > 1 else ''} "
                                     f"{', '.join(map(str, missing))} of {jax.process_count()} did not publish within "
-                                    f"{deadline_s:g} s (dead, stuck or far behind: see their logs); "
-                                    "ISOJAX_EXCHANGE_TIMEOUT=SECONDS waits longer") from None
+                                    f"{deadline_s:g} s (dead, stuck or far behind: see their logs); {longer}") from None
     return out
 
 
@@ -235,8 +259,26 @@ def is_main_process() -> bool:
 
 
 def all_processes_agree(ok: bool) -> bool:
-    """Whether `ok` holds on every process (one small all-gather; on one process, ok itself)."""
+    """Whether `ok` holds on every process (on one process, ok itself). Through the key-value store,
+    not a collective: processes come to it far apart (a resume's checkpoint loads), and the first
+    collective of a device set waits only 30 s for the others on CPUs (gloo's context), where
+    exchange waits up to its deadline."""
     if jax.process_count() == 1:
         return bool(ok)
-    from jax.experimental import multihost_utils
-    return bool(np.all(multihost_utils.process_allgather(np.array([ok], np.int32))))
+    return all(v == b"1" for v in exchange(_next("agree"), b"1" if ok else b"0"))
+
+
+def all_processes_here(name: str) -> None:
+    """Wait until every process has come here (each calls it as often, in the same order): before
+    a collective that processes reach far apart, such as the first step (see all_processes_agree)."""
+    if jax.process_count() > 1:
+        exchange(_next(name), b"")
+
+
+_calls: dict[str, int] = {}
+
+
+def _next(name: str) -> str:
+    """name and how often this process asked for it: a fresh key for each call, the same in every process."""
+    _calls[name] = _calls.get(name, 0) + 1
+    return f"{name}/{_calls[name]}"

@@ -11,7 +11,7 @@ import pathlib
 
 from isojax.log import log
 from isojax.run import outdir
-from isojax.errors import run_command
+from isojax.errors import ArgumentParser, run_command
 from isojax.report import collect, correlation, matrices, measures, render, states
 from isojax.report.document import Figures, Item, Section, Table
 from isojax.steps import INITIAL
@@ -89,7 +89,7 @@ def run(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m isojax.report", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The paper's figures and tables from isojax results: report.html (self-contained), "
                     "report.md and figures/ (PNG, SVG, CSV).",

@@ -178,15 +178,38 @@ def _check_corpora(runs: list[Run]) -> None:
         (by_fp.setdefault(fp, []) if fp else unknown).append(run)
     if len(by_fp) > 1:
         parts = []
-        for fp, rs in sorted(by_fp.items(), key=lambda kv: -len(kv[1])):
-            corpus = (rs[0].manifest or {}).get("corpus")
+        groups = sorted(by_fp.items(), key=lambda kv: -len(kv[1]))
+        said = [_corpus_said(rs[0].manifest or {}) for _, rs in groups]
+        differ = [k for k in said[0] if len({repr(s.get(k)) for s in said}) > 1]
+        for (fp, rs), s in zip(groups, said):
+            what = ", ".join(f"{k} {_shown(s.get(k))}" for k in differ)
             names = ", ".join(str(r.folder) for r in rs[:4]) + (f" and {len(rs) - 4} more" if len(rs) > 4 else "")
-            parts.append(f"corpus {fp}{f' ({corpus})' if corpus else ''}: {names}")
+            parts.append(f"corpus {fp}{f' ({what})' if what else ''}: {names}")
+        why = f"they differ in {', '.join(differ)}" if differ else \
+            "the same data and options: the files changed between the runs, or the tokenizers differ"
         raise UserError("extract results measured on different corpora (corpus_fingerprint in manifest.json) "
-                        "cannot be compared; " + "; ".join(parts))
+                        f"cannot be compared ({why}); " + "; ".join(parts))
     if unknown and by_fp:
         log(f"warning: no corpus_fingerprint in {len(unknown)} result(s) (e.g. {unknown[0].folder}); "
               "their corpus could not be checked")
+
+
+def _corpus_said(manifest: dict) -> dict:
+    """What a run's manifest says of its corpus, by the option that sets it (a manifest written
+    before corpus_options: its data and max_tokens only)."""
+    options = manifest.get("corpus_options") or {}
+    settings = manifest.get("settings") or {}
+    return {"--data": manifest.get("corpus"), "--unit": options.get("unit"), "--source": options.get("sources"),
+            "--max-tokens": options.get("max_tokens", settings.get("max_tokens")),
+            "--max-tokens-per-source": options.get("max_tokens_per_source")}
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "(none)"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return ",".join(value) if isinstance(value, list) else str(value)
 
 
 def _labels(runs: list[Run]) -> None:

@@ -46,7 +46,7 @@ import numpy as np
 
 from isojax.log import log
 from isojax.run import outdir
-from isojax.errors import UserError, run_command
+from isojax.errors import ArgumentParser, UserError, run_command
 from isojax.report import collect
 from isojax.report.collect import Results, Run, model_key
 from isojax.run.names import checkpoint_name
@@ -54,7 +54,7 @@ from isojax.run.names import checkpoint_name
 CSV_COLUMNS = ("model", "revision", "task", "score")
 DEFAULT_LAYERS = ("block_L", "final_ln")
 WEIGHT_GROUPS = ("embed_in", "embed_out", "final_ln")
-_NOT_METRICS = {"count", "intra_tokens", "rows", "dim", "pc_removed_D",  # sizes, not geometry
+_NOT_METRICS = {"count", "intra_tokens", "rows", "dim", "pc_removed_D", "null_eigenvalues",  # sizes, not geometry
                 "massive_dim", "massive_token", "massive_position", "rogue_dim_1", "rogue_dim_2", "rogue_dim_3"}  # ids
 _MIN_POINTS = 3
 EXACT_MAX_N = 8  # p by all n! orderings up to here (40,320 at 8: milliseconds); scipy's above
@@ -443,7 +443,7 @@ def run(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m isojax.correlate", description=__doc__.split("\n\n", 1)[1],
+    ap = ArgumentParser(prog="python -m isojax.correlate", description=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", metavar="RESULTS",
                     help="result folders (searched recursively for metrics.json / weights.json)")

@@ -20,7 +20,7 @@ from isojax.report.states import _band_layers, _by_layer, _has, _training, run_l
 
 # every scalar measure drawn over layers and over checkpoints (its label: states._LABELS)
 SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max", "massive_ratio",
-           "feature_kurtosis", "alpha_req", "effective_rank"]
+           "feature_kurtosis", "alpha_req", "effective_rank", "erank_pooled"]
 BANDS = [("inter_sim_pos_0", "position 0"), ("inter_sim_pos_1_16", "positions 1–15"),
          ("inter_sim_pos_16_128", "positions 16–127"), ("inter_sim_pos_128_", "positions 128+")]
 
@@ -62,13 +62,16 @@ def _position_bands(figs: Figures, runs: list[Run], by_layer: bool, series=None)
 
 
 def _with_diff_erank(series: dict[str, list[Run]]) -> dict[str, list[Run]]:
-    """Each run's layers get diff_erank: effective_rank at the model's first step minus its own."""
+    """Each run's layers get diff_erank_pooled: erank_pooled at the model's step0 minus its own
+    (isojax.run.sweep_files.add_diff_erank); null without a step0."""
     for rs in series.values():
-        first = {str(layer.get("name")): number(layer.get("effective_rank")) for layer in rs[0].data["layers"]}
+        base = next((r for r in rs if r.step == 0), None)
+        first = {} if base is None else {str(layer.get("name")): number(layer.get("erank_pooled"))
+                                         for layer in base.data["layers"]}
         for run in rs:
             for layer in run.data["layers"]:
-                d = first.get(str(layer.get("name")), math.nan) - number(layer.get("effective_rank"))
-                layer["diff_erank"] = d if math.isfinite(d) else None
+                d = first.get(str(layer.get("name")), math.nan) - number(layer.get("erank_pooled"))
+                layer["diff_erank_pooled"] = d if math.isfinite(d) else None
     return series
 
 
@@ -155,15 +158,15 @@ def section(res: Results, figs: Figures) -> Section:
     sec = Section("measures", "Isotropy, outliers, spectrum and similarity of representations",
                   "IsoScore and IsoScore* (Rudman et al. 2022; Rudman & Eickhoff 2024), rogue dimensions and "
                   "standardized InterSim (Timkey & van Schijndel 2021), massive activations (Sun et al. 2024), "
-                  "feature kurtosis (He et al. 2024), α-ReQ (Agrawal et al. 2022), effective rank (RankMe) and "
-                  "Diff-eRank (Wei et al. 2024), InterSim by position, linear CKA (Kornblith et al. 2019); "
-                  "README \"Measures\" defines each.")
+                  "feature kurtosis (He et al. 2024), α-ReQ (Agrawal et al. 2022), effective rank (RankMe), "
+                  "the pooled eRank and its difference from step0 (after Diff-eRank, Wei et al. 2024), InterSim by "
+                  "position, linear CKA (Kornblith et al. 2019); README \"Measures\" defines each.")
     runs = finals(res.extract)
     series = _with_diff_erank(trainings(res.extract))
     for key in SCALARS:
         sec.items += [i for i in (_by_layer(figs, runs, key, ""), _training(figs, series, key, "")) if i]
-    has_erank = any(_has(r, "effective_rank") for rs in series.values() for r in rs)
-    sec.items += [i for i in (_training(figs, series, "diff_erank", "") if has_erank else None,
+    has_erank = any(_has(r, "erank_pooled") for rs in series.values() for r in rs)
+    sec.items += [i for i in (_training(figs, series, "diff_erank_pooled", "") if has_erank else None,
                               _position_bands(figs, runs, True),
                               _position_bands(figs, runs, False, series) if series else None,
                               _cka_runs(figs, runs), _cka_training(figs, series)) if i]

@@ -22,7 +22,8 @@ _LABELS = {"inter_sim": "InterSim", "intra_sim": "IntraSim (mean over token type
            "inter_sim_standardized": "InterSim, standardized dimensions", "massive_max": "largest |activation|",
            "massive_ratio": "largest |activation| / median |x|", "feature_kurtosis": "feature kurtosis",
            "alpha_req": "α-ReQ", "effective_rank": "effective rank (RankMe)",
-           "diff_erank": "Diff-eRank (first checkpoint − this one)"}
+           "erank_pooled": "eRank of the unit vectors, pooled",
+           "diff_erank_pooled": "pooled Diff-eRank (step0 − this one)"}
 
 
 def _layer_order(name: str):

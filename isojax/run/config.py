@@ -51,7 +51,7 @@ class StatsConfig:
     save_token_sums: bool = False
     sample_states: int | None = None
     intrinsic_k: int = 20
-    isoscore_zeta: float = 0.2  # stats.geometry.ISOSCORE_ZETA: Rudman & Eickhoff (2024)
+    isoscore_zeta: float = 0.75  # stats.geometry.ISOSCORE_ZETA: Rudman & Eickhoff (2024)
     skip_positions: int = 0
 
 
@@ -95,7 +95,7 @@ class MeasureConfig:
               save_token_sums: bool = False, attention: str = "auto", mlp_kernel: str = "auto",
               norm_kernel: str = "auto", mesh=None, checkpoint_dir=None, checkpoint_every_tokens=None,
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
-              intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.2,
+              intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.75,
               skip_positions: int = 0) -> MeasureConfig:
         """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
         return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source),

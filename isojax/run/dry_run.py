@@ -197,7 +197,7 @@ def plan(args, cfg=None, lower_step: bool = True) -> dict:
     from isojax.run.results import output_bytes
     from isojax.steps import local_revision
 
-    target = targets.parse(args.target) if args.target else None
+    target = targets.parse(args.target) if args.target is not None else None
     machine = target_machine(target) if target else this_machine()
     if args.model and len(args.model) > 1 or args.revisions or args.paper_steps:
         raise UserError("--dry-run plans one model: name one --model, without --revisions or --paper-steps")

@@ -84,6 +84,8 @@ def consume(runner, batches, done: dict, total: int, *, checkpoint_every=None,
     with _sigterm_flag() if save_checkpoint is not None else contextlib.nullcontext([]) as stop:
         try:
             for batch in batches:
+                if first_step is None:  # the first collective: every process brings it together
+                    parallel.all_processes_here("first step")
                 t = time.time()
                 pending.append((runner.step(batch.tokens_BxT, batch.segment_ids_BxT, batch.positions_BxT,
                                             batch.group, batch.sequences_BxT), batch.n_tokens))

@@ -43,6 +43,8 @@ def build_manifest(model, kernels, cache, corpus, done, plan, seconds, wall, set
         "weight_checksum": model.source["checksum"], "model_path": model.source.get("path"),
         "tokenizer": model.source.get("tokenizer"), "config": model.config.to_dict(),
         "corpus": corpus.describe(), "corpus_fingerprint": cache.fingerprint,
+        "corpus_options": {"unit": corpus.unit, "sources": sorted(corpus.sources) if corpus.sources else None,
+                           "max_tokens": corpus.max_tokens, "max_tokens_per_source": corpus.max_tokens_per_source},
         "corpus_sources": cache.source_counts(), "bad_records_skipped": corpus.bad_records,
         "tokens": done["tokens"], "sequences": done["sequences"], "batches": done["batches"],
         "padding_fraction": plan.padding_fraction, "settings": settings,

@@ -351,7 +351,8 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
         sampled = runner.sample()
     with timings("finalize"):
         final, finish_groups = finalize_whole(acc, state_names, cache.source_names if has_sources else None,
-                                              token=token, isoscore_zeta=config.stats.isoscore_zeta)
+                                              token=token, isoscore_zeta=config.stats.isoscore_zeta,
+                                              bf16=config.model.dtype == "bfloat16")
         # the per-source reductions on the devices, while the host goes on (Results.save draws and writes)
         pending = None if finish_groups is None else in_background(
             lambda: _timed_beside(timings, "finalize", finish_groups), daemon=True, name="isojax-sources")

@@ -129,7 +129,7 @@ def check_path(out: Path, inputs=(), *, folder: bool = True) -> None:
     if folder and out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
     if not folder and out.is_dir():
-        raise UserError(f"--out {out} is a folder; give a file name, e.g. {out / 'correlation.json'}")
+        raise UserError(f"--out {out} is a folder; give a file name, e.g. {_file_outside(out, inputs)}")
     base = next(p for p in [*([out] if folder else []), *out.absolute().parents] if p.exists())
     if not base.is_dir():
         raise UserError(f"--out {out}: {base} is a file, not a folder")
@@ -159,6 +159,21 @@ def check_names(out, names) -> None:
     if not os.path.lexists(out / LOCK) and not os.path.lexists(out / JOURNAL):
         _check_names(out, names)
         _check_ours(out, (read_record(out) or {"files": {}})["files"], hashes=False)
+
+
+def _file_outside(folder: Path, inputs, name: str = "correlation.json") -> Path:
+    """folder/name, or, where that lies in input folders, name beside the outermost of them: a file
+    name that check_path accepts (as far as the inputs go), to suggest."""
+    path = folder.absolute() / name
+    holders = [p.resolve() for p in (Path(g).expanduser() for g in filter(None, inputs)) if p.is_dir()]
+    while outer := min((h for h in holders if h in path.resolve().parents or h == path.resolve()),
+                       key=lambda h: len(h.parts), default=None):
+        if outer.parent == outer:  # an input is the root: nothing is outside it
+            break
+        path = next(a for a in path.parents if a.resolve() == outer).parent / name
+    with contextlib.suppress(ValueError):
+        return path.relative_to(Path.cwd()) if not folder.is_absolute() else path
+    return path
 
 
 def _check_names(out: Path, names) -> None:

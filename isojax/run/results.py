@@ -169,13 +169,22 @@ def _band_column(prefix: str, band: dict) -> str:
     return f"{prefix}_{lo}" if hi is not None and hi == lo + 1 else f"{prefix}_{lo}_{'' if hi is None else hi}"
 
 
+# Issue 45 changed these: alpha_req's fit (ranks 11-100, weights 1/k), IsoScore*'s C0 and zeta,
+# effective_rank's floor (the unfloored one counted float32 noise on rank-deficient states).
+BEFORE_FLOOR = ("alpha_req", "isoscore_star", "effective_rank")
+
+
 def flat_layer(layer: dict) -> dict:
     """A layer's scalar metrics as one flat row (layers.csv, sweep.csv, isojax.load, the report):
     dicts of scalars flattened (intrinsic_dimension -> intrinsic_dimension_twonn, ...); the top
     rogue dimensions as rogue_dim_1, rogue_share_1, rogue_dim_2, ...; InterSim by position band as
     inter_sim_pos_0, inter_sim_pos_1_16, inter_sim_pos_16_128, inter_sim_pos_128_ (band [lo, hi),
-    `_` alone: to the end); other lists (IntraSim by frequency band) are left to metrics.json."""
+    `_` alone: to the end); other lists (IntraSim by frequency band) are left to metrics.json.
+    A layer written before the spectral floor (no `null_eigenvalues`) reads its measures that have
+    changed definition since (BEFORE_FLOOR) as null: n/a, not the older quantity under the new name."""
     row = {}
+    if "null_eigenvalues" not in layer:
+        layer = {**layer, **{k: None for k in BEFORE_FLOOR if k in layer}}
     for k, v in layer.items():
         if isinstance(v, dict):
             row.update({f"{k}_{sub}": x for sub, x in v.items() if not isinstance(x, (list, dict))})

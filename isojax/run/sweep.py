@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import threading
 from pathlib import Path
@@ -143,21 +144,18 @@ def finished(steps: list[Step], result: str) -> list[Step]:
 def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resume: bool, overwrite: bool,
               delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), step_names=(), shard=(0, 1)) -> None:
     """The loop of every sweep, extract's and weights': each unfinished step of this shard (every
-    shard[1]-th from the shard[0]-th) is measured into its folder with the folder locked, the next
-    unfinished one downloading meanwhile (fetch(step), in a thread). measure(step) writes the step's
-    results there, committed whole, or returns a callable that does (save(): the files written and
-    committed, the devices no longer needed): it runs on a thread while the next step is measured,
-    its folder locked until it is done, and at most one runs at a time (it is waited for once the
-    next step's devices are done with, before that step's own saving starts), so at most two steps'
-    results are in memory. Its error stops the sweep, naming its step, once any other step in
-    hand has ended; steps committed before stay. A step whose folder holds `result` is done:
-    skipped with --resume, nothing downloaded for it, refused without (before anything is
-    measured); a step locked by another live job, or finished by one since this job began, is
-    skipped; with delete_downloads, a measured step's files this sweep downloaded leave the Hugging
-    Face cache. finish(ready) then writes the sweep's files at OUT's top from every finished step of
-    the whole sweep, OUT locked (waiting for another job's rebuild to end), on process 0 only. `names`:
-    the sweep's files at OUT's top; `step_names`: those measure(step) writes in a step folder; both
-    checked before any work."""
+    shard[1]-th from the shard[0]-th) is measured into its folder, locked, the next unfinished one
+    downloading meanwhile (fetch(step), in a thread). measure(step) commits the step's results, or
+    returns save() that does, run on a thread while the next step is measured (the folder locked
+    until it is done; waited for once the next step's devices are done with, before its own saving
+    starts: at most two steps' results in memory); its error stops the sweep, naming its step, and
+    the steps committed before stay. A step whose folder holds `result` is done: skipped with
+    --resume (nothing downloaded for it), refused without, before anything is measured; a step
+    locked by another live job, or finished by one since this job began, is skipped; with
+    delete_downloads, a measured step's downloads leave the Hugging Face cache. finish(ready) then
+    writes the sweep's files at OUT's top from every finished step of the whole sweep, OUT locked
+    (waiting for another job's rebuild), on process 0 only. `names`: those files; `step_names`: what
+    measure(step) writes in a step folder; both checked before any work."""
     main = parallel.is_main_process()
     sweep, steps = steps, steps[shard[0]::shard[1]]
     if shard[1] > 1:
@@ -214,7 +212,7 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
             if save is None:
                 held.close()
             else:
-                saving = (step, in_background(_saving(save, held), name="isojax-save"))
+                saving = (step, in_background(functools.partial(_saving, save, held), name="isojax-save"))
             if downloads is not None and step.repo is not None:
                 if fetching is not None:  # its files are in the cache before this step's go
                     fetching.join()
@@ -240,13 +238,11 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
             "with --resume; the last job to finish writes the complete files)")
 
 
-def _saving(save, held: contextlib.ExitStack):
+def _saving(save, held: contextlib.ExitStack) -> None:
     """save() on the saving thread, the step folder's lock freed after it, whatever happens."""
-    def run():
-        with held:
-            faults.reached("sweep_saving")
-            save()
-    return run
+    with held:
+        faults.reached("sweep_saving")
+        save()
 
 
 def _saved(saving) -> None:
@@ -380,7 +376,7 @@ SWEEP_FILES = ("sweep.csv", "sweep.parquet", "sweep_cka.json")
 
 def write_sweep_csv(out: Path, steps: list[Step], parquet: bool = False) -> Path:
     """OUT/sweep.csv: model, revision, step, tokens, layer and every scalar layer metric (flat_layer),
-    and diff_erank (isojax.run.sweep_files), for every finished step of the sweep; sweep.parquet
+    and diff_erank_pooled (isojax.run.sweep_files), for every finished step of the sweep; sweep.parquet
     beside it with `parquet` (or where an earlier sweep wrote one: kept in step with sweep.csv);
     sweep_cka.json where a step holds a sample (or one was written before). Committed beside the
     step folders in one step (outdir.staged)."""

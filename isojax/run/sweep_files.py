@@ -1,14 +1,15 @@
 """The files at a sweep's top, beside its step folders: sweep.csv (and sweep.parquet with
 --format parquet), one row per (model, revision, layer) with every scalar layer measure and
-`diff_erank`; sweep_cka.json, each checkpoint's layers against the final checkpoint's on the same
+`diff_erank_pooled`; sweep_cka.json, each checkpoint's layers against the final checkpoint's on the same
 sampled tokens. Plain data: no JAX here (isojax.load reads sweeps with it too).
 
-diff_erank (Wei et al. 2024, *Diff-eRank*): the paper's Diff-eRank is the effective rank of the
-untrained model's representations minus the trained model's (positive: training removed
-redundant dimensions, "noise reduction"). Here: `effective_rank` of the sweep's first checkpoint
-of the model (in training order: revisions naming a step by step, then the others by name, `main`
-last) minus this checkpoint's, per layer; the first checkpoint is the untrained model when the
-sweep starts at step0. Null where either lacks it.
+diff_erank_pooled (after Wei et al. 2024, *Diff-eRank*: the effective rank of the untrained model's
+representations minus the trained model's; positive: training removed redundant dimensions):
+`erank_pooled` of the model's step0 checkpoint minus this checkpoint's, per layer. The paper's
+baseline is the untrained model: where the sweep has no step0 of a model, its diff_erank_pooled is
+null, with a log line (measuring a random initialization of the config is not done here). Null
+too where either checkpoint lacks erank_pooled. Pooled: README "Measures" says how erank_pooled
+differs from the paper's per-sentence quantity.
 
 sweep_cka.json: {MODEL: {"final": REVISION, "layers": [names], "tokens": K,
 "checkpoints": {REVISION: [[CKA(layer i at REVISION, layer j at final) for j] for i] or null}}}
@@ -45,14 +46,20 @@ def _number(v) -> float:
 
 
 def add_diff_erank(rows: list[dict], layer_key: str = "name") -> list[dict]:
-    """Each row (model, revision, `layer_key`, effective_rank, ...) gets diff_erank: the effective
-    rank of its model's first checkpoint at that layer minus its own (None where either is missing)."""
-    first: dict = {}
-    for row in sorted(rows, key=lambda r: revision_order(str(r.get("revision")))):
-        first.setdefault((row.get("model"), row.get(layer_key)), _number(row.get("effective_rank")))
+    """Each row (model, revision, `layer_key`, erank_pooled, ...) gets diff_erank_pooled: erank_pooled
+    of its model's step0 at that layer minus its own (None where either is missing; one log line per
+    model without step0)."""
+    untrained: dict = {}
     for row in rows:
-        d = first[row.get("model"), row.get(layer_key)] - _number(row.get("effective_rank"))
-        row["diff_erank"] = d if math.isfinite(d) else None
+        if step_of(str(row.get("revision"))) == 0:
+            untrained[row.get("model"), row.get(layer_key)] = _number(row.get("erank_pooled"))
+    for model in dict.fromkeys(row.get("model") for row in rows):
+        if not any(m == model for m, _ in untrained):
+            log(f"diff_erank_pooled of {model} is null: the sweep has no step0 (its untrained model, "
+                "Diff-eRank's baseline)")
+    for row in rows:
+        d = untrained.get((row.get("model"), row.get(layer_key)), math.nan) - _number(row.get("erank_pooled"))
+        row["diff_erank_pooled"] = d if math.isfinite(d) else None
     return rows
 
 

@@ -43,16 +43,6 @@ def _ratio_top(eig_D):
     return float(eig_D[0] / total) if total > 0 else float("nan")
 
 
-def _effective_rank(eig_D):
-    """Roy & Vetterli (2007): exp of the Shannon entropy of the normalized singular
-    values p_k = s_k / Sum s_j of the centered data matrix (s_k = sqrt(eigenvalue))."""
-    sv = np.sqrt(np.clip(eig_D, 0.0, None))
-    if sv.sum() <= 0:
-        return float("nan")
-    p = sv[sv > 0] / sv.sum()
-    return float(np.exp(-(p * np.log(p)).sum()))
-
-
 def _combine_m2(n_G, sum_GxD, m2_GxDxD):
     """Per-group (n, Sum x, M2) merged into the whole population's M2, group by group."""
     n, s, m2 = n_G[0], sum_GxD[0], m2_GxDxD[0]
@@ -136,21 +126,23 @@ def _host_eigs(readout):
 GROUP_LANCZOS_STEPS = 128  # 1e-15 of numpy's top eigenvalue on near-isotropic 2048-wide covariances
 
 
-def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, how: str):
+def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, c0_DxD, zeta, how: str):
     """One source's covariances read out for _moments: the centered one whole (its spectrum gives
-    the effective rank) as a tridiagonal form (how="tridiagonal") or a matrix ("matrices"); of
-    the second moment and of the unit vectors' covariance only sigma_1^2 / sum sigma^2, by
-    Lanczos: one Householder reduction per source and state instead of three (bench/RESULTS.md
-    8e); Sum |x|^2 / n; and the [3, D] diagonals of the three matrices."""
+    the effective rank) and IsoScore*'s shrunk covariance (1 - zeta) C + zeta C0 (C the source's
+    sample covariance, ddof = 1; C0 the layer's, c0_DxD), both as tridiagonal forms ([2, D],
+    how="tridiagonal") or matrices ([2, D, D], "matrices"); of the second moment and of the unit
+    vectors' covariance only sigma_1^2 / sum sigma^2, by Lanczos (bench/RESULTS.md 8e); Sum |x|^2 / n;
+    and the [3, D] diagonals of the three matrices."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
     top_2 = jax.vmap(lambda a: _top_eigenvalue(a, GROUP_LANCZOS_STEPS))(mats[1:])
     trace_2 = jnp.trace(mats[1:], axis1=1, axis2=2)
     ratios_2 = jnp.where(trace_2 > 0, top_2 / jnp.where(trace_2 > 0, trace_2, 1.0), jnp.nan)
     diag_3xD = jnp.diagonal(mats, axis1=1, axis2=2)
-    if how == "tridiagonal":
-        _, diag_D, off_D, _ = jax.lax.linalg.tridiagonal(mats[0], lower=True)
-        return (diag_D, off_D), ratios_2, mean_sq_norm, diag_3xD
-    return mats[0], ratios_2, mean_sq_norm, diag_3xD
+    shrunk = (1.0 - zeta) * mats[0] * (n / jnp.maximum(n - 1.0, 1.0)) + zeta * c0_DxD
+    if how == "tridiagonal":  # one matrix at a time: no [2, D, D] copy on the device
+        forms = [jax.lax.linalg.tridiagonal(m, lower=True)[1:3] for m in (mats[0], shrunk)]
+        return tuple(jnp.stack(parts) for parts in zip(*forms)), ratios_2, mean_sq_norm, diag_3xD
+    return jnp.stack([mats[0], shrunk]), ratios_2, mean_sq_norm, diag_3xD
 
 
 def _float64_m2(m2, unit_m2):
@@ -176,12 +168,16 @@ def _whole_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how
 
 
 @functools.partial(jax.jit, static_argnames=("how",))
-def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, how: str = "tridiagonal"):
+def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, zeta, how: str = "tridiagonal"):
     """One state's covariances of each group (_group_readout), m2 holding each group's
-    (_whole_spectra for the arguments). Apart from _whole_spectra, so that the whole population's
-    metrics, figures and files are ready while the devices reduce these (bench/RESULTS.md 8e)."""
+    (_whole_spectra for the arguments; zeta: IsoScore*'s shrinkage toward the layer's covariance).
+    Apart from _whole_spectra, so that the whole population's metrics, figures and files are ready
+    while the devices reduce these (bench/RESULTS.md 8e)."""
     m2_HxDxD, unit_m2_HxDxD = _float64_m2(m2, unit_m2)
-    return jax.vmap(functools.partial(_group_readout, how=how))(n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD)
+    c0 = _combine_m2(n_G, sum_GxD, m2_HxDxD) / jnp.maximum(n_G.sum() - 1.0, 1.0)
+    c0 = (c0 + c0.T) / 2
+    return jax.vmap(functools.partial(_group_readout, how=how), in_axes=(0, 0, 0, 0, None, None))(
+        n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD, c0, zeta)
 
 
 def _whole_readout(eigs):
@@ -191,10 +187,11 @@ def _whole_readout(eigs):
 
 
 GEOMETRY_KEYS = ("isoscore", "isoscore_star", "alpha_req", "rogue_dims", "rogue_share_top3", "feature_kurtosis")
+SPECTRAL_KEYS = ("effective_rank", "erank_pooled", "null_eigenvalues", "rank_deficient")
 
 
 def _geometry(n, unit_sum_D, centered_D, diag_3xD, zeta: float) -> dict:
-    """The spectral measures of isojax.stats.geometry from one population's centered eigenvalues
+    """The measures of isojax.stats.geometry from one population's floored centered eigenvalues
     and the diagonals of its second moment (Sum x x^T / n) and unit covariance (Sum (u - mean u)
     (u - mean u)^T / n): Sum_t u_ti^2 = n x that diagonal + S_i^2 / n, Sum_t x_ti^2 = n x the other."""
     n = float(n)
@@ -208,31 +205,51 @@ def _geometry(n, unit_sum_D, centered_D, diag_3xD, zeta: float) -> dict:
             "feature_kurtosis": geometry.feature_kurtosis(n, n * diag_3xD[1])}
 
 
-def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometry.ISOSCORE_ZETA):
+def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometry.ISOSCORE_ZETA,
+             bf16: bool = False, unit_D=None, shrunk_D=None):
     """State-level metrics of one population; readout: (the centered covariance's eigenvalues,
     descending, the uncentered and the unit anisotropy, Sum |x|^2 / n, the [3, D] diagonals of
     _covariances' matrices) (_whole_readout, or a group's part of _bisect_states or _host_eigs),
-    or None (no second moments kept for it). zeta: IsoScore*'s shrinkage."""
+    or None (no second moments kept for it). zeta: IsoScore*'s shrinkage. bf16: the states were
+    bfloat16 (geometry.spectral_floor). unit_D: the unit vectors' covariance eigenvalues, for
+    erank_pooled (None: null). shrunk_D: the eigenvalues of a source's IsoScore* covariance
+    (1 - zeta) C + zeta C0 (_group_readout); None: the population is the layer, C0 = C."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
            "norm_of_mean": float(np.linalg.norm(sum_D) / n) if n else float("nan")}
     if readout is not None and n:
         centered_D, anisotropy_uncentered, unit_anisotropy, mean_sq_norm, diag_3xD = readout
+        diag_3xD = np.asarray(diag_3xD)
+        # bf16 states: the floor scales with the largest mean square of a coordinate (spectral_floor)
+        mean_sq = float(diag_3xD[1].max()) if bf16 else None
+        unit_mean_sq = float((diag_3xD[2] + (unit_sum_D / n) ** 2).max()) if bf16 else None
+        kept_D = geometry.floored(centered_D, geometry.spectral_floor(centered_D, mean_sq))
+        nulls = int((kept_D == 0).sum()) if kept_D[0] > 0 else None
+        unit_floor = None if unit_D is None else geometry.spectral_floor(unit_D, unit_mean_sq)
+        unit_kept_D = None if unit_D is None else geometry.floored(unit_D, unit_floor)
         out.update(anisotropy=_ratio_top(centered_D),
                    anisotropy_uncentered=float(anisotropy_uncentered),
                    unit_anisotropy=float(unit_anisotropy),
-                   effective_rank=_effective_rank(centered_D),
+                   effective_rank=geometry.effective_rank(kept_D),
+                   erank_pooled=None if unit_kept_D is None else geometry.erank(unit_kept_D),
+                   null_eigenvalues=nulls, rank_deficient=None if nulls is None else nulls > 0,
                    mean_sq_norm=float(mean_sq_norm),
-                   **_geometry(n, unit_sum_D, centered_D, np.asarray(diag_3xD), zeta))
+                   **_geometry(n, unit_sum_D, kept_D, diag_3xD, zeta))
+        if shrunk_D is not None and n >= 2:  # IsoScore* is IsoScore of the shrunk covariance (scale-free)
+            floor = geometry.spectral_floor(shrunk_D, mean_sq)
+            out["isoscore_star"] = geometry.isoscore(geometry.floored(shrunk_D, floor))
     return out
 
 
 def _log_nulls(what: str, out: dict) -> None:
     """One log line naming the geometry measures that are null for a population, and why."""
+    from isojax.log import log
     nulls = [k for k in GEOMETRY_KEYS if k in out and out[k] is None]
-    if nulls:
-        from isojax.log import log
+    if nulls == ["alpha_req"] and out["count"] >= 2:
+        lo, hi = geometry.ALPHA_REQ_RANKS
+        log(f"alpha_req of {what}: null (fewer than 2 of its fit ranks {lo} to {hi} above the spectral floor)")
+    elif nulls:
         why = "fewer than 2 tokens" if out["count"] < 2 else "its states do not vary (or InterSim is 0)"
         log(f"{', '.join(nulls)} of {what}: null ({why})")
 
@@ -295,11 +312,11 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
         args = (f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair)
         _whole_spectra.lower(*args, per_group=per_group, how="tridiagonal").compile()
         # _bisect_states' calls: every state's whole population, then every state's groups
-        parts = [[(3,)] * s] + ([[(num_groups,)] * s] if per_group else [])
+        parts = [[(3,)] * s] + ([[(num_groups, 2)] * s] if per_group else [])
         for part in parts:
             _bisect.lower([f64_on(*k, d) for k in part], [f64_on(*k, d - 1) for k in part]).compile()
         if per_group:
-            _group_spectra.lower(*args, how="tridiagonal").compile()
+            _group_spectra.lower(*args, f64(), how="tridiagonal").compile()
         if sample_count >= BATCH:
             x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
             _batch_anisotropy.lower(x).compile()
@@ -310,16 +327,17 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
 
 
 def finalize(acc: Accumulators, state_names: list[str],
-             group_names: list[str] | None = None, token=None, isoscore_zeta: float = geometry.ISOSCORE_ZETA) -> dict:
+             group_names: list[str] | None = None, token=None, isoscore_zeta: float = geometry.ISOSCORE_ZETA,
+             bf16: bool = False) -> dict:
     """finalize_whole's metrics with their "groups" filled in (finalize_whole for what they are)."""
-    result, finish_groups = finalize_whole(acc, state_names, group_names, token, isoscore_zeta)
+    result, finish_groups = finalize_whole(acc, state_names, group_names, token, isoscore_zeta, bf16)
     if finish_groups is not None:
         finish_groups()
     return result
 
 
 def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[str] | None = None, token=None,
-                   isoscore_zeta: float = geometry.ISOSCORE_ZETA) -> tuple[dict, object]:
+                   isoscore_zeta: float = geometry.ISOSCORE_ZETA, bf16: bool = False) -> tuple[dict, object]:
     """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
     "spectra": {...}}. "layers" combines all groups; "groups" (only with group_names) holds
     per-source results without per-token fields. Spectra are eigenvalues of the covariance
@@ -327,11 +345,13 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     covariance of unit vectors, each in descending order. `token`: (count_V, intra_sim_SxV)
     when already read out (runner.Runner.token_readout); else taken from acc. The second
     moments may be device arrays (runner.Runner.merged_layers): they are read out there.
-    isoscore_zeta: IsoScore*'s shrinkage (geometry.isoscore_star).
+    isoscore_zeta: IsoScore*'s shrinkage (geometry.isoscore_star). bf16: the states were bfloat16
+    (the spectral floor, geometry.spectral_floor).
 
     Returns (metrics, finish_groups): with group_names, metrics["groups"] is an empty dict that
-    finish_groups() fills in: it dispatches the groups' reductions to the devices (one Householder
-    reduction per source and state: seconds at 8 sources, bench/RESULTS.md 8e) and reads them out;
+    finish_groups() fills in: it dispatches the groups' reductions to the devices (two Householder
+    reductions per source and state, its covariance's and IsoScore*'s: seconds at 8 sources,
+    bench/RESULTS.md 8e for one) and reads them out;
     run on a thread, the host meanwhile draws and writes what needs only the whole population
     (run/results.py). None without group_names, or where the second moments are split over
     devices: then the groups are read out here (their gathers in this thread's order)."""
@@ -373,7 +393,8 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         n_G = n_GxS[:, s]
         whole = reduced[s]
         out = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
-                       _whole_readout(whole) if n_G.sum() else None, isoscore_zeta)
+                       _whole_readout(whole) if n_G.sum() else None, isoscore_zeta, bf16,
+                       unit_D=whole[0][2] if n_G.sum() else None)
         _log_nulls(name, out)
         layer = {"name": name, **out}
         for key, eig in zip(spectra, whole[0] if n_G.sum() else (None,) * 3):
@@ -398,7 +419,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         layer.update(streamed)
     for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
-                    "sample_abs_median", "massive_ratio", *GEOMETRY_KEYS):
+                    "sample_abs_median", "massive_ratio", *GEOMETRY_KEYS, *SPECTRAL_KEYS):
             layer.setdefault(key, None)
     result = {"layers": layers}
     if all(e is not None for e in spectra["centered_SxD"]):
@@ -413,7 +434,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         if s in dispatched:
             return dispatched.pop(s)
         with jax.enable_x64(True):
-            return _group_spectra(*state_args(s), how=how)
+            return _group_spectra(*state_args(s), np.float64(isoscore_zeta), how=how)
 
     # the first two states' reductions traced and dispatched here, the rest one ahead by finish_groups
     dispatched = {}
@@ -423,12 +444,14 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     def finish_groups():  # where the second moments are split over devices, not on a thread: see below
         from isojax import faults
         eigs_GxS = [[None] * num_states for _ in range(num_groups)]  # groups with their own second moments
+        shrunk_GxS = [[None] * num_states for _ in range(num_groups)]  # their IsoScore* covariances' eigenvalues
         if per_group_m2:
             groups_S = _read_states(dispatch_groups, num_states, on_cpu,
                                     before_read=lambda: faults.reached("sources_readout"))
             for s, groups in enumerate(groups_S):
                 for g in range(num_groups):
-                    eigs_GxS[g][s] = (groups[0][g], *groups[1][g], groups[2][g], groups[3][g])
+                    eigs_GxS[g][s] = (groups[0][g][0], *groups[1][g], groups[2][g], groups[3][g])
+                    shrunk_GxS[g][s] = groups[0][g][1]
         elif num_groups == 1:
             faults.reached("sources_readout")
             eigs_GxS[0] = [_whole_readout(whole) for whole in reduced]
@@ -437,7 +460,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
             glayers = []
             for s, name in enumerate(state_names):
                 out = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s], norm_GxS[g, s],
-                               eigs_GxS[g][s], isoscore_zeta)
+                               eigs_GxS[g][s], isoscore_zeta, bf16, shrunk_D=shrunk_GxS[g][s])
                 _log_nulls(f"{name} in {gname}", out)
                 if centered:
                     c = csum_GxSxC[g, s]

@@ -32,7 +32,7 @@ from isojax import storage
 from isojax.run import outdir
 from isojax.run.names import checkpoint_name
 from isojax.plots import weights as weight_plots
-from isojax.errors import UserError, run_command
+from isojax.errors import ArgumentParser, UserError, run_command
 from isojax.steps import RANDOM, checkpoint_weights, local_revision, paper_steps
 
 MATRIX_METRICS = ["isotropy", "isotropy_one_sided", "isotropy_centered", "isotropy_pc_removed",
@@ -339,7 +339,7 @@ def _sweep(args, revisions: list[str], out: pathlib.Path, inputs) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m isojax.weights",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Partition-function isotropy I(W) of the embedding and unembedding "
