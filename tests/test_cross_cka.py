@@ -127,3 +127,38 @@ def test_a_real_sweeps_cka_equals_numpy_float64(tmp_path):
     for rev in revisions:
         states = sweep_files.read_sample(tmp_path / "out" / "m" / rev)
         assert_equal_to_1e9(doc["checkpoints"][rev], cka_matrix(states, final))
+
+
+def _step(folder: Path, states_SxKxD, keys_Kx2=None, settings=None, fingerprint="fp") -> None:
+    """A finished step folder as sweep_cka reads it: metrics, manifest, samples.zarr (states, keys)."""
+    folder.mkdir(parents=True)
+    names = [f"s{i}" for i in range(states_SxKxD.shape[0])]
+    (folder / "metrics.json").write_text(json.dumps({"tokens": 500, "layers": [{"name": n} for n in names]}))
+    manifest = {"corpus_fingerprint": fingerprint, **({"settings": settings} if settings is not None else {})}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    results.write_zarr(folder / "samples.zarr" / "states", np.asarray(states_SxKxD, np.float32))
+    if keys_Kx2 is not None:
+        results.write_zarr(folder / "samples.zarr" / "keys", np.asarray(keys_Kx2, np.uint32))
+
+
+def test_sweep_cka_compares_only_checkpoints_that_sampled_the_same_tokens_alike(tmp_path):
+    """Issue 45: a checkpoint whose sampled tokens (samples.zarr/keys), row length, skipped positions
+    or dtype differ from the final one's is null, with the reason; a folder written before the keys
+    and settings were recorded is still compared (on what it records)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 40, 8))
+    keys = np.sort(rng.integers(0, 2**32, size=(40, 2), dtype=np.uint64).astype(np.uint32), axis=0)
+    settings = {"row_len": 64, "skip_positions": 0, "dtype": "float32"}
+    root = tmp_path / "m"
+    _step(root / "step9", x, keys, settings)  # the final checkpoint
+    _step(root / "step1", x + rng.normal(size=x.shape), keys, settings)
+    _step(root / "step2", x, keys[::-1], settings)
+    _step(root / "step3", x, keys, {**settings, "skip_positions": 1})
+    _step(root / "step4", x, keys, {**settings, "row_len": 128})
+    _step(root / "step5", x, keys, {**settings, "dtype": "bfloat16"})
+    _step(root / "step6", x)  # written before keys and settings were recorded
+    steps = [(r, root / r) for r in ("step1", "step2", "step3", "step4", "step5", "step6", "step9")]
+    doc = sweep_files.sweep_cka({"m": steps})["m"]["checkpoints"]
+    assert doc["step1"] is not None and np.allclose(doc["step9"], cka_matrix(x, x), atol=1e-9)
+    assert doc["step6"] is not None and np.allclose(doc["step6"], cka_matrix(x, x), atol=1e-9)
+    assert [doc[r] for r in ("step2", "step3", "step4", "step5")] == [None] * 4

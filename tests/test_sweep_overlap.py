@@ -90,6 +90,7 @@ def test_steps_saved_beside_the_next_steps_loop_equal_the_sequential_sweep(tmp_p
     assert overlapped.keys() == sequential.keys()
     assert any(k.endswith("samples.zarr/states/0.0.0") or "samples.zarr" in k for k in overlapped)
     assert "sweep_cka.json" in overlapped and "sweep.csv" in overlapped
+    assert any(k.startswith("repo/step0/samples.zarr/keys/") for k in overlapped)
     assert sum(k.endswith(".png") for k in overlapped) >= 3 * len(REVISIONS)
     import json
     timeline = json.loads((tmp_path / "overlapped" / "repo" / "step0" / "manifest.json").read_text())["timeline"]
@@ -120,6 +121,9 @@ def test_detached_results_hold_nothing_on_the_devices(tmp_path, monkeypatch, inp
     walk([results.final["sample"](s) for s in range(len(results.state_names))])
     assert not held
     assert results.final["sample"](0).dtype == np.float32 and results.final["sample"](0).shape[0] == 64
+    keys = results.final["sample_keys"]  # which tokens (issue 45): the 64 smallest keys, ascending, distinct
+    as64 = keys[:, 0].astype(np.uint64) << np.uint64(32) | keys[:, 1].astype(np.uint64)
+    assert keys.dtype == np.uint32 and keys.shape == (64, 2) and (as64[1:] > as64[:-1]).all()
 
 
 def test_an_error_while_saving_names_its_step_and_keeps_the_steps_before(tmp_path, monkeypatch, inputs):

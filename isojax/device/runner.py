@@ -237,6 +237,16 @@ class Runner:
 
         return len(part), states
 
+    def sample_keys(self) -> np.ndarray | None:
+        """[K', 2] uint32: the merged sample's keys (stats/sample.py token_keys: a hash of each token's
+        sequence and position, high word first), ascending, in the order of sample()'s states; None
+        without a sample. Every process calls it (a gather across processes)."""
+        if not self.init_kwargs["sample_size"]:
+            return None
+        keys = _gather(self.acc.sample_keys_Kx2)  # [n, K, 2]
+        part, slot = sample_lib.merge_host(keys)
+        return keys[part, slot]
+
 
 def gram_rows(d: int, model_axis: int) -> int | None:
     """Rows of the Grams each device keeps on a "model" axis of model_axis devices: D / m where

@@ -364,7 +364,7 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
                 layer["massive_ratio"] = massive_ratio(layer)
             final["cka"] = sample_cka(states, count, state_names)
             if intrinsic:
-                final["sample"] = states
+                final["sample"], final["sample_keys"] = states, runner.sample_keys()
     if config.stats.centered:
         final = centered_pass(final, acc, runner, state_names, cache, rows, row_len, local, timings, config.progress)
     return final, pending

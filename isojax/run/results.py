@@ -281,6 +281,8 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
                            per_state=True)
         for s in range(len(state_names)):
             store[s].write(first if s == 0 else np.asarray(states(s))).result()
+        if final.get("sample_keys") is not None:  # which tokens: each one's key, a hash of its sequence and position
+            write_zarr(stage / "samples.zarr" / "keys", np.asarray(final["sample_keys"], np.uint32))
 
 
 def _plot(metrics: dict, plot_dir: Path, timings, pending=None) -> list[Path]:

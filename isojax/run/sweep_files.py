@@ -73,12 +73,35 @@ def read_sample(folder: Path) -> np.ndarray | None:
     return np.asarray(ts.open(spec, open=True).result().read().result())
 
 
+def read_sample_keys(folder: Path) -> np.ndarray | None:
+    """samples.zarr/keys [K, 2] uint32 of a step folder (each sampled token's key, stats/sample.py);
+    None where it has none (no sample, or written before the keys were)."""
+    path = Path(folder) / "samples.zarr" / "keys"
+    if not path.is_dir():
+        return None
+    import tensorstore as ts
+    return np.asarray(ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}},
+                              open=True).result().read().result())
+
+
+LATER = ("row length", "skip positions", "dtype", "sampled tokens' keys")  # recorded or checked since issue 45
+
+
 def _describe(folder: Path) -> dict:
-    """What must match between two checkpoints for their samples to hold the same tokens."""
+    """What must match between two checkpoints for their samples to hold the same tokens, measured
+    alike: corpus, token count, layers, the row length (windows), the positions left out, the dtype,
+    and the sampled tokens' keys (a sha256 of samples.zarr/keys). Those of LATER are not compared
+    where a folder written before them lacks them (None)."""
+    import hashlib
     metrics = json.loads((folder / "metrics.json").read_text())
     manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
+    settings = manifest.get("settings") or {}
+    keys = read_sample_keys(folder)
     return {"corpus fingerprint": manifest.get("corpus_fingerprint"), "tokens": metrics.get("tokens"),
-            "layers": [layer.get("name") for layer in metrics.get("layers") or []]}
+            "layers": [layer.get("name") for layer in metrics.get("layers") or []],
+            "row length": settings.get("row_len"), "skip positions": settings.get("skip_positions"),
+            "dtype": settings.get("dtype"),
+            "sampled tokens' keys": None if keys is None else hashlib.sha256(keys.tobytes()).hexdigest()[:16]}
 
 
 def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
@@ -101,7 +124,8 @@ def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
             states = final if folder == final_dir else read_sample(folder)
             have = _describe(folder)
             why = "it has no sample (extract --sample-states K)" if states is None else next(
-                (f"its {k} differs from {final_rev}'s ({have[k]} vs {want[k]})" for k in want if have[k] != want[k]),
+                (f"its {k} differs from {final_rev}'s ({have[k]} vs {want[k]})" for k in want
+                 if have[k] != want[k] and not (k in LATER and None in (have[k], want[k]))),
                 None) or (f"its sample holds {states.shape[1]} tokens, {final_rev}'s {final.shape[1]}"
                           if states.shape[1] != final.shape[1] else None)
             if why:
