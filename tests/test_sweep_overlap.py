@@ -97,6 +97,17 @@ def test_steps_saved_beside_the_next_steps_loop_equal_the_sequential_sweep(tmp_p
     assert any(span[0] == "plots (beside)" for span in timeline)
     assert [k for k in overlapped if overlapped[k] != sequential[k]] == []
 
+    # a flipped byte in a step's sample (its sha256 no longer the record's) leaves that step out of
+    # the CKA across checkpoints, with the reason, rather than changing its numbers silently
+    steps = {r: tmp_path / "overlapped" / "repo" / r for r in REVISIONS}
+    chunk = next(p for p in sorted((steps["step1000"] / "samples.zarr" / "states").iterdir()) if p.name[0].isdigit())
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    from isojax.run.sweep_files import sweep_cka
+    doc = sweep_cka({"repo": list(steps.items())})["repo"]["checkpoints"]
+    assert doc["step1000"] is None and doc["step0"] is not None
+
 
 def test_detached_results_hold_nothing_on_the_devices(tmp_path, monkeypatch, inputs):
     """What a step's saving thread reads is on the host: no jax.Array left in the results it saves."""

@@ -104,16 +104,31 @@ def _describe(folder: Path) -> dict:
             "sampled tokens' keys": None if keys is None else hashlib.sha256(keys.tobytes()).hexdigest()[:16]}
 
 
+def damaged_sample(folder: Path) -> str | None:
+    """Why a step folder's samples.zarr cannot be read as isojax wrote it (a file missing, or its
+    sha256 not the record's: a flipped byte would change the CKA silently), or None."""
+    from isojax.errors import UserError
+    from isojax.run import outdir
+    record = outdir.read_record(folder) or {"files": {}}
+    try:
+        outdir.check_results(folder, reads=[rel for rel in record["files"] if rel.startswith("samples.zarr/")])
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
-    """sweep_cka.json's document from {model: [(revision, step folder), ...]} (finished steps)."""
+    """sweep_cka.json's document from {model: [(revision, step folder), ...]} (finished steps); a
+    sample that is not as isojax wrote it (damaged_sample) is left out, with a log line."""
     doc = {}
     for model, steps in checkpoints.items():
         steps = sorted(steps, key=lambda s: revision_order(s[0]))
         final_rev, final_dir = steps[-1]
-        final = read_sample(final_dir)
+        damaged = damaged_sample(final_dir)
+        final = None if damaged else read_sample(final_dir)
         if final is None:
-            log(f"sweep_cka.json: {model} is null: its final checkpoint {final_rev} has no sample "
-                "(extract --sample-states K)")
+            log(f"sweep_cka.json: {model} is null: its final checkpoint {final_rev} "
+                + (damaged or "has no sample (extract --sample-states K)"))
             doc[model] = None
             continue
         from isojax.stats.cross_cka import CkaAgainst  # JAX only here: isojax.load imports this module
@@ -121,9 +136,10 @@ def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
         want = _describe(final_dir)
         entry = {"final": final_rev, "layers": want["layers"], "tokens": int(final.shape[1]), "checkpoints": {}}
         for revision, folder in steps:
-            states = final if folder == final_dir else read_sample(folder)
-            have = _describe(folder)
-            why = "it has no sample (extract --sample-states K)" if states is None else next(
+            damaged = None if folder == final_dir else damaged_sample(folder)
+            states = final if folder == final_dir else None if damaged else read_sample(folder)
+            have = _describe(folder) if not damaged else {}
+            why = (damaged or "it has no sample (extract --sample-states K)") if states is None else next(
                 (f"its {k} differs from {final_rev}'s ({have[k]} vs {want[k]})" for k in want
                  if have[k] != want[k] and not (k in LATER and None in (have[k], want[k]))),
                 None) or (f"its sample holds {states.shape[1]} tokens, {final_rev}'s {final.shape[1]}"
