@@ -401,14 +401,15 @@ def test_accelerator_spectra_equal_numpy_eigvalsh():
         u_GxNxD = x_GxNxD / np.linalg.norm(x_GxNxD, axis=-1, keepdims=True)
         args = (np.full(g, float(n)), x_GxNxD.sum(1), u_GxNxD.sum(1), pair(centered(x_GxNxD)), pair(centered(u_GxNxD)))
         states.append((x_GxNxD, args))
+    zeta = np.float64(0.75)  # IsoScore*'s shrinkage of each group's covariance toward the layer's
     with jax.enable_x64(True):
         got_S = zip(fz._bisect_states([fz._whole_spectra(*a, per_group=True, how="tridiagonal") for _, a in states]),
-                    fz._bisect_states([fz._group_spectra(*a, how="tridiagonal") for _, a in states]))
+                    fz._bisect_states([fz._group_spectra(*a, zeta, how="tridiagonal") for _, a in states]))
         want_S = [[fz._host_eigs(jax.device_get(part)) for part in (fz._whole_spectra(*a, per_group=True, how="matrices"),
-                                                                    fz._group_spectra(*a, how="matrices"))]
+                                                                    fz._group_spectra(*a, zeta, how="matrices"))]
                   for _, a in states]
     for (x_GxNxD, _), (whole, groups), (ref_whole, ref_groups) in zip(states, got_S, want_S):
-        assert whole[0].shape == ref_whole[0].shape == (3, d) and groups[0].shape == ref_groups[0].shape == (g, d)
+        assert whole[0].shape == ref_whole[0].shape == (3, d) and groups[0].shape == ref_groups[0].shape == (g, 2, d)
         for eig, ref in ((whole[0], ref_whole[0]), (groups[0], ref_groups[0])):
             assert np.all(np.diff(eig, axis=-1) <= 0)  # descending
             np.testing.assert_allclose(eig, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
@@ -420,12 +421,15 @@ def test_accelerator_spectra_equal_numpy_eigvalsh():
                                    atol=1e-10 * np.linalg.eigvalsh(cov).max())
         # each group: its centered spectrum, and sigma_1^2 / sum sigma^2 of its second moment and of
         # its unit vectors' covariance (Lanczos), from numpy on the group's own rows
+        layer_cov = np.cov(x_GxNxD.reshape(-1, d).T)  # ddof 1: IsoScore*'s C0, every group's rows
         for k in range(g):
             x = x_GxNxD[k]
             u = x / np.linalg.norm(x, axis=-1, keepdims=True)
             cov = np.cov(x.T, bias=True)
-            np.testing.assert_allclose(groups[0][k], np.linalg.eigvalsh(cov)[::-1], rtol=0,
+            np.testing.assert_allclose(groups[0][k][0], np.linalg.eigvalsh(cov)[::-1], rtol=0,
                                        atol=1e-10 * np.linalg.eigvalsh(cov).max())
+            shrunk = np.linalg.eigvalsh((1 - zeta) * np.cov(x.T) + zeta * layer_cov)[::-1]
+            np.testing.assert_allclose(groups[0][k][1], shrunk, rtol=0, atol=1e-10 * shrunk.max())
             for j, m in enumerate((x.T @ x / n, np.cov(u.T, bias=True))):
                 e = np.linalg.eigvalsh(m)
                 for got in (groups[1][k, j], ref_groups[1][k, j]):
@@ -449,8 +453,8 @@ def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
     with jax.log_compiles(True), jax.enable_x64(True):
         args = [(np.full(g, 50.0), rng.normal(size=(g, d)), rng.normal(size=(g, d)), pair, pair) for _ in range(s)]
         fz._bisect_states([fz._whole_spectra(*a, per_group=True, how="tridiagonal") for a in args])
-        eigs = fz._bisect_states([fz._group_spectra(*a, how="tridiagonal") for a in args])
+        eigs = fz._bisect_states([fz._group_spectra(*a, np.float64(0.75), how="tridiagonal") for a in args])
         ratios = np.asarray(fz._batch_anisotropy(x.reshape(2, fz.BATCH, d)))
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not [c for c in compiled if any(f in c for f in ("_spectra", "_bisect", "_batch_anisotropy"))], compiled
-    assert len(eigs) == s and eigs[0][0].shape == (g, d) and eigs[0][1].shape == (g, 2) and ratios.shape == (2, 2)
+    assert len(eigs) == s and eigs[0][0].shape == (g, 2, d) and eigs[0][1].shape == (g, 2) and ratios.shape == (2, 2)
