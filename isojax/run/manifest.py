@@ -19,6 +19,8 @@ def build_metrics(model, unit: str, done: dict, final: dict, has_sources: bool) 
                "dtype": model.dtype, "layers": final["layers"]}
     if has_sources and "groups" in final:
         metrics["sources"] = final["groups"]
+    if "sentences" in final:  # the sentence probe's subset (stats/sentences.py)
+        metrics["sentences"] = final["sentences"]
     return metrics
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from isojax import faults, storage
 from isojax.errors import UserError
-from isojax.stats.finalize import massive_ratio, sample_cka, sample_metrics
+from isojax.stats.finalize import massive_max_over_sample_median, sample_cka, sample_metrics
 from isojax.device.memory import check_fits, choose_mesh, defaults_platform
 from isojax.device.kernel_choice import CheckRecord, check_mlp_kernel, check_norm_kernel
 from isojax.log import log
@@ -240,7 +240,10 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
             return None
         return finished().n_tokens  # a budget's tokens only: the cache holds no more (Corpus.budget)
 
-    done, loop_rate, local = _loop(runner, tokens, total, timings, config, step, row_len=row_len, settings=settings)
+    from isojax.stats.sentences import Probe
+    probe = Probe(runner.module, runner.params, runner.mesh, row_len)
+    done, loop_rate, local = _loop(runner, tokens, total, timings, config, step, row_len=row_len, settings=settings,
+                                   probe=lambda: probe.compile_beside(finished))
     with timings("tokenize"):
         if streamed and not tokens.done():
             log("finishing the token cache of the whole corpus")
@@ -252,6 +255,11 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     has_sources = len(step.labels) > 1 or bool(config.data.sources)
     final, pending = _read_out(runner, loaded.config.state_names, cache, timings, config, has_sources,
                                row_len=row_len, rows=step.rows, local=local)
+    with timings("finalize"):  # the sentence probe (stats/sentences.py): its forward, then float64 on the host
+        from isojax.stats.sentences import probe as sentence_probe
+        per_state, final["sentences"] = sentence_probe(cache, probe, loaded.tokenizer)
+        for layer, extra in zip(final["layers"], per_state):
+            layer.update(extra)
     return _results(loaded, runner, corpus, tokens, cache, plan, timings, config, step, done=done,
                     loop_rate=loop_rate, final=final, settings=settings, has_sources=has_sources, pending=pending)
 
@@ -290,9 +298,11 @@ def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPla
     return runner
 
 
-def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan, *, row_len, settings):
+def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan, *, row_len, settings,
+          probe=lambda: None):
     """Feed every batch to the devices (resumed from, and checkpointed into, the checkpoint
-    directory): (done, the loop's tokens/s, this process's rows in a multi-process run or None)."""
+    directory): (done, the loop's tokens/s, this process's rows in a multi-process run or None).
+    probe(): starts the sentence probe's compile beside the loop (on accelerators)."""
     import jax
 
     from isojax.data import pack_batches
@@ -312,11 +322,11 @@ def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan,
         checkpointer.reserve(runner.acc)
     # matplotlib loads while the devices work (0.3-0.9 s of the demo's after-loop time otherwise)
     in_background(lambda: importlib.import_module("isojax.plots"))
-    # and, on accelerators, the float64 read-outs compile once the step has (a first run's finalize
-    # took ~3 s longer than a cached run's, compiling them after the loop)
-    compile_ahead = (lambda: in_background(lambda: finalize_lib.compile_ahead(
-        runner.gram_shape(), len(step.labels), step.sample_states, runner.readout_device()))) \
-        if jax.default_backend() != "cpu" else None
+    # and, on accelerators, the float64 read-outs and the sentence probe compile once the step has (a
+    # first run's finalize took ~3 s longer than a cached run's, compiling them after the loop)
+    compile_ahead = (lambda: (in_background(lambda: finalize_lib.compile_ahead(
+        runner.gram_shape(), len(step.labels), step.sample_states, runner.readout_device())),
+        probe())) if jax.default_backend() != "cpu" else None
     started = dict(done)
     with timings("loop"):
         try:
@@ -361,7 +371,7 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
             for layer, extra in zip(final["layers"], sample_metrics(states, count, state_names, intrinsic,
                                                                     k=config.stats.intrinsic_k)):
                 layer.update(extra)
-                layer["massive_ratio"] = massive_ratio(layer)
+                layer["massive_max_over_sample_median"] = massive_max_over_sample_median(layer)
             final["cka"] = sample_cka(states, count, state_names)
             if intrinsic:
                 final["sample"], final["sample_keys"] = states, runner.sample_keys()

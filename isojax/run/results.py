@@ -172,6 +172,8 @@ def _band_column(prefix: str, band: dict) -> str:
 # Issue 45 changed these: alpha_req's fit (ranks 11-100, weights 1/k), IsoScore*'s C0 and zeta,
 # effective_rank's floor (the unfloored one counted float32 noise on rank-deficient states).
 BEFORE_FLOOR = ("alpha_req", "isoscore_star", "effective_rank")
+# and renamed these: the streamed corpus maximum over the sample's median is not Sun et al.'s ratio
+RENAMED = {"massive_ratio": "massive_max_over_sample_median"}
 
 
 def flat_layer(layer: dict) -> dict:
@@ -181,12 +183,17 @@ def flat_layer(layer: dict) -> dict:
     inter_sim_pos_0, inter_sim_pos_1_16, inter_sim_pos_16_128, inter_sim_pos_128_ (band [lo, hi),
     `_` alone: to the end); other lists (IntraSim by frequency band) are left to metrics.json.
     A layer written before the spectral floor (no `null_eigenvalues`) reads its measures that have
-    changed definition since (BEFORE_FLOOR) as null: n/a, not the older quantity under the new name."""
+    changed definition since (BEFORE_FLOOR) as null: n/a, not the older quantity under the new name;
+    a renamed measure (RENAMED) is read under its new name. massive_dims (the sentence probe's) as one
+    string "dim:count dim:count ..." (most massive activations first)."""
     row = {}
     if "null_eigenvalues" not in layer:
         layer = {**layer, **{k: None for k in BEFORE_FLOOR if k in layer}}
     for k, v in layer.items():
-        if isinstance(v, dict):
+        k = RENAMED.get(k, k)
+        if k == "massive_dims" and isinstance(v, list):
+            row[k] = " ".join(f"{d.get('dim')}:{d.get('count')}" for d in v if isinstance(d, dict))
+        elif isinstance(v, dict):
             row.update({f"{k}_{sub}": x for sub, x in v.items() if not isinstance(x, (list, dict))})
         elif k == "rogue_dims" and isinstance(v, list):
             for i, d in enumerate((d for d in v if isinstance(d, dict)), 1):

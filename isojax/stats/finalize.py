@@ -419,7 +419,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         layer.update(streamed)
     for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
-                    "sample_abs_median", "massive_ratio", *GEOMETRY_KEYS, *SPECTRAL_KEYS):
+                    "sample_abs_median", "massive_max_over_sample_median", *GEOMETRY_KEYS, *SPECTRAL_KEYS):
             layer.setdefault(key, None)
     result = {"layers": layers}
     if all(e is not None for e in spectra["centered_SxD"]):
@@ -557,8 +557,9 @@ def sample_cka(states, count: int, state_names: list[str]) -> dict:
     return {"layers": list(state_names), "matrix": matrix, "tokens": count}
 
 
-def massive_ratio(layer: dict) -> float | None:
-    """massive_max / the sample's median |x| (sample_abs_median); None without either."""
+def massive_max_over_sample_median(layer: dict) -> float | None:
+    """massive_max (the corpus-wide streamed maximum) / the sample's median |x| (sample_abs_median);
+    None without either. Not Sun et al.'s per-sequence ratio (stats/sentences.py); `massive_ratio` before."""
     top, median = layer.get("massive_max"), layer.get("sample_abs_median")
     return float(top / median) if top is not None and median else None
 
@@ -573,7 +574,8 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
     of Learning section 2.2: shuffled, then batched) and, if `intrinsic`, the intrinsic dimension
     (isojax.stats.intrinsic): null where fewer than half the sampled points remain once exact duplicates
     are dropped (intrinsic.MIN_KEPT_SAMPLE); sample_abs_median (median |x| over the sample's entries,
-    for massive_ratio) and inter_sim_standardized (geometry), on the devices where the sample lies. states(s) -> [count, D] in key order (random).
+    for massive_max_over_sample_median) and inter_sim_standardized (geometry), on the devices where
+    the sample lies. states(s) -> [count, D] in key order (random).
     What is left out or dropped is logged per layer; once the phase has taken PROGRESS_AFTER_S
     (the neighbour searches on CPU: a minute for 4,096 tokens), a line per layer shows progress."""
     import time
