@@ -54,7 +54,7 @@ from isojax.run.names import checkpoint_name
 CSV_COLUMNS = ("model", "revision", "task", "score")
 DEFAULT_LAYERS = ("block_L", "final_ln")
 WEIGHT_GROUPS = ("embed_in", "embed_out", "final_ln")
-_NOT_METRICS = {"count", "intra_tokens", "rows", "dim", "pc_removed_D", "null_eigenvalues",  # sizes, not geometry
+_NOT_METRICS = {"count", "intra_tokens", "rows", "dim", "pc_removed_D", "null_eigenvalues", "erank_sentences",
                 "massive_dim", "massive_token", "massive_position", "rogue_dim_1", "rogue_dim_2", "rogue_dim_3"}  # ids
 _MIN_POINTS = 3
 EXACT_MAX_N = 8  # p by all n! orderings up to here (40,320 at 8: milliseconds); scipy's above

@@ -19,8 +19,9 @@ from isojax.report.document import Figures, Item, Section, Table
 from isojax.report.states import _band_layers, _by_layer, _has, _training, run_label, titled
 
 # every scalar measure drawn over layers and over checkpoints (its label: states._LABELS)
-SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max", "massive_ratio",
-           "feature_kurtosis", "alpha_req", "effective_rank", "erank_pooled"]
+SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
+           "massive_max_over_sample_median", "massive_count", "massive_top1", "feature_kurtosis", "alpha_req",
+           "effective_rank", "erank", "erank_pooled"]
 BANDS = [("inter_sim_pos_0", "position 0"), ("inter_sim_pos_1_16", "positions 1–15"),
          ("inter_sim_pos_16_128", "positions 16–127"), ("inter_sim_pos_128_", "positions 128+")]
 
@@ -62,16 +63,17 @@ def _position_bands(figs: Figures, runs: list[Run], by_layer: bool, series=None)
 
 
 def _with_diff_erank(series: dict[str, list[Run]]) -> dict[str, list[Run]]:
-    """Each run's layers get diff_erank_pooled: erank_pooled at the model's step0 minus its own
-    (isojax.run.sweep_files.add_diff_erank); null without a step0."""
+    """Each run's layers get diff_erank and diff_erank_pooled: erank (erank_pooled) at the model's step0
+    minus its own (isojax.run.sweep_files.add_diff_erank); null without a step0."""
     for rs in series.values():
         base = next((r for r in rs if r.step == 0), None)
-        first = {} if base is None else {str(layer.get("name")): number(layer.get("erank_pooled"))
-                                         for layer in base.data["layers"]}
-        for run in rs:
-            for layer in run.data["layers"]:
-                d = first.get(str(layer.get("name")), math.nan) - number(layer.get("erank_pooled"))
-                layer["diff_erank_pooled"] = d if math.isfinite(d) else None
+        for measure in ("erank", "erank_pooled"):
+            first = {} if base is None else {str(layer.get("name")): number(layer.get(measure))
+                                             for layer in base.data["layers"]}
+            for run in rs:
+                for layer in run.data["layers"]:
+                    d = first.get(str(layer.get("name")), math.nan) - number(layer.get(measure))
+                    layer[f"diff_{measure}"] = d if math.isfinite(d) else None
     return series
 
 
@@ -85,13 +87,23 @@ def _tables(runs: list[Run]) -> list[Item]:
                           "its share of InterSim; final checkpoints.",
                           Table(["model", "layer", "dim 1", "share 1", "dim 2", "share 2", "dim 3", "share 3",
                                  "top 3"], rogue), fold=True))
-    keys = ("massive_max", "massive_dim", "massive_token", "massive_position", "massive_ratio")
+    keys = ("massive_max", "massive_dim", "massive_token", "massive_position", "massive_max_over_sample_median")
     massive = [[r.label, n, *[layer.get(k) for k in keys]] for r in runs
                for n, layer in zip(layer_names(r), r.data["layers"]) if layer.get("massive_max") is not None]
     if massive:
         items.append(Item("The largest |activation| of each layer (Sun et al. 2024): its dimension, token id and "
                           "position in its sequence, and its ratio to the sample's median |x|; final checkpoints.",
                           Table(["model", "layer", *keys], massive), fold=True))
+    keys = ("massive_count", "massive_sequences", "massive_dims", "massive_first_share", "massive_delimiter_share",
+            "massive_top1", "massive_top2", "massive_top3", "massive_median")
+    per_sequence = [[r.label, n, *[layer.get(k) for k in keys]] for r in runs
+                    for n, layer in zip(layer_names(r), r.data["layers"]) if layer.get("massive_count") is not None]
+    if per_sequence:
+        items.append(Item("Massive activations as Sun et al. 2024 define them, on the sentence probe's sentences: "
+                          "|x| > 100 and at least 1000x its sequence's median |x|; their count, the sequences having "
+                          "one, their dimensions (dim:count), their shares at the first position and at delimiters, "
+                          "and the top-3 and median |x| averaged over sequences; final checkpoints.",
+                          Table(["model", "layer", *keys], per_sequence), fold=True))
     return items
 
 
@@ -159,14 +171,16 @@ def section(res: Results, figs: Figures) -> Section:
                   "IsoScore and IsoScore* (Rudman et al. 2022; Rudman & Eickhoff 2024), rogue dimensions and "
                   "standardized InterSim (Timkey & van Schijndel 2021), massive activations (Sun et al. 2024), "
                   "feature kurtosis (He et al. 2024), α-ReQ (Agrawal et al. 2022), effective rank (RankMe), "
-                  "the pooled eRank and its difference from step0 (after Diff-eRank, Wei et al. 2024), InterSim by "
+                  "Diff-eRank's eRank on the sentence probe's sentences and its pooled variant, each with its difference "
+                  "from step0 (Wei et al. 2024), InterSim by "
                   "position, linear CKA (Kornblith et al. 2019); README \"Measures\" defines each.")
     runs = finals(res.extract)
     series = _with_diff_erank(trainings(res.extract))
     for key in SCALARS:
         sec.items += [i for i in (_by_layer(figs, runs, key, ""), _training(figs, series, key, "")) if i]
-    has_erank = any(_has(r, "erank_pooled") for rs in series.values() for r in rs)
-    sec.items += [i for i in (_training(figs, series, "diff_erank_pooled", "") if has_erank else None,
+    has = lambda key: any(_has(r, key) for rs in series.values() for r in rs)
+    sec.items += [i for i in (_training(figs, series, "diff_erank", "") if has("erank") else None,
+                              _training(figs, series, "diff_erank_pooled", "") if has("erank_pooled") else None,
                               _position_bands(figs, runs, True),
                               _position_bands(figs, runs, False, series) if series else None,
                               _cka_runs(figs, runs), _cka_training(figs, series)) if i]

@@ -20,9 +20,12 @@ _LABELS = {"inter_sim": "InterSim", "intra_sim": "IntraSim (mean over token type
            "isoscore": "IsoScore", "isoscore_star": "IsoScore*",
            "rogue_share_top3": "InterSim share of the top 3 rogue dimensions",
            "inter_sim_standardized": "InterSim, standardized dimensions", "massive_max": "largest |activation|",
-           "massive_ratio": "largest |activation| / median |x|", "feature_kurtosis": "feature kurtosis",
+           "massive_max_over_sample_median": "largest |activation| / the sample's median |x|",
+           "massive_count": "massive activations (Sun et al.) in the probe's sentences",
+           "massive_top1": "largest |activation| per sentence (mean)", "feature_kurtosis": "feature kurtosis",
            "alpha_req": "α-ReQ", "effective_rank": "effective rank (RankMe)",
-           "erank_pooled": "eRank of the unit vectors, pooled",
+           "erank": "eRank (Diff-eRank's, per sentence)", "erank_pooled": "eRank of the unit vectors, pooled",
+           "diff_erank": "Diff-eRank (step0 − this one)",
            "diff_erank_pooled": "pooled Diff-eRank (step0 − this one)"}
 
 

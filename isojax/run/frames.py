@@ -10,10 +10,11 @@ model's order), layer_index (0 = embed), tokens, run (the run's folder relative 
 "." for a run folder itself), the run's settings (SETTINGS: from its metrics.json and manifest.json;
 null where they do not say), then every measure of the layer as layers.csv has it
 (isojax.run.results.flat_layer: rogue_dim_1, rogue_share_1, ..., inter_sim_pos_0, ...) and, for the
-checkpoints of a sweep, diff_erank_pooled (isojax.run.sweep_files). A measure a run lacks is NaN/None in its rows.
+checkpoints of a sweep, diff_erank, diff_erank_pooled and diff_erank_baseline (isojax.run.sweep_files).
+A measure a run lacks is NaN/None in its rows; a renamed one (results.RENAMED) is read under its new name.
 
 A folder may hold several runs (OUT/a/, OUT/b/, or a sweep's OUT/<model>/<revision>/): each keeps
-its own rows, told apart by `run` and the settings, never merged. diff_erank_pooled compares checkpoints,
+its own rows, told apart by `run` and the settings, never merged. The diff_erank columns compare checkpoints,
 so only runs laid out as a sweep lays them out (OUT/<model>/<revision>/, the folder named by the
 run's revision) get it, computed among the checkpoints of one model folder; a run elsewhere has
 none. A sweep is read from its step folders' metrics.json (whole results only, as isojax's record
@@ -30,7 +31,7 @@ from pathlib import Path
 from isojax.errors import UserError
 from isojax.run import outdir
 from isojax.run.names import checkpoint_name, folder_name, revision_name
-from isojax.run.results import BEFORE_FLOOR, flat_layer
+from isojax.run.results import BEFORE_FLOOR, RENAMED, flat_layer
 from isojax.run.sweep_files import add_diff_erank, revision_order
 from isojax.steps import step_of
 
@@ -110,7 +111,7 @@ def _folder_rows(root: Path, folders: list[Path]) -> list[dict]:
 def _from_sweep_csv(path: Path):
     import pandas as pd
     outdir.check_results(path.parent, reads=(path.name,))
-    df = pd.read_csv(path).rename(columns={"name": "layer"})
+    df = pd.read_csv(path).rename(columns={"name": "layer", **RENAMED})
     df["layer_index"] = df.groupby(["model", "revision"], sort=False).cumcount()
     df["run"] = [f"{folder_name(str(m))}/{revision_name(r)}" for m, r in zip(df["model"], df["revision"])]
     # rows written before the spectral floor (results.flat_layer): their changed measures are n/a, and

@@ -376,7 +376,7 @@ SWEEP_FILES = ("sweep.csv", "sweep.parquet", "sweep_cka.json")
 
 def write_sweep_csv(out: Path, steps: list[Step], parquet: bool = False) -> Path:
     """OUT/sweep.csv: model, revision, step, tokens, layer and every scalar layer metric (flat_layer),
-    and diff_erank_pooled (isojax.run.sweep_files), for every finished step of the sweep; sweep.parquet
+    and diff_erank, diff_erank_pooled (isojax.run.sweep_files), for every finished step of the sweep; sweep.parquet
     beside it with `parquet` (or where an earlier sweep wrote one: kept in step with sweep.csv);
     sweep_cka.json where a step holds a sample (or one was written before). Committed beside the
     step folders in one step (outdir.staged)."""

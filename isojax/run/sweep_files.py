@@ -1,15 +1,16 @@
 """The files at a sweep's top, beside its step folders: sweep.csv (and sweep.parquet with
---format parquet), one row per (model, revision, layer) with every scalar layer measure and
-`diff_erank_pooled`; sweep_cka.json, each checkpoint's layers against the final checkpoint's on the same
+--format parquet), one row per (model, revision, layer) with every scalar layer measure,
+`diff_erank` and `diff_erank_pooled`; sweep_cka.json, each checkpoint's layers against the final checkpoint's on the same
 sampled tokens. Plain data: no JAX here (isojax.load reads sweeps with it too).
 
-diff_erank_pooled (after Wei et al. 2024, *Diff-eRank*: the effective rank of the untrained model's
+diff_erank (Wei et al. 2024, *Diff-eRank*: the effective rank of the untrained model's
 representations minus the trained model's; positive: training removed redundant dimensions):
-`erank_pooled` of the model's step0 checkpoint minus this checkpoint's, per layer. The paper's
-baseline is the untrained model: where the sweep has no step0 of a model, its diff_erank_pooled is
-null, with a log line (measuring a random initialization of the config is not done here). Null
-too where either checkpoint lacks erank_pooled. Pooled: README "Measures" says how erank_pooled
-differs from the paper's per-sentence quantity.
+`erank` (the sentence probe's, stats/sentences.py) of the model's step0 checkpoint minus this
+checkpoint's, per layer, on the same sentences (the probe's subset depends on the token cache and
+row length alone); diff_erank_pooled the same of `erank_pooled`. The paper's baseline is the
+untrained model: where the sweep has no step0 of a model, both are null, with a log line (measuring a
+random initialization of the config is not done here). Null too where either checkpoint lacks the
+measure. README "Measures" says how erank_pooled differs from the paper's per-sentence quantity.
 
 sweep_cka.json: {MODEL: {"final": REVISION, "layers": [names], "tokens": K,
 "checkpoints": {REVISION: [[CKA(layer i at REVISION, layer j at final) for j] for i] or null}}}
@@ -46,20 +47,24 @@ def _number(v) -> float:
 
 
 def add_diff_erank(rows: list[dict], layer_key: str = "name") -> list[dict]:
-    """Each row (model, revision, `layer_key`, erank_pooled, ...) gets diff_erank_pooled: erank_pooled
-    of its model's step0 at that layer minus its own (None where either is missing; one log line per
-    model without step0)."""
-    untrained: dict = {}
-    for row in rows:
-        if step_of(str(row.get("revision"))) == 0:
-            untrained[row.get("model"), row.get(layer_key)] = _number(row.get("erank_pooled"))
-    for model in dict.fromkeys(row.get("model") for row in rows):
-        if not any(m == model for m, _ in untrained):
-            log(f"diff_erank_pooled of {model} is null: the sweep has no step0 (its untrained model, "
-                "Diff-eRank's baseline)")
-    for row in rows:
-        d = untrained.get((row.get("model"), row.get(layer_key)), math.nan) - _number(row.get("erank_pooled"))
-        row["diff_erank_pooled"] = d if math.isfinite(d) else None
+    """Each row (model, revision, `layer_key`, erank, erank_pooled, ...) gets diff_erank (Wei et al.'s,
+    from the sentence probe's erank) and diff_erank_pooled: that measure of its model's step0 at that
+    layer minus its own (None where either is missing; one log line per model without step0), and
+    diff_erank_baseline: "step0" where the model has one (None: no baseline, the differences null)."""
+    for measure in ("erank", "erank_pooled"):
+        untrained: dict = {}
+        for row in rows:
+            if step_of(str(row.get("revision"))) == 0:
+                untrained[row.get("model"), row.get(layer_key)] = _number(row.get(measure))
+        for model in dict.fromkeys(row.get("model") for row in rows):
+            if measure == "erank" and not any(m == model for m, _ in untrained):
+                log(f"diff_erank and diff_erank_pooled of {model} are null: the sweep has no step0 (its untrained "
+                    "model, Diff-eRank's baseline)")
+        for row in rows:
+            d = untrained.get((row.get("model"), row.get(layer_key)), math.nan) - _number(row.get(measure))
+            row[f"diff_{measure}"] = d if math.isfinite(d) else None
+            if measure == "erank":  # which baseline: a column, not a comment line CSV readers would trip on
+                row["diff_erank_baseline"] = "step0" if any(m == row.get("model") for m, _ in untrained) else None
     return rows
 
 
