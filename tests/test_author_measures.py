@@ -103,10 +103,12 @@ def test_results_written_before_read_their_changed_measures_as_null(tmp_path):
     folder = tmp_path / "old"
     folder.mkdir()
     layer = {"name": "final_ln", "count": 10, "isoscore": 0.25, "isoscore_star": 0.4, "alpha_req": 1.94,
-             "effective_rank": 48.2, "inter_sim": 0.1}
+             "effective_rank": 48.2, "inter_sim": 0.1, "massive_ratio": 3e4}
     (folder / "metrics.json").write_text(json.dumps({"model": "m", "tokens": 10, "layers": [layer]}))
     row = isojax.load(folder).iloc[0]
     assert row["isoscore"] == 0.25 and row["inter_sim"] == 0.1
+    assert row["massive_max_over_sample_median"] == 3e4 and "massive_ratio" not in row  # renamed, read as such
+    assert np.isnan(row.get("erank", np.nan)) and np.isnan(row.get("massive_count", np.nan))  # not measured: n/a
     for key in ("isoscore_star", "alpha_req", "effective_rank"):
         assert row[key] is None or np.isnan(row[key]), key
     got = _extract_run(folder).data["layers"][0]
@@ -114,15 +116,23 @@ def test_results_written_before_read_their_changed_measures_as_null(tmp_path):
 
 
 def test_diff_erank_pooled_is_step0_minus_this_one_and_null_without_step0(capsys):
+    """diff_erank (of the probe's erank) and diff_erank_pooled: step0's minus this one's, null without
+    a step0 (diff_erank_baseline says which), and where a checkpoint lacks the measure."""
     from isojax.run import sweep_files
-    rows = [{"model": m, "revision": r, "name": "b", "erank_pooled": e}
+    rows = [{"model": m, "revision": r, "name": "b", "erank_pooled": e, "erank": e / 10}
             for m, r, e in [("a", "step1000", 30.0), ("a", "step0", 50.0), ("a", "main", 20.0),
                             ("z", "step1000", 30.0), ("z", "main", 20.0)]]
-    got = {(r["model"], r["revision"]): r["diff_erank_pooled"] for r in sweep_files.add_diff_erank(rows)}
+    del rows[2]["erank"]  # a checkpoint measured before the sentence probe
+    rows = sweep_files.add_diff_erank(rows)
+    got = {(r["model"], r["revision"]): r["diff_erank_pooled"] for r in rows}
     assert got == {("a", "step1000"): 20.0, ("a", "step0"): 0.0, ("a", "main"): 30.0,
                    ("z", "step1000"): None, ("z", "main"): None}
+    got = {(r["model"], r["revision"]): r["diff_erank"] for r in rows}
+    assert got == {("a", "step1000"): pytest.approx(2.0), ("a", "step0"): 0.0, ("a", "main"): None,
+                   ("z", "step1000"): None, ("z", "main"): None}
+    assert [r["diff_erank_baseline"] for r in rows] == ["step0"] * 3 + [None] * 2
     err = capsys.readouterr().err
-    assert "diff_erank_pooled of z is null: the sweep has no step0" in err and " of a " not in err
+    assert "diff_erank and diff_erank_pooled of z are null: the sweep has no step0" in err and " of a " not in err
 
 
 def test_a_sweep_csv_written_before_reads_its_changed_measures_as_null(tmp_path):
@@ -130,10 +140,11 @@ def test_a_sweep_csv_written_before_reads_its_changed_measures_as_null(tmp_path)
     effective_rank and the older diff_erank are n/a, the other columns as written."""
     import isojax
     (tmp_path / "sweep.csv").write_text(
-        "model,revision,step,tokens,name,isoscore,isoscore_star,alpha_req,effective_rank,diff_erank\n"
-        "m,step0,0,10,final_ln,0.25,0.4,1.94,48.2,0.0\n"
-        "m,main,,10,final_ln,0.5,0.6,1.5,40.0,8.2\n")
+        "model,revision,step,tokens,name,isoscore,isoscore_star,alpha_req,effective_rank,diff_erank,massive_ratio\n"
+        "m,step0,0,10,final_ln,0.25,0.4,1.94,48.2,0.0,10.0\n"
+        "m,main,,10,final_ln,0.5,0.6,1.5,40.0,8.2,20.0\n")
     df = isojax.load(tmp_path)
     assert df["isoscore"].tolist() == [0.25, 0.5]
+    assert df["massive_max_over_sample_median"].tolist() == [10.0, 20.0] and "massive_ratio" not in df.columns
     for key in ("isoscore_star", "alpha_req", "effective_rank", "diff_erank"):
         assert df[key].isna().all(), key

@@ -17,7 +17,8 @@ from isojax.run import results, sweep, sweep_files
 from isojax.stats.geometry import linear_cka
 
 NEW_SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
-               "massive_ratio", "feature_kurtosis", "alpha_req", "effective_rank", "erank_pooled"]
+               "massive_max_over_sample_median", "feature_kurtosis", "alpha_req", "effective_rank", "erank_pooled",
+               "erank", "massive_count", "massive_top1"]
 BANDS = [(0, 1), (1, 16), (16, 128), (128, None)]
 POS_COLUMNS = ["inter_sim_pos_0", "inter_sim_pos_1_16", "inter_sim_pos_16_128", "inter_sim_pos_128_"]
 
@@ -31,7 +32,8 @@ def fake_layer(rng, name: str, d: int = 16) -> dict:
              "rogue_dims": [{"dim": int(i), "share": float(rng.random())} for i in rng.permutation(d)[:3]],
              "inter_sim_by_position": [{"lo": lo, "hi": hi, "tokens": 10, "inter_sim": float(rng.random())}
                                        for lo, hi in BANDS],
-             "intrinsic_dimension": {"twonn": 3.0, "mle": 4.0, "mom": 5.0}}
+             "intrinsic_dimension": {"twonn": 3.0, "mle": 4.0, "mom": 5.0},
+             "massive_dims": [{"dim": 3, "count": 5}, {"dim": 1, "count": 2}]}
     layer["rogue_share_top3"] = sum(r["share"] for r in layer["rogue_dims"])
     return layer
 
@@ -58,6 +60,8 @@ def test_flat_layer_flattens_rogue_dims_and_position_bands():
     for k in NEW_SCALARS + ["massive_dim", "massive_token", "massive_position"]:
         assert row[k] == layer[k]
     assert "rogue_dims" not in row and "inter_sim_by_position" not in row
+    assert row["massive_dims"] == "3:5 1:2"
+    assert results.flat_layer({"massive_ratio": 7.0}) == {"massive_max_over_sample_median": 7.0}  # renamed
     assert row["intrinsic_dimension_twonn"] == 3.0
 
 
@@ -109,14 +113,17 @@ def test_sweep_files_hold_every_measure(swept, capsys):
     rows = list(csv.DictReader(open(out / "sweep.csv")))
     assert len(rows) == 6 * 4
     cols = rows[0].keys()
-    for c in NEW_SCALARS + POS_COLUMNS + ["diff_erank_pooled", "rogue_dim_1", "rogue_share_3", "massive_position"]:
+    for c in NEW_SCALARS + POS_COLUMNS + ["diff_erank_pooled", "diff_erank", "diff_erank_baseline", "rogue_dim_1",
+                                          "rogue_share_3", "massive_position", "massive_dims"]:
         assert c in cols, c
     for model in ("pythia-70m", "pythia-160m"):
         docs = {r: json.loads((out / model / r / "metrics.json").read_text()) for r in ("step0", "step2000")}
         row = next(r for r in rows if r["model"] == f"EleutherAI/{model}" and r["revision"] == "step2000"
                    and r["name"] == "block_2")
-        want = docs["step0"]["layers"][2]["erank_pooled"] - docs["step2000"]["layers"][2]["erank_pooled"]
-        assert float(row["diff_erank_pooled"]) == pytest.approx(want, abs=1e-12)
+        for key in ("erank_pooled", "erank"):
+            want = docs["step0"]["layers"][2][key] - docs["step2000"]["layers"][2][key]
+            assert float(row[f"diff_{key}"]) == pytest.approx(want, abs=1e-12)
+        assert row["diff_erank_baseline"] == "step0"
         assert float(row["inter_sim_pos_16_128"]) == docs["step2000"]["layers"][2]["inter_sim_by_position"][2][
             "inter_sim"]
     import pandas as pd
@@ -247,11 +254,12 @@ def test_report_draws_every_measure_and_skips_absent_ones(swept, tmp_path):
     figs = {p.stem for p in (tmp_path / "rep" / "figures").glob("*.png")}
     for key in NEW_SCALARS:
         assert f"{key}_by_layer" in figs and f"{key}_last_layer_training" in figs, key
-    for stem in ("diff_erank_pooled_last_layer_training", "inter_sim_by_position", "inter_sim_by_position_training",
-                 "cka_layers", "cka_training"):
+    for stem in ("diff_erank_pooled_last_layer_training", "diff_erank_last_layer_training", "inter_sim_by_position",
+                 "inter_sim_by_position_training", "cka_layers", "cka_training"):
         assert stem in figs, stem
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "top 3 rogue dimensions of each layer" in md and "largest |activation| of each layer" in md
+    assert "Massive activations as Sun et al. 2024 define them" in md and "3:5 1:2" in md
     with open(tmp_path / "rep" / "figures" / "isoscore_by_layer.csv") as f:
         assert "pythia-410m" not in next(csv.reader(f))  # the old run has no isoscore: left out of the figure
     with open(tmp_path / "rep" / "figures" / "inter_sim_by_layer.csv") as f:

@@ -131,7 +131,7 @@ def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
         want = ((zu @ zu.T).sum() - n) / (n * n - n)
         assert abs(layer["inter_sim_standardized"] - want) < 1e-6, layer["name"]
         assert abs(layer["sample_abs_median"] - np.median(np.abs(x))) < 1e-6 * np.median(np.abs(x))
-        assert layer["massive_ratio"] is None or layer.get("massive_max") is not None
+        assert layer["massive_max_over_sample_median"] is None or layer.get("massive_max") is not None
     cka = json.loads((out / "cka.json").read_text())
     assert cka["layers"] == [layer["name"] for layer in metrics["layers"]] and cka["tokens"] == n
     for i, a in enumerate(x_SxNxD):
