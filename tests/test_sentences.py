@@ -215,3 +215,39 @@ def test_the_subset_rule():
     assert chosen == want and len(chosen) == 64
     assert [i for i, _, _ in chosen] != sorted(i for i, _, _ in chosen)  # not the corpus's first ones
     assert sentences.probe_rows(2048) == 4 and sentences.probe_rows(16384) == 1
+
+
+def test_extract_writes_the_probe_measures_of_the_papers(tmp_path, monkeypatch):
+    """An extract run (documents in windows of 64): metrics.json records the subset and each state's
+    erank and massive activations, equal to the references on Hugging Face's states of those windows
+    (the token cache's sequences); layers.csv has the columns."""
+    import csv
+
+    from test_extract import write_pile_jsonl
+    from tokenizers import Tokenizer
+
+    from isojax.extract import main
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
+    model = build_hf_checkpoint(tmp_path / "ckpt", vocab_size=50304, hidden_size=32, num_layers=2, num_heads=2)
+    docs = write_pile_jsonl(tmp_path / "pile.jsonl", 24, seed=5)
+    out = tmp_path / "out"
+    assert main(["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "pile.jsonl"), "--unit", "document",
+                 "--seq-len", "64", "--out", str(out), "--no-plots", "--no-token-stats"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    tok = Tokenizer.from_file(str(tmp_path / "ckpt" / "tokenizer.json"))
+    windows = [ids[i:i + 64] for _, text in docs for ids in [np.array(tok.encode(text, add_special_tokens=False).ids)]
+               for i in range(0, len(ids), 64)]
+    info = metrics["sentences"]
+    assert info["row_len"] == 64 and info["sentences"] == sum(len(w) >= 2 for w in windows) > 20
+    assert [i for i, _, _ in sentences.choose(np.cumsum([0] + [len(w) for w in windows]), 64)] == info["indices"]
+    ids = [windows[i] for i in info["indices"]]
+    text = {t: tok.decode([t]) for t in set(np.concatenate(ids).tolist())}
+    assert info["delimiter_ids"] == sorted(t for t, x in text.items() if x.strip(" ") in list(".,;:!?")
+                                           or x.isspace() and "\n" in x)
+    want = reference([hf_states(model, i) for i in ids], ids, set(info["delimiter_ids"]))
+    for got, w in zip(metrics["layers"], want, strict=True):
+        assert got["erank"] == pytest.approx(w["erank"], rel=1e-5) and got["erank_sentences"] == len(ids)
+        assert got["massive_median"] == pytest.approx(w["massive_median"], rel=1e-5)
+        assert got["massive_count"] == w["massive_count"] == 0
+    header = next(csv.reader(open(out / "layers.csv")))
+    assert {"erank", "massive_count", "massive_dims", "massive_top1", "massive_first_share"} <= set(header)
