@@ -241,9 +241,10 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
         return finished().n_tokens  # a budget's tokens only: the cache holds no more (Corpus.budget)
 
     from isojax.stats.sentences import Probe
-    probe = Probe(runner.module, runner.params, runner.mesh, row_len)
+    # not in multi-process runs: each process holds only its share of the token cache (data/shares.py)
+    probe = Probe(runner.module, runner.params, runner.mesh, row_len) if jax.process_count() == 1 else None
     done, loop_rate, local = _loop(runner, tokens, total, timings, config, step, row_len=row_len, settings=settings,
-                                   probe=lambda: probe.compile_beside(finished))
+                                   probe=lambda: probe and probe.compile_beside(finished))
     with timings("tokenize"):
         if streamed and not tokens.done():
             log("finishing the token cache of the whole corpus")
@@ -255,11 +256,18 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     has_sources = len(step.labels) > 1 or bool(config.data.sources)
     final, pending = _read_out(runner, loaded.config.state_names, cache, timings, config, has_sources,
                                row_len=row_len, rows=step.rows, local=local)
-    with timings("finalize"):  # the sentence probe (stats/sentences.py): its forward, then float64 on the host
-        from isojax.stats.sentences import probe as sentence_probe
-        per_state, final["sentences"] = sentence_probe(cache, probe, loaded.tokenizer)
-        for layer, extra in zip(final["layers"], per_state):
-            layer.update(extra)
+    if probe is None:
+        log("multi-process run: no sentence probe (erank, massive_count, ... are null; README \"Measures\")")
+    else:
+        with timings("finalize"):  # the sentence probe (stats/sentences.py): its forward, then float64 on the host
+            from isojax.stats.sentences import probe as sentence_probe
+            try:
+                per_state, final["sentences"] = sentence_probe(cache, probe, loaded.tokenizer)
+            except Exception as e:  # e.g. out of device memory: the loop's results are kept, the probe's null
+                log(f"warning: the sentence probe failed ({type(e).__name__}: {e}); erank, massive_count, ... are null")
+                per_state = []
+            for layer, extra in zip(final["layers"], per_state):
+                layer.update(extra)
     return _results(loaded, runner, corpus, tokens, cache, plan, timings, config, step, done=done,
                     loop_rate=loop_rate, final=final, settings=settings, has_sources=has_sources, pending=pending)
 
