@@ -188,7 +188,8 @@ def test_massive_activations_on_planted_entries():
     first, second = layers
     assert (first["massive_count"], first["massive_sequences"]) == (3, 2)
     assert first["massive_dims"] == [{"dim": 3, "count": 2}, {"dim": 5, "count": 1}]
-    assert first["massive_first_share"] == pytest.approx(1 / 3) and first["massive_delimiter_share"] == pytest.approx(2 / 3)
+    assert first["massive_first_share"] == pytest.approx(1 / 3)
+    assert first["massive_delimiter_share"] == pytest.approx(2 / 3)
     assert first["massive_top1"] == 800.0 and first["massive_top2"] < 800.0  # sentence 2's second is ~1
     assert (second["massive_count"], second["massive_dims"]) == (1, [{"dim": 2, "count": 1}])  # 150, not 90
     assert second["massive_first_share"] == 0.0

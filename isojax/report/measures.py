@@ -171,8 +171,8 @@ def section(res: Results, figs: Figures) -> Section:
                   "IsoScore and IsoScore* (Rudman et al. 2022; Rudman & Eickhoff 2024), rogue dimensions and "
                   "standardized InterSim (Timkey & van Schijndel 2021), massive activations (Sun et al. 2024), "
                   "feature kurtosis (He et al. 2024), α-ReQ (Agrawal et al. 2022), effective rank (RankMe), "
-                  "Diff-eRank's eRank on the sentence probe's sentences and its pooled variant, each with its difference "
-                  "from step0 (Wei et al. 2024), InterSim by "
+                  "Diff-eRank's eRank on the sentence probe's sentences and its pooled variant, each with its "
+                  "difference from step0 (Wei et al. 2024), InterSim by "
                   "position, linear CKA (Kornblith et al. 2019); README \"Measures\" defines each.")
     runs = finals(res.extract)
     series = _with_diff_erank(trainings(res.extract))

@@ -1,7 +1,7 @@
 """The files at a sweep's top, beside its step folders: sweep.csv (and sweep.parquet with
 --format parquet), one row per (model, revision, layer) with every scalar layer measure,
-`diff_erank` and `diff_erank_pooled`; sweep_cka.json, each checkpoint's layers against the final checkpoint's on the same
-sampled tokens. Plain data: no JAX here (isojax.load reads sweeps with it too).
+`diff_erank` and `diff_erank_pooled`; sweep_cka.json, each checkpoint's layers against the final
+checkpoint's on the same sampled tokens. Plain data: no JAX here (isojax.load reads sweeps with it too).
 
 diff_erank (Wei et al. 2024, *Diff-eRank*: the effective rank of the untrained model's
 representations minus the trained model's; positive: training removed redundant dimensions):

@@ -191,9 +191,12 @@ def sentence_massive(x_NxD: np.ndarray):
     """(median |x|, the top-3 |x| descending, the (position, dim) of each massive activation) of one
     sentence's state."""
     a = np.abs(np.asarray(x_NxD, np.float64))
-    median = float(np.median(a))
-    flat = np.sort(a, axis=None)[::-1]
-    top = [float(v) for v in flat[:TOP_K]] + [None] * max(0, TOP_K - flat.size)
+    flat = a.ravel()
+    c = flat.size
+    middle = np.partition(flat, [(c - 1) // 2, c // 2])  # the median without a full sort
+    median = float((middle[(c - 1) // 2] + middle[c // 2]) / 2)
+    k = min(TOP_K, c)
+    top = [float(v) for v in np.sort(np.partition(flat, c - k)[c - k:])[::-1]] + [None] * (TOP_K - k)
     where = np.argwhere((a > MASSIVE_ABOVE) & (a >= MASSIVE_OVER_MEDIAN * median))
     return median, top, where
 
@@ -201,34 +204,40 @@ def sentence_massive(x_NxD: np.ndarray):
 def measures(states_SxRxTxD: np.ndarray, spans, token_ids: list[np.ndarray], delimiters: set[int]) -> list[dict]:
     """Per state: erank and the massive-activation measures (README "Measures") of the sentences at
     `spans` [(row, start, length)], whose token ids are token_ids; float64 on the host."""
-    out = []
-    for s in range(states_SxRxTxD.shape[0]):
-        eranks, medians, tops, count, having, first, at_delim, dims = [], [], [], 0, 0, 0, 0, {}
-        for (row, start, n), ids in zip(spans, token_ids):
-            x = np.asarray(states_SxRxTxD[s, row, start:start + n], np.float64)
-            e = sentence_erank(x)
-            if e is not None:
-                eranks.append(e)
-            median, top, where = sentence_massive(x)
-            medians.append(median)
-            tops.append(top)
-            if len(where):
-                having += 1
-                count += len(where)
-                first += int(np.sum(where[:, 0] == 0))
-                at_delim += sum(int(ids[p]) in delimiters for p in where[:, 0])
-                for d in where[:, 1]:
-                    dims[int(d)] = dims.get(int(d), 0) + 1
-        mean = lambda v: float(np.mean(v)) if len(v) else None
-        top_mean = [mean([t[k] for t in tops if t[k] is not None]) for k in range(TOP_K)]
-        out.append({"erank": mean(eranks), "erank_sentences": len(eranks),
-                    "massive_count": count, "massive_sequences": having,
-                    "massive_dims": [{"dim": d, "count": c} for d, c in sorted(dims.items(), key=lambda dc: (-dc[1], dc[0]))],
-                    "massive_first_share": first / count if count else None,
-                    "massive_delimiter_share": at_delim / count if count else None,
-                    **{f"massive_top{k + 1}": top_mean[k] for k in range(TOP_K)},
-                    "massive_median": mean(medians)})
-    return out
+    import concurrent.futures
+    import os
+
+    one = lambda s: _state_measures(states_SxRxTxD[s], spans, token_ids, delimiters)
+    # a state per thread (numpy's eigensolver and partitions let go of the GIL)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(states_SxRxTxD), os.cpu_count() or 1))) as pool:
+        return list(pool.map(one, range(len(states_SxRxTxD))))
+
+
+def _state_measures(states_RxTxD, spans, token_ids, delimiters) -> dict:
+    """measures() of one state [R, T, D]."""
+    eranks, medians, tops, count, having, first, at_delim, dims = [], [], [], 0, 0, 0, 0, {}
+    for (row, start, n), ids in zip(spans, token_ids):
+        x = np.asarray(states_RxTxD[row, start:start + n], np.float64)
+        e = sentence_erank(x)
+        if e is not None:
+            eranks.append(e)
+        median, top, where = sentence_massive(x)
+        medians.append(median)
+        tops.append(top)
+        if len(where):
+            having += 1
+            count += len(where)
+            first += int(np.sum(where[:, 0] == 0))
+            at_delim += sum(int(ids[p]) in delimiters for p in where[:, 0])
+            for d in where[:, 1]:
+                dims[int(d)] = dims.get(int(d), 0) + 1
+    mean = lambda v: float(np.mean(v)) if len(v) else None
+    top_mean = [mean([t[k] for t in tops if t[k] is not None]) for k in range(TOP_K)]
+    return {"erank": mean(eranks), "erank_sentences": len(eranks), "massive_count": count, "massive_sequences": having,
+            "massive_dims": [{"dim": d, "count": c} for d, c in sorted(dims.items(), key=lambda dc: (-dc[1], dc[0]))],
+            "massive_first_share": first / count if count else None,
+            "massive_delimiter_share": at_delim / count if count else None,
+            **{f"massive_top{k + 1}": top_mean[k] for k in range(TOP_K)}, "massive_median": mean(medians)}
 
 
 def probe(cache, probe: Probe, tokenizer) -> tuple[list[dict], dict]:
