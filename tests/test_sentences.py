@@ -90,9 +90,11 @@ def probe_measures(folder, dtype, seqs, mesh=None):
 
     from isojax.device.mesh import make_mesh, param_shardings
     from isojax.hf.loading import build_module, load_model
+    from isojax.run.plan import step_module
     model, mesh = load_model(folder, dtype=dtype), mesh or make_mesh()
     params = jax.device_put(model.params, param_shardings(model.params, mesh))  # as the run's Runner places them
-    probe = sentences.Probe(build_module(model.config, dtype), params, mesh, ROW_LEN)
+    # the module as the run's step has it (its rows split over the devices), which the probe undoes
+    probe = sentences.Probe(step_module(build_module(model.config, dtype), mesh), params, mesh, ROW_LEN)
     cache = fake_cache(seqs)
     probe.compile(cache)
     states = probe.states(cache)
