@@ -87,9 +87,11 @@ def choose(offsets: np.ndarray, row_len: int) -> list[tuple[int, int, int]]:
 
 
 def pack(cache, chosen, row_len: int):
-    """(tokens, segment ids, positions) [R', row_len] int32 of the chosen sentences (R' the rows they
-    use: first fit fills rows in order), and each one's (row, start, length)."""
-    r = max((row for _, row, _ in chosen), default=0) + 1
+    """(tokens, segment ids, positions) [R', row_len] int32 of the chosen sentences, and each one's
+    (row, start, length). R': the rows they use (first fit fills rows in order) rounded up to a power
+    of two, at most probe_rows (few shapes, so few compiles; the rows after theirs are padding)."""
+    used = max((row for _, row, _ in chosen), default=0) + 1
+    r = min(1 << (used - 1).bit_length(), probe_rows(row_len))
     tokens, seg, pos = (np.zeros((r, row_len), np.int32) for _ in range(3))
     spans = []
     for seg_id, (i, row, start) in enumerate(chosen, 1):
