@@ -11,8 +11,8 @@ tokenizer, row length) alone, so every checkpoint of a model over one corpus rea
 sentences, whatever the device count or batch size.
 
 The probe (`Probe`): the run's own module (its dtype and kernels, without the loop's row split) over
-those R rows, packed as the loop packs (segments, positions restarting at 0), returning every state
-[S, R, row_len, D] in the model's dtype; read out in float64 on the host (`measures`):
+the rows used (`pack`), packed as the loop packs (segments, positions restarting at 0), returning
+every state [S, R', row_len, D] in the model's dtype; read out in float64 on the host (`measures`):
 
 - `erank` (Wei et al. 2024, Diff-eRank): per sentence, its states x_i centered on the sentence's mean
   and then each L2-normalized, z_i = (x_i - mu)/||x_i - mu||; Sigma = (1/n) sum z_i z_i^T, trace-
