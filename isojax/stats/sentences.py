@@ -152,10 +152,14 @@ class Probe:
         from isojax.run.timings import in_background
         self._ahead = in_background(lambda: self.compile(finished()), daemon=True, name="isojax-sentences")
 
-    def states(self, cache) -> np.ndarray:
-        """[S, R', row_len, D] in the model's dtype, on the host (once the compile beside has ended)."""
+    def settle(self) -> None:
+        """Wait for the compile beside, if any; one that failed is done again at the call."""
         if self._ahead is not None and self._ahead.exception() is not None:
-            self._compiled = None  # compiled again below, at the call
+            self._compiled = None
+
+    def states(self, cache) -> np.ndarray:
+        """[S, R', row_len, D] in the model's dtype, on the host."""
+        self.settle()
         self.prepare(cache)
         fn = self._compiled or self._jitted
         out = fn(self.params, *self._inputs(self.packed[:3]))
@@ -248,8 +252,9 @@ def probe(cache, probe: Probe, tokenizer) -> tuple[list[dict], dict]:
 
     from isojax.log import log
     start = time.time()
-    states = probe.states(cache)
-    spans = probe.packed[3]
+    probe.settle()
+    spans = probe.prepare(cache).packed[3]
+    states = probe.states(cache) if spans else None
     ids = [probe.packed[0][row, begin:begin + n] for row, begin, n in spans]
     delimiters = delimiter_ids(tokenizer, np.concatenate(ids)) if ids and tokenizer is not None else set()
     forward = time.time()
