@@ -11,6 +11,7 @@ from isojax.plots import paper
 from isojax.plots.axes import layer_label
 from isojax.report.collect import Results, Run, finals, layer_names, layer_value, number, resolve_layer, trainings
 from isojax.report.document import Figures, Section, Table
+from isojax.stats import measures
 
 _LABELS = {"inter_sim": "InterSim", "intra_sim": "IntraSim (mean over token types)",
            "anisotropy": "anisotropy σ₁²/Σσ² (centered)",
@@ -23,7 +24,7 @@ _LABELS = {"inter_sim": "InterSim", "intra_sim": "IntraSim (mean over token type
            "massive_ratio": "largest |activation| / median |x|", "feature_kurtosis": "feature kurtosis",
            "alpha_req": "α-ReQ", "effective_rank": "effective rank (RankMe)",
            "erank_pooled": "eRank of the unit vectors, pooled",
-           "diff_erank_pooled": "pooled Diff-eRank (step0 − this one)"}
+           "diff_erank_pooled": "pooled Diff-eRank (step0 − this one)", **measures.labels()}
 
 
 def _layer_order(name: str):

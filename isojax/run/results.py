@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from isojax import storage
+from isojax.stats import measures
 from isojax.run.config import MeasureConfig
 from isojax.run.timings import BESIDE, Timings, in_background
 
@@ -181,7 +182,8 @@ def flat_layer(layer: dict) -> dict:
     inter_sim_pos_0, inter_sim_pos_1_16, inter_sim_pos_16_128, inter_sim_pos_128_ (band [lo, hi),
     `_` alone: to the end); other lists (IntraSim by frequency band) are left to metrics.json.
     A layer written before the spectral floor (no `null_eigenvalues`) reads its measures that have
-    changed definition since (BEFORE_FLOOR) as null: n/a, not the older quantity under the new name."""
+    changed definition since (BEFORE_FLOOR) as null: n/a, not the older quantity under the new name;
+    every registered measure (isojax.stats.measures) the layer lacks (results of an older isojax) is null."""
     row = {}
     if "null_eigenvalues" not in layer:
         layer = {**layer, **{k: None for k in BEFORE_FLOOR if k in layer}}
@@ -195,7 +197,7 @@ def flat_layer(layer: dict) -> dict:
             row.update({_band_column("inter_sim_pos", b): b.get("inter_sim") for b in v if isinstance(b, dict)})
         elif not isinstance(v, list):
             row[k] = v
-    return row
+    return {**row, **{k: None for k in measures.names() if k not in row}}
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -1,0 +1,75 @@
+"""The measures read out from a state's spectra or from the sample, one file each (README
+"Geometry measures"): every module of this package that defines MEASURE (a base.Measure) is one,
+found here, in the order of the modules' names. Adding one is its file, its test and its row of
+the README's measures table (tests/test_measures_registry.py checks the table against MEASURES).
+
+Readers: stats.finalize (spectral), stats.finalize.sample_metrics (sample and pairs),
+run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
+(report/measures.py). The step's streamed measures are not here yet (issue 46's step side).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+
+from isojax.stats.measures.base import Measure, Metric, Spectra
+
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "sample_readout"]
+
+
+def _found() -> dict[str, Measure]:
+    out = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if isinstance(getattr(module, "MEASURE", None), Measure):
+            out[info.name] = module.MEASURE
+    return out
+
+
+MEASURES: dict[str, Measure] = _found()  # module name -> its Measure
+
+
+def _on(reads: tuple[str, ...]) -> list[Measure]:
+    return [m for m in MEASURES.values() if m.reads in reads and m.on_by_default]
+
+
+def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs")) -> list[str]:
+    """Every registered metric name (of the measures reading `reads`)."""
+    return [metric.name for m in MEASURES.values() if m.reads in reads for metric in m.metrics]
+
+
+def labels() -> dict[str, str]:
+    return {metric.name: metric.label for m in MEASURES.values() for metric in m.metrics}
+
+
+def spectral(spectra: Spectra) -> dict:
+    """Every spectral measure's metrics of one population (stats.finalize._moments)."""
+    return {k: v for m in _on(("spectra",)) for k, v in m.readout(spectra).items()}
+
+
+@functools.cache
+def _jitted(readout):
+    import jax
+    return jax.jit(readout)
+
+
+def sample_readout(previous, x) -> dict:
+    """Every sample and pairs measure's metrics of one state, from its sampled points x [K, D] and
+    the previous state's (None for the first state: its pairs measures are null), computed in
+    float64 where the points lie (jitted); NaN written as null."""
+    import jax
+    import numpy as np
+    pending = {}
+    with jax.enable_x64(True):
+        for m in _on(("sample", "pairs")):
+            if m.reads == "sample":
+                pending.update(_jitted(m.readout)(x))
+            elif previous is not None:
+                pending.update(_jitted(m.readout)(previous, x))
+    out = {name: None for name in names(("sample", "pairs"))}
+    for name, value in pending.items():
+        value = float(np.asarray(value))
+        out[name] = value if np.isfinite(value) else None
+    return out
