@@ -328,6 +328,7 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
             x = jax.ShapeDtypeStruct((sample_count, d), np.float32, sharding=on)
             _sample_geometry.lower(x).compile()
             _centered_cross.lower(x, x).compile()
+            measures.compile_sample(x)
 
 
 def finalize(acc: Accumulators, state_names: list[str],

@@ -16,7 +16,7 @@ import pkgutil
 
 from isojax.stats.measures.base import Measure, Metric, Spectra
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "sample_readout"]
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "compile_sample", "sample_readout"]
 
 
 def _found() -> dict[str, Measure]:
@@ -53,6 +53,13 @@ def spectral(spectra: Spectra) -> dict:
 def _jitted(readout):
     import jax
     return jax.jit(readout)
+
+
+def compile_sample(x) -> None:
+    """Compile sample_readout's read-outs for sampled points of x's shape and sharding (a
+    jax.ShapeDtypeStruct) ahead (stats.finalize.compile_ahead; call under jax.enable_x64)."""
+    for m in _on(("sample", "pairs")):
+        _jitted(m.readout).lower(*([x] if m.reads == "sample" else [x, x])).compile()
 
 
 def sample_readout(previous, x) -> dict:
