@@ -17,6 +17,7 @@ import pytest
 from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states, need
 from isojax.stats import accumulators as stats
 from isojax.stats import finalize as fz
+from isojax.stats import measures
 from test_author_measures import reference as author_reference
 from test_extract import write_pile_jsonl
 from test_geometry import hsic_cka
@@ -138,23 +139,33 @@ def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
         for j, b in enumerate(x_SxNxD):
             assert abs(cka["matrix"][i][j] - hsic_cka(a, b)) < 1e-5, (i, j)
     assert "rogue_share_top3" in (out / "layers.csv").read_text().splitlines()[0]
-    check_registered(metrics["layers"], x_SxNxD)
+    from isojax.run.sweep_files import read_sample
+    check_registered(metrics["layers"], x_SxNxD, read_sample(out))
 
 
-def check_registered(layers: list[dict], x_SxNxD: np.ndarray) -> None:
+def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.ndarray) -> None:
     """The registered measures (isojax.stats.measures) of a run whose sample holds every token, against
-    their tests' float64 references on Hugging Face's states, and their columns in layers.csv."""
+    their tests' float64 references on Hugging Face's states; neighbourhood_overlap, a count of shared
+    neighbours that a rounding can change, exactly on the sample the run wrote, and to a few
+    neighbours in 10^4 on Hugging Face's."""
     from measure_cases import floored_spectrum
     from test_measure_block_influence import block_influence
     from test_measure_linearity import linearity
+    from test_measure_neighbourhood_overlap import overlap
     from test_measure_rankme import rankme
     assert layers[0]["block_influence"] is None and layers[0]["linearity"] is None
+    assert layers[0]["neighbourhood_overlap"] is None
     for i, (layer, x) in enumerate(zip(layers, x_SxNxD)):
         lam = floored_spectrum(x, False)
         want = {"nesum": lam.sum() / lam[0], "participation_ratio": lam.sum() ** 2 / (lam ** 2).sum(),
                 "rankme": rankme(x, False)}
         if i:
             want.update(block_influence=block_influence(x_SxNxD[i - 1], x), linearity=linearity(x_SxNxD[i - 1], x))
+            got = layer["neighbourhood_overlap"]
+            exact = overlap(*sample_SxKxD[i - 1:i + 1].astype(np.float64))
+            assert (got is None) == (exact is None) and (got is None or abs(got - exact) < 1e-12), (layer["name"], got)
+            near = overlap(x_SxNxD[i - 1], x)
+            assert (got is None) == (near is None) and (got is None or abs(got - near) < 3e-4), (layer["name"], got, near)
         for key, value in want.items():  # float32 forward and Grams against float64 states
             assert abs(layer[key] - value) < 1e-5 * max(1.0, abs(value)), (layer["name"], key, layer[key], value)
 
@@ -176,7 +187,7 @@ def test_run_measures_equal_float64_hugging_face_references_on_1_and_2_devices(t
         assert f"devices: {devices} x cpu" in proc.stderr or devices == 1, proc.stderr[-2000:]
         check_run(out, x_SxNxD, refs)
         header = (out / "layers.csv").read_text().splitlines()[0].split(",")
-        assert {"block_influence", "linearity", "nesum", "participation_ratio", "rankme"} <= set(header)
+        assert set(measures.names()) <= set(header) and measures.names()
 
 
 def test_isoscore_zeta_outside_0_1_is_an_argparse_error(tmp_path, capsys):
