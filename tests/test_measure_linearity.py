@@ -19,7 +19,7 @@ def linearity(x, y) -> float:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_linearity_equals_the_papers_least_squares_on_hugging_face_states(family):
     x = hf_points(family)
-    got = sampled(x)
+    got = sampled(x, host=family == "gpt_neox")  # numpy on the host; jitted (the accelerators' way)
     assert got[0]["linearity"] is None  # embed: no state before it
     x64 = x.astype(np.float64)
     for i in range(1, len(x)):
@@ -28,15 +28,16 @@ def test_linearity_equals_the_papers_least_squares_on_hugging_face_states(family
         assert got[i]["linearity"] == pytest.approx(want, rel=1e-9), i
 
 
-def test_linearity_from_fewer_tokens_than_dimensions_and_null_where_any_fit_is_exact():
+@pytest.mark.parametrize("host", [True, False])
+def test_linearity_from_fewer_tokens_than_dimensions_and_null_where_any_fit_is_exact(host):
     """K < D: the K x K Gram's path. X in a 5-dimensional subspace fits Y partly; X of full rank (K - 1
     centered directions) fits any Y exactly: null."""
     rng = np.random.default_rng(7)
     k, d = 20, 64
     x = (rng.normal(size=(k, 5)) @ rng.normal(size=(5, d))).astype(np.float32)
     y = (x @ rng.normal(size=(d, d)) * 0.1 + rng.normal(size=(k, d))).astype(np.float32)
-    got = sampled(np.stack([x, y]))[1]["linearity"]
+    got = sampled(np.stack([x, y]), host=host)[1]["linearity"]
     assert got == pytest.approx(linearity(x.astype(np.float64), y.astype(np.float64)), rel=1e-9)
     assert 0.0 < got < 1.0
     full = rng.normal(size=(k, d)).astype(np.float32)
-    assert sampled(np.stack([full, y]))[1]["linearity"] is None
+    assert sampled(np.stack([full, y]), host=host)[1]["linearity"] is None

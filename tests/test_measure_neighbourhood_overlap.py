@@ -1,5 +1,5 @@
 """neighbourhood_overlap (Doimo et al. 2020; dadapy's return_data_overlap: mean over points of the shared
-fraction of their k = 30 nearest neighbours in two representations) as sample_metrics reads it out of the
+fraction of their k = 30 nearest neighbours in two representations; isojax: the first 2048 sampled tokens) as sample_metrics reads it out of the
 sample, against an exhaustive float64 search (scipy's cdist, per-row intersections) on the same points:
 Hugging Face states of random checkpoints of two families. dadapy itself pins numpy < 2 and jax 0.4.30:
 not installable beside isojax."""
@@ -34,7 +34,8 @@ def overlap(x, y, k=30) -> float | None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_neighbourhood_overlap_equals_an_exhaustive_search_on_hugging_face_states(family):
     x = hf_points(family)[:, :700]  # 700 tokens: two row blocks, the second partial
-    got = [m["neighbourhood_overlap"] for m in sampled(x, ("neighbourhood_overlap",))]
+    # numpy on the host; jitted (the accelerators' way)
+    got = [m["neighbourhood_overlap"] for m in sampled(x, ("neighbourhood_overlap",), host=family == "gpt_neox")]
     assert got[0] is None  # embed: no state before it
     x64 = x.astype(np.float64)
     for i in range(1, len(x)):
@@ -46,13 +47,14 @@ def test_neighbourhood_overlap_equals_an_exhaustive_search_on_hugging_face_state
         assert got[i] == pytest.approx(want, abs=1e-12), i
 
 
-def test_neighbourhood_overlap_leaves_out_repeated_points():
+@pytest.mark.parametrize("host", [True, False])
+def test_neighbourhood_overlap_leaves_out_repeated_points(host):
     """Equal points (the same token in the same context) are left out of both states' neighbours."""
     rng = np.random.default_rng(4)
     x = rng.normal(size=(2, 120, 6)).astype(np.float32)
     x[:, 100:] = x[:, :20]  # 20 repeats, in both states
     x[0, 90] = x[0, 5]  # and one in the first state only
-    got = sampled(x, ("neighbourhood_overlap",))[1]["neighbourhood_overlap"]
+    got = sampled(x, ("neighbourhood_overlap",), host=host)[1]["neighbourhood_overlap"]
     assert got == pytest.approx(overlap(x[0].astype(np.float64), x[1].astype(np.float64)), abs=1e-12)
     assert got == pytest.approx(overlap(np.delete(x[0], [90, *range(100, 120)], 0).astype(np.float64),
                                         np.delete(x[1], [90, *range(100, 120)], 0).astype(np.float64)), abs=1e-12)
@@ -63,3 +65,13 @@ def test_neighbourhood_overlap_of_a_state_with_itself_is_1_and_null_for_few_poin
     x = rng.normal(size=(80, 6)).astype(np.float32)
     assert sampled(np.stack([x, x]), ("neighbourhood_overlap",))[1]["neighbourhood_overlap"] == 1.0
     assert sampled(np.stack([x[:30], x[:30]]), ("neighbourhood_overlap",))[1]["neighbourhood_overlap"] is None
+
+
+def test_neighbourhood_overlap_takes_the_first_2048_sampled_tokens():
+    """One density whatever K: the tokens after the first 2048 of the (randomly ordered) sample do not count."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(2, 2100, 4)).astype(np.float32)
+    got = sampled(x, ("neighbourhood_overlap",))[1]["neighbourhood_overlap"]
+    x[1, 2048:] = rng.normal(size=(52, 4))
+    assert sampled(x, ("neighbourhood_overlap",))[1]["neighbourhood_overlap"] == got
+    assert got == pytest.approx(overlap(*x[:, :2048].astype(np.float64)), abs=1e-12)

@@ -62,19 +62,28 @@ def compile_sample(x) -> None:
         _jitted(m.readout).lower(*([x] if m.reads == "sample" else [x, x])).compile()
 
 
+def on_host() -> bool:
+    """Whether sample_readout reads out in numpy on the host (the CPU backend: numpy's selections and
+    LAPACK beat XLA's on the CPU) rather than jitted where the sample lies (accelerators)."""
+    import jax
+    return jax.default_backend() == "cpu"
+
+
 def sample_readout(previous, x) -> dict:
     """Every sample and pairs measure's metrics of one state, from its sampled points x [K, D] and
-    the previous state's (None for the first state: its pairs measures are null), computed in
-    float64 where the points lie (jitted); NaN written as null."""
+    the previous state's (None for the first state: its pairs measures are null), in float64: numpy
+    on the CPU, jitted where the points lie on accelerators (on_host); NaN written as null."""
     import jax
     import numpy as np
+    host = on_host()
+    run = (lambda m, *a: m.readout(*map(np.asarray, a))) if host else (lambda m, *a: _jitted(m.readout)(*a))
     pending = {}
     with jax.enable_x64(True):
         for m in _on(("sample", "pairs")):
             if m.reads == "sample":
-                pending.update(_jitted(m.readout)(x))
+                pending.update(run(m, x))
             elif previous is not None:
-                pending.update(_jitted(m.readout)(previous, x))
+                pending.update(run(m, previous, x))
     out = {name: None for name in names(("sample", "pairs"))}
     for name, value in pending.items():
         value = float(np.asarray(value))
