@@ -21,7 +21,7 @@ def sampled(x_SxKxD, keys=("block_influence", "linearity"), host: bool = True) -
     return [{key: m[key] for key in keys} for m in out]
 
 
-def block_influence(x, y) -> float:
+def reference(x, y) -> float:
     cos = [a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) for a, b in zip(x, y)]
     return 1.0 - float(np.mean(cos))
 
@@ -33,7 +33,7 @@ def test_block_influence_equals_the_papers_formula_on_hugging_face_states(family
     assert got[0]["block_influence"] is None  # embed: no block before it
     x64 = x.astype(np.float64)
     for i in range(1, len(x)):
-        assert got[i]["block_influence"] == pytest.approx(block_influence(x64[i - 1], x64[i]), rel=1e-9, abs=1e-12), i
+        assert got[i]["block_influence"] == pytest.approx(reference(x64[i - 1], x64[i]), rel=1e-9, abs=1e-12), i
 
 
 @pytest.mark.parametrize("host", [True, False])
@@ -42,6 +42,6 @@ def test_block_influence_leaves_out_zero_vectors_and_is_null_without_any(host):
     x = rng.normal(size=(2, 50, 8)).astype(np.float32)
     x[1, :10] = 0.0  # ten tokens whose output is zero: no cosine
     got = sampled(x, host=host)[1]["block_influence"]
-    assert got == pytest.approx(block_influence(x[0, 10:].astype(np.float64), x[1, 10:].astype(np.float64)), rel=1e-9)
+    assert got == pytest.approx(reference(x[0, 10:].astype(np.float64), x[1, 10:].astype(np.float64)), rel=1e-9)
     x[1] = 0.0
     assert sampled(x, host=host)[1]["block_influence"] is None

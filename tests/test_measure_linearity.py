@@ -9,7 +9,7 @@ from measure_cases import FAMILIES, hf_points
 from test_measure_block_influence import sampled
 
 
-def linearity(x, y) -> float:
+def reference(x, y) -> float:
     x, y = x - x.mean(0), y - y.mean(0)
     x, y = x / np.linalg.norm(x), y / np.linalg.norm(y)
     a = np.linalg.lstsq(x, y, rcond=np.sqrt(64 * 2.0 ** -24))[0]
@@ -23,7 +23,7 @@ def test_linearity_equals_the_papers_least_squares_on_hugging_face_states(family
     assert got[0]["linearity"] is None  # embed: no state before it
     x64 = x.astype(np.float64)
     for i in range(1, len(x)):
-        want = linearity(x64[i - 1], x64[i])
+        want = reference(x64[i - 1], x64[i])
         assert 0.0 < want < 1.0
         assert got[i]["linearity"] == pytest.approx(want, rel=1e-9), i
 
@@ -37,7 +37,7 @@ def test_linearity_from_fewer_tokens_than_dimensions_and_null_where_any_fit_is_e
     x = (rng.normal(size=(k, 5)) @ rng.normal(size=(5, d))).astype(np.float32)
     y = (x @ rng.normal(size=(d, d)) * 0.1 + rng.normal(size=(k, d))).astype(np.float32)
     got = sampled(np.stack([x, y]), host=host)[1]["linearity"]
-    assert got == pytest.approx(linearity(x.astype(np.float64), y.astype(np.float64)), rel=1e-9)
+    assert got == pytest.approx(reference(x.astype(np.float64), y.astype(np.float64)), rel=1e-9)
     assert 0.0 < got < 1.0
     full = rng.normal(size=(k, d)).astype(np.float32)
     assert sampled(np.stack([full, y]), host=host)[1]["linearity"] is None

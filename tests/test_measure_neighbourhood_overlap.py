@@ -11,9 +11,10 @@ from scipy.spatial.distance import cdist
 from test_measure_block_influence import sampled
 
 
-def overlap(x, y, k=30) -> float | None:
-    """Over the points that equal no earlier point in either state, as the README says; None where
-    fewer than half remain."""
+def reference(x, y, k=30) -> float | None:
+    """Over the first 2048 points, those that equal no earlier point in either state, as the README
+    says; None where fewer than half remain."""
+    x, y = x[:2048], y[:2048]
     first_in_both = np.ones(len(x), bool)
     for z in (x, y):
         first = np.zeros(len(z), bool)
@@ -39,7 +40,7 @@ def test_neighbourhood_overlap_equals_an_exhaustive_search_on_hugging_face_state
     assert got[0] is None  # embed: no state before it
     x64 = x.astype(np.float64)
     for i in range(1, len(x)):
-        want = overlap(x64[i - 1], x64[i])
+        want = reference(x64[i - 1], x64[i])
         if want is None:  # the embedding of 40 token ids repeats its points
             assert got[i] is None and i == 1, i
             continue
@@ -55,8 +56,8 @@ def test_neighbourhood_overlap_leaves_out_repeated_points(host):
     x[:, 100:] = x[:, :20]  # 20 repeats, in both states
     x[0, 90] = x[0, 5]  # and one in the first state only
     got = sampled(x, ("neighbourhood_overlap",), host=host)[1]["neighbourhood_overlap"]
-    assert got == pytest.approx(overlap(x[0].astype(np.float64), x[1].astype(np.float64)), abs=1e-12)
-    assert got == pytest.approx(overlap(np.delete(x[0], [90, *range(100, 120)], 0).astype(np.float64),
+    assert got == pytest.approx(reference(x[0].astype(np.float64), x[1].astype(np.float64)), abs=1e-12)
+    assert got == pytest.approx(reference(np.delete(x[0], [90, *range(100, 120)], 0).astype(np.float64),
                                         np.delete(x[1], [90, *range(100, 120)], 0).astype(np.float64)), abs=1e-12)
 
 
@@ -74,4 +75,4 @@ def test_neighbourhood_overlap_takes_the_first_2048_sampled_tokens():
     got = sampled(x, ("neighbourhood_overlap",))[1]["neighbourhood_overlap"]
     x[1, 2048:] = rng.normal(size=(52, 4))
     assert sampled(x, ("neighbourhood_overlap",))[1]["neighbourhood_overlap"] == got
-    assert got == pytest.approx(overlap(*x[:, :2048].astype(np.float64)), abs=1e-12)
+    assert got == pytest.approx(reference(*x.astype(np.float64)), abs=1e-12)

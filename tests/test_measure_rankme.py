@@ -7,7 +7,7 @@ from measure_cases import FAMILIES, check_spectral, finalized
 from test_author_measures import floor_of
 
 
-def rankme(x, bf16):
+def reference(x, bf16):
     sigma = np.linalg.svd(x, compute_uv=False)  # min(N, D) of them, descending
     lam = sigma ** 2 / len(x)  # the second moment's eigenvalues, floored as the README says
     sigma = np.where(lam > floor_of(lam, x, bf16), sigma, 0.0)
@@ -16,7 +16,7 @@ def rankme(x, bf16):
 
 
 def test_rankme_equals_the_papers_formula_on_hugging_face_states():
-    check_spectral("rankme", rankme, sources=False)
+    check_spectral("rankme", reference, sources=False)
     for family in FAMILIES:
         x, layers, groups = finalized(family, False)
         assert all(layer["rankme"] is None for g in groups.values() for layer in g["layers"])  # no spectrum there

@@ -144,30 +144,28 @@ def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
 
 
 def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.ndarray) -> None:
-    """The registered measures (isojax.stats.measures) of a run whose sample holds every token, against
-    their tests' float64 references on Hugging Face's states; neighbourhood_overlap, a count of shared
-    neighbours that a rounding can change, exactly on the sample the run wrote, and to a few
-    neighbours in 10^4 on Hugging Face's."""
-    from measure_cases import floored_spectrum
-    from test_measure_block_influence import block_influence
-    from test_measure_linearity import linearity
-    from test_measure_neighbourhood_overlap import overlap
-    from test_measure_rankme import rankme
-    assert layers[0]["block_influence"] is None and layers[0]["linearity"] is None
-    assert layers[0]["neighbourhood_overlap"] is None
-    for i, (layer, x) in enumerate(zip(layers, x_SxNxD)):
-        lam = floored_spectrum(x, False)
-        want = {"nesum": lam.sum() / lam[0], "participation_ratio": lam.sum() ** 2 / (lam ** 2).sum(),
-                "rankme": rankme(x, False)}
-        if i:
-            want.update(block_influence=block_influence(x_SxNxD[i - 1], x), linearity=linearity(x_SxNxD[i - 1], x))
-            got = layer["neighbourhood_overlap"]
-            exact = overlap(*sample_SxKxD[i - 1:i + 1].astype(np.float64))
-            assert (got is None) == (exact is None) and (got is None or abs(got - exact) < 1e-12), (layer["name"], got)
-            near = overlap(x_SxNxD[i - 1], x)
-            assert (got is None) == (near is None) and (got is None or abs(got - near) < 3e-4), (layer["name"], got, near)
-        for key, value in want.items():  # float32 forward and Grams against float64 states
-            assert abs(layer[key] - value) < 1e-5 * max(1.0, abs(value)), (layer["name"], key, layer[key], value)
+    """Every registered measure (isojax.stats.measures) of a run whose sample holds every token, against
+    the float64 reference of its own test (tests/test_measure_<name>.py: reference(x, bf16) of a state's
+    points for the spectral ones, reference(x, y) of consecutive states' for the pairs ones): on Hugging
+    Face's states (float32 forward and Grams: 1e-5; a pairs measure to 3e-4, a few of 10^4 shared
+    neighbours that a rounding can change) and, for the pairs ones, on the sample the run wrote, exactly."""
+    import importlib
+    sample = sample_SxKxD.astype(np.float64)
+    for name, m in measures.MEASURES.items():
+        reference = importlib.import_module(f"test_measure_{name}").reference
+        for i, layer in enumerate(layers):
+            got = [layer[metric.name] for metric in m.metrics]
+            if m.reads == "spectra":
+                near, exact = reference(x_SxNxD[i], False), None
+            elif not i:  # embed: no state before it
+                assert got == [None] * len(got), (name, got)
+                continue
+            else:
+                near, exact = reference(x_SxNxD[i - 1], x_SxNxD[i]), reference(sample[i - 1], sample[i])
+            tol = 1e-5 * max(1.0, abs(near or 0.0)) if m.reads == "spectra" else 3e-4
+            assert len(got) == 1 and (got[0] is None) == (near is None), (name, layer["name"], got, near)
+            assert got[0] is None or abs(got[0] - near) < tol, (name, layer["name"], got, near)
+            assert exact is None or abs(got[0] - exact) < 1e-9 * max(1.0, abs(exact)), (name, layer["name"], got, exact)
 
 
 @pytest.mark.slow
