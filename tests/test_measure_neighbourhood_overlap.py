@@ -33,7 +33,7 @@ def reference(x, y, k=30) -> float | None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_neighbourhood_overlap_equals_an_exhaustive_search_on_hugging_face_states(family):
+def test_neighbourhood_overlap_equals_an_exhaustive_search_on_hugging_face_states(family, capsys):
     x = hf_points(family)[:, :700]  # 700 tokens: two row blocks, the second partial
     # numpy on the host; jitted (the accelerators' way)
     got = [m["neighbourhood_overlap"] for m in sampled(x, ("neighbourhood_overlap",), host=family == "gpt_neox")]
@@ -41,8 +41,9 @@ def test_neighbourhood_overlap_equals_an_exhaustive_search_on_hugging_face_state
     x64 = x.astype(np.float64)
     for i in range(1, len(x)):
         want = reference(x64[i - 1], x64[i])
-        if want is None:  # the embedding of 40 token ids repeats its points
+        if want is None:  # the embedding of 40 token ids repeats its points: null, and the log says so
             assert got[i] is None and i == 1, i
+            assert "neighbourhood_overlap of s1: null" in capsys.readouterr().err
             continue
         assert 0.0 < want < 1.0
         assert got[i] == pytest.approx(want, abs=1e-12), i

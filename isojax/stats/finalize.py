@@ -630,7 +630,7 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
                 drops.setdefault((dropped, of, why), []).append(name)
             said += [f"{' and '.join(names)} left out {d:,} of {of:,} points {why}"
                      for (d, of, why), names in drops.items()]
-        m.update(measures.sample_readout(previous, x))  # isojax.stats.measures: block influence, linearity, ...
+        m.update(measures.sample_readout(previous, x, state_names[s]))  # isojax.stats.measures
         previous = x
         out.append(m)
         elapsed = time.perf_counter() - start

@@ -69,10 +69,11 @@ def on_host() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def sample_readout(previous, x) -> dict:
+def sample_readout(previous, x, what: str = "") -> dict:
     """Every sample and pairs measure's metrics of one state, from its sampled points x [K, D] and
     the previous state's (None for the first state: its pairs measures are null), in float64: numpy
-    on the CPU, jitted where the points lie on accelerators (on_host); NaN written as null."""
+    on the CPU, jitted where the points lie on accelerators (on_host); NaN written as null, with a
+    log line naming the state `what` (not for the first state's pairs measures)."""
     import jax
     import numpy as np
     host = on_host()
@@ -88,4 +89,8 @@ def sample_readout(previous, x) -> dict:
     for name, value in pending.items():
         value = float(np.asarray(value))
         out[name] = value if np.isfinite(value) else None
+    nulls = [name for name in pending if out[name] is None]
+    if nulls and what:
+        from isojax.log import log
+        log(f"{', '.join(nulls)} of {what}: null (undefined on these sampled points: README \"Geometry measures\")")
     return out
