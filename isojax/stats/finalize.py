@@ -213,8 +213,9 @@ def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometr
     or None (no second moments kept for it). zeta: IsoScore*'s shrinkage. bf16: the states were
     bfloat16 (geometry.spectral_floor). unit_D: the unit vectors' covariance eigenvalues, for
     erank_pooled (None: null); uncentered_D: the second moment's, for the registered spectral
-    measures (isojax.stats.measures; None: not read out). shrunk_D: the eigenvalues of a source's IsoScore* covariance
-    (1 - zeta) C + zeta C0 (_group_readout); None: the population is the layer, C0 = C."""
+    measures (isojax.stats.measures; None: not read out). shrunk_D: the eigenvalues of a source's
+    IsoScore* covariance (1 - zeta) C + zeta C0 (_group_readout); None: the population is the
+    layer, C0 = C."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
