@@ -14,11 +14,12 @@ import pytest
 import isojax
 from isojax.errors import UserError
 from isojax.run import results, sweep, sweep_files
+from isojax.stats import measures
 from isojax.stats.geometry import linear_cka
 
 NEW_SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
                "massive_max_over_sample_median", "feature_kurtosis", "alpha_req", "effective_rank", "erank_pooled",
-               "erank", "massive_count", "massive_top1"]
+               "erank", "massive_count", "massive_top1", *measures.names()]
 BANDS = [(0, 1), (1, 16), (16, 128), (128, None)]
 POS_COLUMNS = ["inter_sim_pos_0", "inter_sim_pos_1_16", "inter_sim_pos_16_128", "inter_sim_pos_128_"]
 

@@ -17,6 +17,7 @@ import pytest
 from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states, need
 from isojax.stats import accumulators as stats
 from isojax.stats import finalize as fz
+from isojax.stats import measures
 from test_author_measures import reference as author_reference
 from test_extract import write_pile_jsonl
 from test_geometry import hsic_cka
@@ -138,6 +139,33 @@ def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
         for j, b in enumerate(x_SxNxD):
             assert abs(cka["matrix"][i][j] - hsic_cka(a, b)) < 1e-5, (i, j)
     assert "rogue_share_top3" in (out / "layers.csv").read_text().splitlines()[0]
+    from isojax.run.sweep_files import read_sample
+    check_registered(metrics["layers"], x_SxNxD, read_sample(out))
+
+
+def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.ndarray) -> None:
+    """Every registered measure (isojax.stats.measures) of a run whose sample holds every token, against
+    the float64 reference of its own test (tests/test_measure_<name>.py: reference(x, bf16) of a state's
+    points for the spectral ones, reference(x, y) of consecutive states' for the pairs ones): on Hugging
+    Face's states (float32 forward and Grams: 1e-5; a pairs measure to 3e-4, a few of 10^4 shared
+    neighbours that a rounding can change) and, for the pairs ones, on the sample the run wrote, exactly."""
+    import importlib
+    sample = sample_SxKxD.astype(np.float64)
+    for name, m in measures.MEASURES.items():
+        reference = importlib.import_module(f"test_measure_{name}").reference
+        for i, layer in enumerate(layers):
+            got = [layer[metric.name] for metric in m.metrics]
+            if m.reads == "spectra":
+                near, exact = reference(x_SxNxD[i], False), None
+            elif not i:  # embed: no state before it
+                assert got == [None] * len(got), (name, got)
+                continue
+            else:
+                near, exact = reference(x_SxNxD[i - 1], x_SxNxD[i]), reference(sample[i - 1], sample[i])
+            tol = 1e-5 * max(1.0, abs(near or 0.0)) if m.reads == "spectra" else 3e-4
+            assert len(got) == 1 and (got[0] is None) == (near is None), (name, layer["name"], got, near)
+            assert got[0] is None or abs(got[0] - near) < tol, (name, layer["name"], got, near)
+            assert exact is None or abs(got[0] - exact) < 1e-9 * max(1.0, abs(exact)), (name, layer["name"], got, exact)
 
 
 @pytest.mark.slow
@@ -156,6 +184,8 @@ def test_run_measures_equal_float64_hugging_face_references_on_1_and_2_devices(t
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"devices: {devices} x cpu" in proc.stderr or devices == 1, proc.stderr[-2000:]
         check_run(out, x_SxNxD, refs)
+        header = (out / "layers.csv").read_text().splitlines()[0].split(",")
+        assert set(measures.names()) <= set(header) and measures.names()
 
 
 def test_isoscore_zeta_outside_0_1_is_an_argparse_error(tmp_path, capsys):
@@ -168,8 +198,10 @@ def test_isoscore_zeta_outside_0_1_is_an_argparse_error(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_sample_read_outs_compiled_ahead_are_not_compiled_again(caplog):
-    """finalize.compile_ahead also compiles sample_metrics' and sample_cka's float64 read-outs."""
+def test_sample_read_outs_compiled_ahead_are_not_compiled_again(caplog, monkeypatch):
+    """finalize.compile_ahead also compiles sample_metrics' and sample_cka's float64 read-outs (the
+    registered measures' as accelerators run them: jitted)."""
+    monkeypatch.setattr(fz.measures, "on_host", lambda: False)
     import logging
 
     k, d = 300, 20  # shapes no other test compiles
@@ -180,6 +212,7 @@ def test_sample_read_outs_compiled_ahead_are_not_compiled_again(caplog):
     with jax.log_compiles(True), jax.enable_x64(True):
         median, standardized = fz._sample_geometry(x)
         cross = fz._centered_cross(x, x)
+        fz.measures.sample_readout(x, x)  # the registered sample measures' (isojax.stats.measures)
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
-    assert not [c for c in compiled if "_sample_geometry" in c or "centered_cross" in c], compiled
+    assert not [c for c in compiled if "_sample_geometry" in c or "centered_cross" in c or "readout" in c], compiled
     assert float(median) > 0 and abs(float(standardized)) < 0.1 and float(cross) > 0

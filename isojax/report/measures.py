@@ -14,6 +14,7 @@ import pathlib
 
 from isojax.log import log
 from isojax.plots import paper
+from isojax.stats import measures as registered
 from isojax.report.collect import Results, Run, finals, layer_names, number, trainings
 from isojax.report.document import Figures, Item, Section, Table
 from isojax.report.states import _band_layers, _by_layer, _has, _training, run_label, titled
@@ -21,7 +22,7 @@ from isojax.report.states import _band_layers, _by_layer, _has, _training, run_l
 # every scalar measure drawn over layers and over checkpoints (its label: states._LABELS)
 SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
            "massive_max_over_sample_median", "massive_count", "massive_top1", "feature_kurtosis", "alpha_req",
-           "effective_rank", "erank", "erank_pooled"]
+           "effective_rank", "erank", "erank_pooled", *registered.names()]
 BANDS = [("inter_sim_pos_0", "position 0"), ("inter_sim_pos_1_16", "positions 1–15"),
          ("inter_sim_pos_16_128", "positions 16–127"), ("inter_sim_pos_128_", "positions 128+")]
 
@@ -170,10 +171,12 @@ def section(res: Results, figs: Figures) -> Section:
     sec = Section("measures", "Isotropy, outliers, spectrum and similarity of representations",
                   "IsoScore and IsoScore* (Rudman et al. 2022; Rudman & Eickhoff 2024), rogue dimensions and "
                   "standardized InterSim (Timkey & van Schijndel 2021), massive activations (Sun et al. 2024), "
-                  "feature kurtosis (He et al. 2024), α-ReQ (Agrawal et al. 2022), effective rank (RankMe), "
+                  "feature kurtosis (He et al. 2024), α-ReQ (Agrawal et al. 2022), effective rank (Roy & Vetterli 2007), "
                   "Diff-eRank's eRank on the sentence probe's sentences and its pooled variant, each with its "
                   "difference from step0 (Wei et al. 2024), InterSim by "
-                  "position, linear CKA (Kornblith et al. 2019); README \"Measures\" defines each.")
+                  "position, linear CKA (Kornblith et al. 2019), "
+                  + "; ".join(f"{', '.join(m.name for m in r.metrics)} ({r.paper})" for r in registered.MEASURES.values())
+                  + "; README \"Measures\" defines each.")
     runs = finals(res.extract)
     series = _with_diff_erank(trainings(res.extract))
     for key in SCALARS:

@@ -11,6 +11,7 @@ from isojax.plots import paper
 from isojax.plots.axes import layer_label
 from isojax.report.collect import Results, Run, finals, layer_names, layer_value, number, resolve_layer, trainings
 from isojax.report.document import Figures, Section, Table
+from isojax.stats import measures
 
 _LABELS = {"inter_sim": "InterSim", "intra_sim": "IntraSim (mean over token types)",
            "anisotropy": "anisotropy σ₁²/Σσ² (centered)",
@@ -23,10 +24,10 @@ _LABELS = {"inter_sim": "InterSim", "intra_sim": "IntraSim (mean over token type
            "massive_max_over_sample_median": "largest |activation| / the sample's median |x|",
            "massive_count": "massive activations (Sun et al.) in the probe's sentences",
            "massive_top1": "largest |activation| per sentence (mean)", "feature_kurtosis": "feature kurtosis",
-           "alpha_req": "α-ReQ", "effective_rank": "effective rank (RankMe)",
+           "alpha_req": "α-ReQ", "effective_rank": "effective rank",
            "erank": "eRank (Diff-eRank's, per sentence)", "erank_pooled": "eRank of the unit vectors, pooled",
            "diff_erank": "Diff-eRank (step0 − this one)",
-           "diff_erank_pooled": "pooled Diff-eRank (step0 − this one)"}
+           "diff_erank_pooled": "pooled Diff-eRank (step0 − this one)", **measures.labels()}
 
 
 def _layer_order(name: str):

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from isojax import storage
+from isojax.stats import measures
 from isojax.run.config import MeasureConfig
 from isojax.run.timings import BESIDE, Timings, in_background
 
@@ -185,7 +186,8 @@ def flat_layer(layer: dict) -> dict:
     A layer written before the spectral floor (no `null_eigenvalues`) reads its measures that have
     changed definition since (BEFORE_FLOOR) as null: n/a, not the older quantity under the new name;
     a renamed measure (RENAMED) is read under its new name. massive_dims (the sentence probe's) as one
-    string "dim:count dim:count ..." (most massive activations first)."""
+    string "dim:count dim:count ..." (most massive activations first). Every registered measure
+    (isojax.stats.measures) the layer lacks (results of an older isojax) is null."""
     row = {}
     if "null_eigenvalues" not in layer:
         layer = {**layer, **{k: None for k in BEFORE_FLOOR if k in layer}}
@@ -202,7 +204,7 @@ def flat_layer(layer: dict) -> dict:
             row.update({_band_column("inter_sim_pos", b): b.get("inter_sim") for b in v if isinstance(b, dict)})
         elif not isinstance(v, list):
             row[k] = v
-    return row
+    return {**row, **{k: None for k in measures.names() if k not in row}}
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

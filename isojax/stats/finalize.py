@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from isojax.errors import UserError
 from isojax.stats import accumulators as stats
-from isojax.stats import geometry
+from isojax.stats import geometry, measures
 from isojax.stats.accumulators import _COUNT_BITS, Accumulators, chan_term
 from isojax.stats.streamed import streamed_measures
 
@@ -206,14 +206,16 @@ def _geometry(n, unit_sum_D, centered_D, diag_3xD, zeta: float) -> dict:
 
 
 def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometry.ISOSCORE_ZETA,
-             bf16: bool = False, unit_D=None, shrunk_D=None):
+             bf16: bool = False, unit_D=None, shrunk_D=None, uncentered_D=None):
     """State-level metrics of one population; readout: (the centered covariance's eigenvalues,
     descending, the uncentered and the unit anisotropy, Sum |x|^2 / n, the [3, D] diagonals of
     _covariances' matrices) (_whole_readout, or a group's part of _bisect_states or _host_eigs),
     or None (no second moments kept for it). zeta: IsoScore*'s shrinkage. bf16: the states were
     bfloat16 (geometry.spectral_floor). unit_D: the unit vectors' covariance eigenvalues, for
-    erank_pooled (None: null). shrunk_D: the eigenvalues of a source's IsoScore* covariance
-    (1 - zeta) C + zeta C0 (_group_readout); None: the population is the layer, C0 = C."""
+    erank_pooled (None: null); uncentered_D: the second moment's, for the registered spectral
+    measures (isojax.stats.measures; None: not read out). shrunk_D: the eigenvalues of a source's
+    IsoScore* covariance (1 - zeta) C + zeta C0 (_group_readout); None: the population is the
+    layer, C0 = C."""
     out = {"count": int(n),
            "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
            "mean_norm": float(norm_sum / n) if n else float("nan"),
@@ -236,6 +238,9 @@ def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometr
                    null_eigenvalues=nulls, rank_deficient=None if nulls is None else nulls > 0,
                    mean_sq_norm=float(mean_sq_norm),
                    **_geometry(n, unit_sum_D, kept_D, diag_3xD, zeta))
+        uncentered_kept_D = None if uncentered_D is None else geometry.floored(
+            uncentered_D, geometry.spectral_floor(uncentered_D, mean_sq))
+        out.update(measures.spectral(measures.Spectra(int(n), kept_D, uncentered_kept_D)))
         if shrunk_D is not None and n >= 2:  # IsoScore* is IsoScore of the shrunk covariance (scale-free)
             floor = geometry.spectral_floor(shrunk_D, mean_sq)
             out["isoscore_star"] = geometry.isoscore(geometry.floored(shrunk_D, floor))
@@ -324,6 +329,7 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
             x = jax.ShapeDtypeStruct((sample_count, d), np.float32, sharding=on)
             _sample_geometry.lower(x).compile()
             _centered_cross.lower(x, x).compile()
+            measures.compile_sample(x)
 
 
 def finalize(acc: Accumulators, state_names: list[str],
@@ -394,7 +400,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         whole = reduced[s]
         out = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
                        _whole_readout(whole) if n_G.sum() else None, isoscore_zeta, bf16,
-                       unit_D=whole[0][2] if n_G.sum() else None)
+                       unit_D=whole[0][2] if n_G.sum() else None, uncentered_D=whole[0][1] if n_G.sum() else None)
         _log_nulls(name, out)
         layer = {"name": name, **out}
         for key, eig in zip(spectra, whole[0] if n_G.sum() else (None,) * 3):
@@ -419,7 +425,8 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         layer.update(streamed)
     for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
-                    "sample_abs_median", "massive_max_over_sample_median", *GEOMETRY_KEYS, *SPECTRAL_KEYS):
+                    "sample_abs_median", "massive_max_over_sample_median", *GEOMETRY_KEYS, *SPECTRAL_KEYS,
+                    *measures.names()):
             layer.setdefault(key, None)
     result = {"layers": layers}
     if all(e is not None for e in spectra["centered_SxD"]):
@@ -596,7 +603,7 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
             return x, _batch_anisotropy(x[:batches * BATCH].reshape(batches, BATCH, -1)) if batches else None, \
                 _sample_geometry(x)
 
-    ahead = dispatch(0)
+    ahead, previous = dispatch(0), None
     for s, _ in enumerate(state_names):  # one state ahead: the devices work while the host reads out
         (x, ratios, (median, standardized)), ahead = ahead, dispatch(s + 1) if s + 1 < len(state_names) else None
         m: dict = {"sample_tokens": count, "anisotropy_batches": batches,
@@ -627,6 +634,8 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
                 drops.setdefault((dropped, of, why), []).append(name)
             said += [f"{' and '.join(names)} left out {d:,} of {of:,} points {why}"
                      for (d, of, why), names in drops.items()]
+        m.update(measures.sample_readout(previous, x, state_names[s]))  # isojax.stats.measures
+        previous = x
         out.append(m)
         elapsed = time.perf_counter() - start
         progress = f" [{s + 1}/{len(state_names)} states, {elapsed:.0f} s]" if elapsed > PROGRESS_AFTER_S else ""

@@ -1,0 +1,96 @@
+"""The measures read out from a state's spectra or from the sample, one file each (README
+"Geometry measures"): every module of this package that defines MEASURE (a base.Measure) is one,
+found here, in the order of the modules' names. Adding one is its file, its test and its row of
+the README's measures table (tests/test_measures_registry.py checks the table against MEASURES).
+
+Readers: stats.finalize (spectral), stats.finalize.sample_metrics (sample and pairs),
+run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
+(report/measures.py). The step's streamed measures are not here yet (issue 46's step side).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+
+from isojax.stats.measures.base import Measure, Metric, Spectra
+
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "compile_sample", "sample_readout"]
+
+
+def _found() -> dict[str, Measure]:
+    out = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if isinstance(getattr(module, "MEASURE", None), Measure):
+            out[info.name] = module.MEASURE
+    return out
+
+
+MEASURES: dict[str, Measure] = _found()  # module name -> its Measure
+
+
+def _on(reads: tuple[str, ...]) -> list[Measure]:
+    return [m for m in MEASURES.values() if m.reads in reads and m.on_by_default]
+
+
+def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs")) -> list[str]:
+    """Every registered metric name (of the measures reading `reads`)."""
+    return [metric.name for m in MEASURES.values() if m.reads in reads for metric in m.metrics]
+
+
+def labels() -> dict[str, str]:
+    return {metric.name: metric.label for m in MEASURES.values() for metric in m.metrics}
+
+
+def spectral(spectra: Spectra) -> dict:
+    """Every spectral measure's metrics of one population (stats.finalize._moments)."""
+    return {k: v for m in _on(("spectra",)) for k, v in m.readout(spectra).items()}
+
+
+@functools.cache
+def _jitted(readout):
+    import jax
+    return jax.jit(readout)
+
+
+def compile_sample(x) -> None:
+    """Compile sample_readout's read-outs for sampled points of x's shape and sharding (a
+    jax.ShapeDtypeStruct) ahead (stats.finalize.compile_ahead; call under jax.enable_x64)."""
+    for m in _on(("sample", "pairs")):
+        _jitted(m.readout).lower(*([x] if m.reads == "sample" else [x, x])).compile()
+
+
+def on_host() -> bool:
+    """Whether sample_readout reads out in numpy on the host (the CPU backend: numpy's selections and
+    LAPACK beat XLA's on the CPU) rather than jitted where the sample lies (accelerators)."""
+    import jax
+    return jax.default_backend() == "cpu"
+
+
+def sample_readout(previous, x, what: str = "") -> dict:
+    """Every sample and pairs measure's metrics of one state, from its sampled points x [K, D] and
+    the previous state's (None for the first state: its pairs measures are null), in float64: numpy
+    on the CPU, jitted where the points lie on accelerators (on_host); NaN written as null, with a
+    log line naming the state `what` (not for the first state's pairs measures)."""
+    import jax
+    import numpy as np
+    host = on_host()
+    run = (lambda m, *a: m.readout(*map(np.asarray, a))) if host else (lambda m, *a: _jitted(m.readout)(*a))
+    pending = {}
+    with jax.enable_x64(True):
+        for m in _on(("sample", "pairs")):
+            if m.reads == "sample":
+                pending.update(run(m, x))
+            elif previous is not None:
+                pending.update(run(m, previous, x))
+    out = {name: None for name in names(("sample", "pairs"))}
+    for name, value in pending.items():
+        value = float(np.asarray(value))
+        out[name] = value if np.isfinite(value) else None
+    nulls = [name for name in pending if out[name] is None]
+    if nulls and what:
+        from isojax.log import log
+        log(f"{', '.join(nulls)} of {what}: null (undefined on these sampled points: README \"Geometry measures\")")
+    return out

@@ -1,0 +1,51 @@
+"""What a measure declares (isojax.stats.measures): its metrics and its float64 read-out.
+
+A measure reads one of:
+- "spectra": a state's (or a source's) floored float64 spectra (Spectra below), read out by
+  stats.finalize where it reads the covariances; its read-out is a numpy function of them.
+- "sample": one state's sampled points x [K, D] (stats/sample.py: the same K uniformly sampled
+  tokens at every state, in the same order);
+- "pairs": the sampled points of two consecutive states, (x [K, D] of state s - 1, y [K, D] of
+  state s), its value that of state s (null for `embed`, which has no predecessor).
+Sample read-outs are written with the array API (numpy, or jax.numpy under jax.jit where the
+sample lies on the devices, as stats.geometry's sample functions): float64 0-d arrays, NaN where
+undefined (the registry writes null).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    name: str  # its key in metrics.json's layers (and its column in layers.csv / sweep.csv)
+    unit: str  # what its number counts
+    label: str  # its axis label in the report's figures
+
+
+@dataclasses.dataclass(frozen=True)
+class Measure:
+    metrics: tuple[Metric, ...]
+    reads: str  # "spectra", "sample" or "pairs" (above)
+    readout: Callable  # spectra: Spectra -> {name: float | None}; sample, pairs: arrays -> {name: 0-d array}
+    paper: str  # its reference
+    readme_row: str  # its row of the README's measures table, exactly
+    on_by_default: bool = True  # off: not read out (no flag turns one on yet: the step side of issue 46)
+
+    def __post_init__(self):
+        assert self.reads in ("spectra", "sample", "pairs"), self.reads
+
+
+@dataclasses.dataclass(frozen=True)
+class Spectra:
+    """One population's spectra for the "spectra" read-outs, float64, descending, floored
+    (geometry.floored at geometry.spectral_floor): `centered` the covariance's eigenvalues
+    (Sum (x - mean)(x - mean)^T / n), `uncentered` the second moment's (Sum x x^T / n; None where
+    not read out: a source's), n the number of states."""
+    n: int
+    centered: np.ndarray
+    uncentered: np.ndarray | None = None

@@ -1,0 +1,82 @@
+"""The registry of measures (isojax.stats.measures) against what reads it: the README's measures table
+holds each registered measure's row exactly, once, and no other row names a registered metric; a
+layer that lacks a registered measure (results of an older isojax) reads it as null in layers.csv,
+isojax.load and the report's figures, never as a number."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from isojax.stats import measures
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def table_rows() -> list[str]:
+    """The rows of the README's geometry measures table (`| key | definition | paper |`)."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("| key | definition | paper |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.strip().startswith("|"):
+            break
+        rows.append(line.strip())
+    return rows
+
+
+def test_the_readme_measures_table_has_each_registered_row_and_no_other_row_names_one():
+    rows = table_rows()
+    registered = {m.readme_row for m in measures.MEASURES.values()}
+    for name, m in measures.MEASURES.items():
+        assert rows.count(m.readme_row) == 1, f"README: the row of {name} is missing or not as registered"
+    names = set(measures.names())
+    for row in rows:
+        keys = set(re.findall(r"`([a-z_0-9]+)`", row.split("|")[1]))
+        assert not keys & names or row in registered, f"README: a row names {keys & names} unlike the registry: {row}"
+    for m in measures.MEASURES.values():  # each row's key cell names its metrics, and its paper is its last cell
+        assert {f"`{x.name}`" for x in m.metrics} <= set(re.findall(r"`[a-z_0-9]+`", m.readme_row.split("|")[1]))
+        assert m.readme_row.split("|")[-2].strip() == m.paper
+
+
+def test_every_module_of_the_package_with_a_measure_is_registered():
+    found = sorted(p.stem for p in Path(measures.__file__).parent.glob("*.py")
+                   if "MEASURE = Measure(" in p.read_text(encoding="utf-8"))
+    assert list(measures.MEASURES) == found and found
+    assert len(set(measures.names())) == len(measures.names())
+
+
+def test_results_without_the_registered_measures_read_them_as_null(tmp_path):
+    """metrics.json of an older isojax: layers.csv, isojax.load and the report read n/a, never a number."""
+    import isojax
+    from isojax.report.collect import _extract_run
+    from isojax.run.results import write_layers_csv
+    folder = tmp_path / "old"
+    folder.mkdir()
+    layers = [{"name": n, "count": 10, "inter_sim": 0.1, "null_eigenvalues": 0} for n in ("embed", "block_1")]
+    (folder / "metrics.json").write_text(json.dumps({"model": "m", "tokens": 10, "layers": layers}))
+    df = isojax.load(folder)
+    for key in measures.names():
+        assert df[key].isna().all(), key
+    assert df["inter_sim"].tolist() == [0.1, 0.1]
+    write_layers_csv(tmp_path / "layers.csv", layers)
+    head, *rows = (tmp_path / "layers.csv").read_text().splitlines()
+    cols = head.split(",")
+    for key in measures.names():
+        assert all(row.split(",")[cols.index(key)] == "" for row in rows), key
+    got = _extract_run(folder).data["layers"]
+    assert all(layer[key] is None for layer in got for key in measures.names())
+
+
+def test_the_first_state_has_no_pairs_measure_and_an_off_measure_is_null(monkeypatch):
+    import dataclasses
+    x = np.random.default_rng(0).normal(size=(30, 4))
+    first = measures.sample_readout(None, x)
+    assert all(first[k] is None for k in measures.names(("pairs",)))
+    assert first.keys() == set(measures.names(("sample", "pairs")))
+    on = measures.sample_readout(x, x + 1.0)
+    assert on["block_influence"] is not None
+    off = {k: dataclasses.replace(m, on_by_default=k != "block_influence") for k, m in measures.MEASURES.items()}
+    monkeypatch.setattr(measures, "MEASURES", off)
+    assert measures.sample_readout(x, x + 1.0)["block_influence"] is None
