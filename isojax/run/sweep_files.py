@@ -84,12 +84,12 @@ def read_sample_keys(folder: Path) -> np.ndarray | None:
                               open=True).result().read().result())
 
 
-LATER = ("row length", "skip positions", "dtype", "sampled tokens' keys")  # recorded or checked since issue 45
+LATER = ("row length", "skip positions", "BOS", "dtype", "sampled tokens' keys")  # recorded or checked since issue 45
 
 
 def _describe(folder: Path) -> dict:
     """What must match between two checkpoints for their samples to hold the same tokens, measured
-    alike: corpus, token count, layers, the row length (windows), the positions left out, the dtype,
+    alike: corpus, token count, layers, the row length (windows), the positions left out, the BOS, the dtype,
     and the sampled tokens' keys (a sha256 of samples.zarr/keys). Those of LATER are not compared
     where a folder written before them lacks them (None)."""
     import hashlib
@@ -100,7 +100,7 @@ def _describe(folder: Path) -> dict:
     return {"corpus fingerprint": manifest.get("corpus_fingerprint"), "tokens": metrics.get("tokens"),
             "layers": [layer.get("name") for layer in metrics.get("layers") or []],
             "row length": settings.get("row_len"), "skip positions": settings.get("skip_positions"),
-            "dtype": settings.get("dtype"),
+            "BOS": settings.get("bos"), "dtype": settings.get("dtype"),
             "sampled tokens' keys": None if keys is None else hashlib.sha256(keys.tobytes()).hexdigest()[:16]}
 
 

@@ -1,0 +1,119 @@
+"""--bos auto|on|off: the token ids against Hugging Face's tokenizer(text, add_special_tokens=True/False),
+the token cache's key, and the metrics of a tiny random Llama measured with a BOS against float64 ones
+from Hugging Face's states of the same ids."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import TOKENIZER_JSON, need
+
+TEXTS = ["Call me Ishmael.", "Some years ago, never mind how long precisely, I went to sea.",
+         "It is a way I have of driving off the spleen."]
+
+
+def _tokenizer_folder(directory, kind: str):
+    """A folder of tokenizer files as transformers saves them: `template` (tokenizer.json's post-processor
+    puts <|endoftext|> first, bos_token named: Llama's layout), `config` (the bundled tokenizer.json with
+    tokenizer_config.json saying add_bos_token, which transformers does not read then), `bpe` (GPT-2-style
+    vocab.json + merges.txt, tokenizer_config.json saying add_bos_token: OPT's layout) or `none` (the
+    bundled tokenizer, no BOS: GPT-NeoX's)."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer.from_file(str(TOKENIZER_JSON))
+    directory.mkdir()
+    if kind == "bpe":
+        tok.model.save(str(directory))
+        (directory / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "add_bos_token": True}))
+        return directory
+    if kind == "template":
+        tok.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    named = {} if kind == "none" else {"bos_token": "<|endoftext|>"}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **named).save_pretrained(directory)
+    if kind == "config":
+        path = directory / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": True}))
+    return directory
+
+
+@pytest.mark.parametrize("kind", ["template", "config", "bpe", "none"])
+def test_token_ids_match_hugging_face(tmp_path, kind):
+    """auto gives the ids of Hugging Face's tokenizer(text) (add_special_tokens=True), off those of
+    add_special_tokens=False, on the BOS first always; the BOS is in the cache's key both ways."""
+    need("torch")
+    from transformers import AutoTokenizer
+
+    from isojax.data import load_corpus, tokenize_corpus
+    from isojax.errors import UserError
+    from isojax.hf.family.presets import preset
+    from isojax.hf.tokenizer import load_tokenizer, tokenizer_bos
+    folder = _tokenizer_folder(tmp_path / "tok", kind)
+    ref = AutoTokenizer.from_pretrained(folder)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    corpus = lambda: load_corpus([str(tmp_path / "c.jsonl")], unit="document")
+    tok, desc = load_tokenizer(folder, preset("pythia-70m"))
+    bos = tokenizer_bos(tok, folder, desc)
+    caches = {}
+    for choice in ("auto", "off", "on"):
+        if choice == "on" and kind == "none":
+            with pytest.raises(UserError, match=r"^--bos on: the tokenizer \(.*\) has no BOS token$"):
+                bos.resolve(choice, desc)
+            continue
+        bos_id = bos.resolve(choice, desc)
+        cache = caches[choice] = tokenize_corpus(corpus(), tok, cache_dir=tmp_path / "cache", max_len=512, workers=1,
+                                                 bos=bos_id)
+        special = choice == "auto" or (choice == "on" and kind != "none")
+        want = [ref(t, add_special_tokens=special)["input_ids"] for t in TEXTS]
+        if choice == "on":
+            want = [[ref.bos_token_id] + ref(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+        assert [cache.sequence(i).tolist() for i in range(cache.n_sequences)] == want, choice
+        assert cache.meta["bos"] == bos_id
+    with_bos = [c for c in caches.values() if c.meta["bos"] is not None]
+    without = [c for c in caches.values() if c.meta["bos"] is None]
+    assert bool(with_bos) == (kind != "none") and without
+    assert {c.fingerprint for c in with_bos}.isdisjoint(c.fingerprint for c in without)
+    assert (kind in ("none", "config")) == (ref("a")["input_ids"] == ref("a", add_special_tokens=False)["input_ids"])
+    # the reverse order: a cache built with the BOS first is not read as the one without
+    fresh = tmp_path / "fresh"
+    first = tokenize_corpus(corpus(), tok, cache_dir=fresh, max_len=512, workers=1, bos=0)
+    second = tokenize_corpus(corpus(), tok, cache_dir=fresh, max_len=512, workers=1, bos=None)
+    assert not second.from_cache and second.path != first.path and second.n_tokens == first.n_tokens - len(TEXTS)
+    assert tokenize_corpus(corpus(), tok, cache_dir=fresh, max_len=512, workers=1, bos=0).from_cache
+
+
+def test_extract_with_bos_matches_float64_reference(tmp_path, monkeypatch, capsys):
+    """extract --bos on with --skip-positions 1 on a tiny random Llama whose tokenizer adds a BOS: the
+    metrics equal float64 ones of Hugging Face's states of the ids with the BOS, its position (0) left
+    out; the manifest, metrics.json and the log say BOS on."""
+    from test_extract import reference_metrics, write_pile_jsonl
+    from test_families import LLAMA, build, hf_states
+    from transformers import AutoTokenizer
+
+    from isojax.extract import main
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
+    model = build(tmp_path / "ckpt", "llama", **dict(LLAMA, num_key_value_heads=2, vocab_size=50304))
+    ref = AutoTokenizer.from_pretrained(_tokenizer_folder(tmp_path / "ckpt" / "tok", "template"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "ckpt" / "tok" / name).rename(tmp_path / "ckpt" / name)
+    docs = write_pile_jsonl(tmp_path / "pile.jsonl", 6, seed=4)
+    out = tmp_path / "out"
+    assert main(["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "pile.jsonl"), "--unit", "document",
+                 "--seq-len", "64", "--batch-tokens", "256", "--out", str(out), "--no-plots", "--bos", "on",
+                 "--skip-positions", "1"]) == 0
+    assert "; BOS 0 before each document; rows" in capsys.readouterr().err
+    metrics = json.loads((out / "metrics.json").read_text())
+    settings = json.loads((out / "manifest.json").read_text())["settings"]
+    assert metrics["bos"] == settings["bos"] == "on" and settings["bos_id"] == 0
+    ids = [np.array(ref(text, add_special_tokens=True)["input_ids"]) for _, text in docs]
+    assert all(i[0] == 0 and len(i) <= 64 for i in ids)
+    want = reference_metrics([hf_states(model, i)[:, 1:] for i in ids], [i[1:] for i in ids])
+    assert metrics["tokens"] == sum(map(len, ids))
+    for got, ref_layer in zip(metrics["layers"], want, strict=True):
+        assert got["count"] == ref_layer["count"] == metrics["tokens"] - len(ids)
+        for key in ("inter_sim", "intra_sim", "anisotropy"):
+            assert abs(got[key] - ref_layer[key]) < 2e-5, (got["name"], key, got[key], ref_layer[key])
+        assert abs(got["mean_norm"] - ref_layer["mean_norm"]) < 2e-5 * ref_layer["mean_norm"]
