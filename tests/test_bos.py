@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import TOKENIZER_JSON, need
+from conftest import TOKENIZER_JSON, max_rel_error, need
 
 TEXTS = ["Call me Ishmael.", "Some years ago, never mind how long precisely, I went to sea.",
          "It is a way I have of driving off the spleen."]
@@ -88,12 +88,14 @@ def test_token_ids_match_hugging_face(tmp_path, kind):
 def test_extract_with_bos_matches_float64_reference(tmp_path, monkeypatch, capsys):
     """extract --bos on with --skip-positions 1 on a tiny random Llama whose tokenizer adds a BOS: the
     metrics equal float64 ones of Hugging Face's states of the ids with the BOS, its position (0) left
-    out; the manifest, metrics.json and the log say BOS on."""
+    out; the manifest, metrics.json and the log say BOS on. samples.zarr names each sampled token
+    (sequence id, position, token id): its states are Hugging Face's at that place."""
     from test_extract import reference_metrics, write_pile_jsonl
     from test_families import LLAMA, build, hf_states
     from transformers import AutoTokenizer
 
     from isojax.extract import main
+    from isojax.run.sweep_files import read_sample, read_sample_keys, read_sample_tokens
     monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
     model = build(tmp_path / "ckpt", "llama", **dict(LLAMA, num_key_value_heads=2, vocab_size=50304))
     ref = AutoTokenizer.from_pretrained(_tokenizer_folder(tmp_path / "ckpt" / "tok", "template"))
@@ -103,14 +105,23 @@ def test_extract_with_bos_matches_float64_reference(tmp_path, monkeypatch, capsy
     out = tmp_path / "out"
     assert main(["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "pile.jsonl"), "--unit", "document",
                  "--seq-len", "64", "--batch-tokens", "256", "--out", str(out), "--no-plots", "--bos", "on",
-                 "--skip-positions", "1"]) == 0
+                 "--skip-positions", "1", "--sample-states", "32"]) == 0
     assert "; BOS 0 before each document; rows" in capsys.readouterr().err
     metrics = json.loads((out / "metrics.json").read_text())
     settings = json.loads((out / "manifest.json").read_text())["settings"]
     assert metrics["bos"] == settings["bos"] == "on" and settings["bos_id"] == 0
     ids = [np.array(ref(text, add_special_tokens=True)["input_ids"]) for _, text in docs]
     assert all(i[0] == 0 and len(i) <= 64 for i in ids)
-    want = reference_metrics([hf_states(model, i)[:, 1:] for i in ids], [i[1:] for i in ids])
+    states = [hf_states(model, i) for i in ids]
+    want = reference_metrics([x[:, 1:] for x in states], [i[1:] for i in ids])
+    sampled = read_sample_tokens(out)
+    sample = read_sample(out)
+    assert sample.shape[1] == 32 and all(len(v) == 32 for v in sampled.values())
+    for k, (seq, pos, tid) in enumerate(zip(*(sampled[n] for n in ("sequence_ids", "positions", "token_ids")))):
+        assert pos >= 1 and tid == ids[seq][pos]  # the cache's sequences are the documents, in order
+        assert max_rel_error(sample[:, k], states[seq][:, pos]) < 1e-4
+    keys = read_sample_keys(out)
+    assert len(set(zip(sampled["sequence_ids"].tolist(), sampled["positions"].tolist()))) == 32 == len(keys)
     assert metrics["tokens"] == sum(map(len, ids))
     for got, ref_layer in zip(metrics["layers"], want, strict=True):
         assert got["count"] == ref_layer["count"] == metrics["tokens"] - len(ids)

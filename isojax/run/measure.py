@@ -373,9 +373,21 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
             final["cka"] = sample_cka(states, count, state_names)
             if intrinsic:
                 final["sample"], final["sample_keys"] = states, runner.sample_keys()
+                final["sample_tokens"] = _sample_identity(final["sample_keys"], cache)
     if config.stats.centered:
         final = centered_pass(final, acc, runner, state_names, cache, rows, row_len, local, timings, config.progress)
     return final, pending
+
+
+def _sample_identity(keys, cache):
+    """A Future of the sampled tokens' sequence ids, positions and token ids (stats.sample.identify),
+    recovered on a thread from the token cache while the run goes on; None in a multi-process run
+    (each process holds only its share of the tokens: samples.zarr has the keys only)."""
+    from isojax.data import TokenCache
+    from isojax.stats.sample import identify
+    if keys is None or not isinstance(cache, TokenCache):
+        return None
+    return in_background(lambda: identify(keys, cache.offsets, cache.tokens), daemon=True, name="isojax-sample-ids")
 
 
 def _timed_beside(timings, phase: str, fn) -> None:
