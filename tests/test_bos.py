@@ -128,3 +128,33 @@ def test_extract_with_bos_matches_float64_reference(tmp_path, monkeypatch, capsy
         for key in ("inter_sim", "intra_sim", "anisotropy"):
             assert abs(got[key] - ref_layer[key]) < 2e-5, (got["name"], key, got[key], ref_layer[key])
         assert abs(got["mean_norm"] - ref_layer["mean_norm"]) < 2e-5 * ref_layer["mean_norm"]
+
+
+def test_runs_with_another_bos_are_not_mixed(tmp_path, capsys):
+    """report refuses runs whose BOS differs, naming --bos; a resumed sweep refuses a step of the same
+    model measured with another BOS (one measured before --bos counts as off)."""
+    from isojax.errors import UserError
+    from isojax.report import build
+    from isojax.run.sweep import Step, check_same_corpus
+
+    def run(folder, revision, fingerprint, bos):
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"model": "m", "revision": revision, "tokens": 1,
+                                                         "layers": [{"name": "embed", "inter_sim": 0.5}]}))
+        settings = {"max_tokens": None, **({} if bos is None else {"bos": bos})}
+        manifest = {"model": "m", "revision": revision, "corpus": "a.txt", "corpus_fingerprint": fingerprint,
+                    "settings": settings}
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        return manifest
+
+    run(tmp_path / "r" / "s1", "step1", "f1", "off")
+    run(tmp_path / "r" / "s2", "step2", "f2", "on")
+    assert build.main([str(tmp_path / "r"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "they differ in --bos" in err and "corpus f1 (--bos off)" in err and "corpus f2 (--bos on)" in err, err
+    old = run(tmp_path / "s" / "step1", "step1", "f1", None)
+    steps = [Step("m", "step1", tmp_path / "s" / "step1"), Step("m", "step2", tmp_path / "s" / "step2")]
+    with pytest.raises(UserError, match=r"measured with BOS off, this run with BOS on: resume with --bos off"):
+        check_same_corpus({**old, "settings": {"max_tokens": None, "bos": "on"}}, steps, steps[1])
+    check_same_corpus({**old, "settings": {"max_tokens": None, "bos": "off"}}, steps, steps[1])
+    check_same_corpus({**old, "settings": {"max_tokens": None, "bos": "on"}}, steps[:1], Step("n", "step2", tmp_path))
