@@ -127,7 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
     ap.add_argument("--skip-positions", type=non_negative_int, default=0, metavar="K",
                     help="leave the first K positions of every sequence (window) out of every statistic; the model "
-                         "still reads them (default: 0)")
+                         "still reads them (default: 0); with a BOS token (--bos), it is position 0")
+    ap.add_argument("--bos", default="auto", choices=["auto", "on", "off"],
+                    help="put the tokenizer's BOS token before every sentence (document): auto (default) = as the "
+                         "model's tokenizer does in Hugging Face with add_special_tokens=True (Llama-family "
+                         "tokenizers add one, GPT-NeoX/Pythia's none); on: always (an error where the tokenizer "
+                         "has none); off: never")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--format", default="csv", choices=["csv", "parquet"],
                     help="parquet: also write layers.parquet (and a sweep's sweep.parquet) beside the CSVs "

@@ -129,8 +129,9 @@ def test_a_real_sweeps_cka_equals_numpy_float64(tmp_path):
         assert_equal_to_1e9(doc["checkpoints"][rev], cka_matrix(states, final))
 
 
-def _step(folder: Path, states_SxKxD, keys_Kx2=None, settings=None, fingerprint="fp") -> None:
-    """A finished step folder as sweep_cka reads it: metrics, manifest, samples.zarr (states, keys)."""
+def _step(folder: Path, states_SxKxD, keys_Kx2=None, settings=None, fingerprint="fp", identity=None) -> None:
+    """A finished step folder as sweep_cka reads it: metrics, manifest, samples.zarr (states, keys, and
+    identity: {name: array} of the sampled tokens' sequence ids, positions, token ids)."""
     folder.mkdir(parents=True)
     names = [f"s{i}" for i in range(states_SxKxD.shape[0])]
     (folder / "metrics.json").write_text(json.dumps({"tokens": 500, "layers": [{"name": n} for n in names]}))
@@ -139,6 +140,8 @@ def _step(folder: Path, states_SxKxD, keys_Kx2=None, settings=None, fingerprint=
     results.write_zarr(folder / "samples.zarr" / "states", np.asarray(states_SxKxD, np.float32))
     if keys_Kx2 is not None:
         results.write_zarr(folder / "samples.zarr" / "keys", np.asarray(keys_Kx2, np.uint32))
+    for name, values in (identity or {}).items():
+        results.write_zarr(folder / "samples.zarr" / name, values)
 
 
 def test_sweep_cka_compares_only_checkpoints_that_sampled_the_same_tokens_alike(tmp_path):
@@ -162,3 +165,47 @@ def test_sweep_cka_compares_only_checkpoints_that_sampled_the_same_tokens_alike(
     assert doc["step1"] is not None and np.allclose(doc["step9"], cka_matrix(x, x), atol=1e-9)
     assert doc["step6"] is not None and np.allclose(doc["step6"], cka_matrix(x, x), atol=1e-9)
     assert [doc[r] for r in ("step2", "step3", "step4", "step5")] == [None] * 4
+
+
+def test_sweep_cka_compares_the_sampled_tokens_identity(tmp_path):
+    """Issue 45: a checkpoint whose sampled tokens (sequence ids, positions, token ids in samples.zarr)
+    or BOS differ from the final one's is null though its keys agree; one without them (written
+    before) is compared on its keys."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 30, 8))
+    keys = np.sort(rng.integers(0, 2**32, size=(30, 2), dtype=np.uint64).astype(np.uint32), axis=0)
+    ident = {"sequence_ids": np.arange(30, dtype=np.int64), "positions": np.full(30, 3, np.int32),
+             "token_ids": rng.integers(0, 100, 30).astype(np.int32)}
+    other = {**ident, "token_ids": ident["token_ids"][::-1].copy()}
+    settings = {"row_len": 64, "skip_positions": 0, "dtype": "float32", "bos": "off"}
+    root = tmp_path / "m"
+    _step(root / "step9", x, keys, settings, identity=ident)
+    _step(root / "step1", x, keys, settings, identity=ident)
+    _step(root / "step2", x, keys, settings, identity=other)
+    _step(root / "step3", x, keys, settings)
+    _step(root / "step4", x, keys, {**settings, "bos": "on"}, identity=ident)
+    doc = sweep_files.sweep_cka({"m": [(r, root / r) for r in ("step1", "step2", "step3", "step4", "step9")]})
+    doc = doc["m"]["checkpoints"]
+    assert doc["step1"] is not None and doc["step3"] is not None and np.allclose(doc["step1"], cka_matrix(x, x))
+    assert doc["step2"] is None and doc["step4"] is None
+    assert {k: v.tolist() for k, v in sweep_files.read_sample_tokens(root / "step2").items()} == \
+        {k: v.tolist() for k, v in other.items()} and sweep_files.read_sample_tokens(root / "step3") is None
+
+
+def test_sample_identity_recovered_from_keys():
+    """stats.sample.identify: the sampled tokens' sequence ids, positions and token ids from their keys
+    alone, over chunks of the cache (sequences of 1 to 9 tokens, chunks of 16)."""
+    import jax.numpy as jnp
+
+    from isojax.stats.sample import identify, token_keys
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 10, 40)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = rng.integers(0, 1000, offsets[-1]).astype(np.int32)
+    flat = rng.choice(offsets[-1], 25, replace=False)
+    seq = np.searchsorted(offsets, flat, "right") - 1
+    pos = flat - offsets[seq]
+    keys = np.asarray(token_keys(jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.ones(25, bool)))
+    got = identify(keys, offsets, tokens, chunk=16)
+    assert got["sequence_ids"].tolist() == seq.tolist() and got["positions"].tolist() == pos.tolist()
+    assert got["token_ids"].tolist() == tokens[flat].tolist()

@@ -55,7 +55,7 @@ class HostShare:
     tokenized its share. pack_batches and plan_stats take it in place of a TokenCache."""
 
     def __init__(self, corpus: Corpus, tokenizer, *, cache_dir, max_len: int, progress: bool = False,
-                 index: int | None = None, count: int | None = None, exchange=None):
+                 index: int | None = None, count: int | None = None, exchange=None, bos: int | None = None):
         import jax
 
         from isojax.device import mesh as parallel
@@ -64,7 +64,8 @@ class HostShare:
         self.exchange = exchange or parallel.exchange
         self.corpus, self.whole, self.max_len = corpus.share(self.index, self.count), corpus, max_len
         tok = backend_tokenizer(tokenizer)
-        self.fingerprint = _key(corpus, tok)[0]  # the whole corpus's: a one-process run's
+        self.bos = bos
+        self.fingerprint = _key(corpus, tok, bos)[0]  # the whole corpus's: a one-process run's
         _CALLS[self.index, self.count] += 1
         self._name = f"shares-{_CALLS[self.index, self.count]}-{self.fingerprint}"
         self._error: BaseException | None = None
@@ -80,7 +81,7 @@ class HostShare:
             try:
                 if self.corpus.inputs:
                     local = tokenize_corpus(self.corpus, tok, cache_dir=cache_dir, max_len=self.max_len,
-                                            progress=progress and self.index == 0)
+                                            progress=progress and self.index == 0, bos=self.bos)
             except NoText:
                 pass
             except BaseException as e:  # the others stop at once too, naming this process and why

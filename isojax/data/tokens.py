@@ -4,8 +4,9 @@ Length: the token cache's format, its integrity checks and the worker pool that 
 Cache layout: `CACHE_DIR/<key>/` with raw little-endian arrays `tokens.bin` (int32),
 `offsets.bin` (int64, n_seq+1) and `source_ids.bin` (int16, n_seq), and `meta.json`.
 `key` hashes the corpus fingerprint (input paths + sizes + mtimes, unit, sources,
-splitter version, token budget) and the tokenizer (sha256 of its JSON, truncation/padding
-removed), so every model sharing a tokenizer reuses one cache. The cache holds whole units; windows of
+splitter version, token budget), the tokenizer (sha256 of its JSON, truncation/padding
+removed) and the BOS id put before each unit, if any (a cache built without BOS is never read as
+one with it, nor the reverse; meta.json's "bos" says which), so every model sharing a tokenizer reuses one cache. The cache holds whole units; windows of
 `max_len` are cut when it is opened, so it is shared across context lengths too.
 
 A cache is built in a temporary sibling folder, its files fsynced, and renamed into place
@@ -167,8 +168,9 @@ def _pieces(text: str, n: int):
 
 
 def encode_chunk(unit: str, texts: list[str], srcs: list[int], tok: Tokenizer | None = None,
-                 room: dict[int, int] | None = None):
-    """Units of the texts -> (lengths int32 [n], source ids int16 [n], tokens int32 flat).
+                 room: dict[int, int] | None = None, bos: int | None = None):
+    """Units of the texts -> (lengths int32 [n], source ids int16 [n], tokens int32 flat); bos: an
+    id put before each unit's tokens (None: none; the tokenizer itself never adds special tokens).
     Encoded _ENCODE_CHARS at a time, a long unit in pieces (_pieces), so memory stays bounded.
     room: {source id: tokens still wanted} (None: all): a source's text is split and encoded only
     a little past that many tokens (_budget_chars at a time), then no further; the caller cuts
@@ -180,6 +182,8 @@ def encode_chunk(unit: str, texts: list[str], srcs: list[int], tok: Tokenizer | 
 
     def encode():
         ids = [e.ids for e in tok.encode_batch_fast(batch, add_special_tokens=False)]
+        if bos is not None:
+            ids = [[bos] + piece_ids if first else piece_ids for first, piece_ids in zip(firsts, ids)]
         for first, piece_ids, src in zip(firsts, ids, batch_srcs):
             if first:
                 lengths.append(len(piece_ids))
@@ -275,21 +279,21 @@ class NoText(UserError):
 
 
 def _build(corpus: Corpus, tok: Tokenizer, tmp: Path, workers: int, progress: bool, publish=None,
-           stop: threading.Event | None = None) -> dict:
-    """Tokenize into tmp's files. publish(lengths, source ids, names), when given, is called after
+           stop: threading.Event | None = None, bos: int | None = None) -> dict:
+    """Tokenize into tmp's files (bos: encode_chunk's). publish(lengths, source ids, names), when given, is called after
     each chunk is written and flushed; stop, when set, ends the build with _Cancelled."""
     names: dict[str, int] = {}
     crc = dict.fromkeys(_FILES, 0)
     bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress)
     try:
-        return _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc)
+        return _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc, bos)
     except BaseException:  # the error is the last line: the bar is cleared, not drawn again after it
         bar.leave = False
         bar.close()
         raise
 
 
-def _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc) -> dict:
+def _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc, bos) -> dict:
     n_tok = n_seq = 0
     share, n_sources = corpus.budget()
     room: dict[int, int] = {}  # source id -> tokens its share still wants (share: none written yet)
@@ -333,7 +337,7 @@ def _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc) -> di
 
         if workers <= 1:
             for texts, srcs in chunks(_CHUNK_CHARS_IN_PROCESS):
-                write(encode_chunk(corpus.unit, texts, srcs, tok, wanted(srcs)))
+                write(encode_chunk(corpus.unit, texts, srcs, tok, wanted(srcs), bos))
         else:
             ctx = multiprocessing.get_context("spawn")  # fork is unsafe once JAX or rayon threads run
             with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
@@ -341,7 +345,7 @@ def _build_into(corpus, tok, tmp, workers, publish, stop, bar, names, crc) -> di
                 pending = collections.deque()  # bounded: the reader never runs far ahead
                 for texts, srcs in chunks(_CHUNK_CHARS):
                     # a budget's room as written so far: the chunks in flight may encode a little past it
-                    pending.append(pool.submit(encode_chunk, corpus.unit, texts, srcs, None, wanted(srcs)))
+                    pending.append(pool.submit(encode_chunk, corpus.unit, texts, srcs, None, wanted(srcs), bos))
                     # in order, as soon as each is done (a streamed run reads them), and at most
                     # 2 x workers in flight
                     while pending and (pending[0].done() or len(pending) >= 2 * workers):
@@ -474,9 +478,13 @@ def _open_found(final: Path, key: str, max_len: int, vocab: int) -> TokenCache |
     return None
 
 
-def _key(corpus: Corpus, tok: Tokenizer) -> tuple[str, str]:
+def _key(corpus: Corpus, tok: Tokenizer, bos: int | None = None) -> tuple[str, str]:
+    """(the cache's key, the tokenizer's sha256). A BOS id is in the key (a cache without BOS is the
+    key a cache had before the option: those stay in use)."""
     tok_hash = hashlib.sha256(tok.to_str().encode()).hexdigest()
-    return hashlib.sha256(f"{CACHE_VERSION}:{corpus.fingerprint()}:{tok_hash}".encode()).hexdigest()[:32], tok_hash
+    with_bos = "" if bos is None else f":bos={int(bos)}"
+    return hashlib.sha256(f"{CACHE_VERSION}:{corpus.fingerprint()}:{tok_hash}{with_bos}".encode()).hexdigest()[:32], \
+        tok_hash
 
 
 def _new_tmp(cache_dir: Path, key: str) -> Path:
@@ -524,11 +532,11 @@ def _default_workers(corpus: Corpus) -> int:
 
 
 def _make(corpus: Corpus, tok: Tokenizer, tok_hash: str, tmp: Path, final: Path, workers: int, progress: bool,
-          publish=None, stop=None) -> None:
+          publish=None, stop=None, bos: int | None = None) -> None:
     """Build the cache in tmp and rename it to final; tmp is gone afterwards, whatever happens."""
     try:
-        meta = _build(corpus, tok, tmp, workers, progress, publish, stop)
-        meta["tokenizer_sha256"] = tok_hash
+        meta = _build(corpus, tok, tmp, workers, progress, publish, stop, bos)
+        meta["tokenizer_sha256"], meta["bos"] = tok_hash, bos
         (tmp / "writer").unlink()
         with open(tmp / "meta.json", "w") as f:  # last: its checksums vouch for the files
             f.write(json.dumps(meta, indent=1))
@@ -545,12 +553,14 @@ def _make(corpus: Corpus, tok: Tokenizer, tok_hash: str, tmp: Path, final: Path,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _lookup(corpus: Corpus, tokenizer, cache_dir, max_len: int):
+def _lookup(corpus: Corpus, tokenizer, cache_dir, max_len: int, bos: int | None):
     """(the finished cache or None, backend tokenizer, key, tokenizer hash, final folder)."""
     if max_len < 1:
         raise ValueError(f"max_len must be positive, got {max_len}")
     tok = backend_tokenizer(tokenizer)
-    key, tok_hash = _key(corpus, tok)
+    if bos is not None and not 0 <= bos < tok.get_vocab_size(with_added_tokens=True):
+        raise ValueError(f"bos {bos} is not an id of the tokenizer")
+    key, tok_hash = _key(corpus, tok, bos)
     final = Path(cache_dir) / key
     found = _open_found(final, key, max_len, tok.get_vocab_size(with_added_tokens=True))
     if found is not None:
@@ -559,29 +569,30 @@ def _lookup(corpus: Corpus, tokenizer, cache_dir, max_len: int):
 
 
 def tokenize_corpus(corpus: Corpus, tokenizer, *, cache_dir, max_len: int, workers: int | None = None,
-                    progress: bool = False) -> TokenCache:
-    """Tokenize `corpus` (no special tokens) or reuse its cache; cut windows of `max_len`.
+                    progress: bool = False, bos: int | None = None) -> TokenCache:
+    """Tokenize `corpus` (no special tokens but `bos`, put before each unit) or reuse its cache; cut
+    windows of `max_len` (a unit longer than that: only its first window starts with the BOS).
 
     `workers`: processes that split and tokenize (default: all cores, or this process alone
     for corpora under 4 MB); 1 = in this process.
     `progress`: show a tqdm bar of tokens written.
     """
-    found, tok, key, tok_hash, final = _lookup(corpus, tokenizer, cache_dir, max_len)
+    found, tok, key, tok_hash, final = _lookup(corpus, tokenizer, cache_dir, max_len, bos)
     if found is not None:
         return found
     tmp = _new_tmp(Path(cache_dir), key)
-    _make(corpus, tok, tok_hash, tmp, final, workers or _default_workers(corpus), progress)
+    _make(corpus, tok, tok_hash, tmp, final, workers or _default_workers(corpus), progress, bos=bos)
     return _open(final, key, max_len, from_cache=False)
 
 
 def stream_tokens(corpus: Corpus, tokenizer, *, cache_dir, max_len: int,
-                  workers: int | None = None) -> TokenCache | TokenStream:
+                  workers: int | None = None, bos: int | None = None) -> TokenCache | TokenStream:
     """The corpus's token cache (windows of `max_len`) where it exists, else a TokenStream that
     builds it in a background thread, readable while it grows (`packing.pack_batches` takes either)."""
-    found, tok, key, tok_hash, _ = _lookup(corpus, tokenizer, cache_dir, max_len)
+    found, tok, key, tok_hash, _ = _lookup(corpus, tokenizer, cache_dir, max_len, bos)
     if found is not None:
         return found
-    return TokenStream(corpus, tok, tok_hash, Path(cache_dir), key, max_len, workers or _default_workers(corpus))
+    return TokenStream(corpus, tok, tok_hash, Path(cache_dir), key, max_len, workers or _default_workers(corpus), bos)
 
 
 class _Growing:
@@ -615,7 +626,7 @@ class TokenStream:
     end. The builder's error (a UserError for bad input) is raised by `wait` and `result`."""
 
     def __init__(self, corpus: Corpus, tok: Tokenizer, tok_hash: str, cache_dir: Path, key: str, max_len: int,
-                 workers: int):
+                 workers: int, bos: int | None = None):
         self.fingerprint, self.max_len, self.corpus = key, max_len, corpus
         self._offsets = _Growing(np.int64, [0])  # windowed, as _open cuts them
         self._source_ids = _Growing(np.int16)
@@ -628,12 +639,12 @@ class TokenStream:
         (tmp / "tokens.bin").touch()
         self._tokens_file = open(tmp / "tokens.bin", "rb")  # the same file after the rename
         self._thread = threading.Thread(target=self._run, name="isojax-tokenize", daemon=True,
-                                        args=(corpus, tok, tok_hash, tmp, cache_dir / key, workers))
+                                        args=(corpus, tok, tok_hash, tmp, cache_dir / key, workers, bos))
         self._thread.start()
 
-    def _run(self, corpus, tok, tok_hash, tmp, final, workers) -> None:
+    def _run(self, corpus, tok, tok_hash, tmp, final, workers, bos) -> None:
         try:
-            _make(corpus, tok, tok_hash, tmp, final, workers, False, self._publish, self._stop)
+            _make(corpus, tok, tok_hash, tmp, final, workers, False, self._publish, self._stop, bos)
             cache, error = _open(final, self.fingerprint, self.max_len, from_cache=False), None
         except BaseException as e:  # raised in the threads that read the stream
             cache, error = None, e

@@ -39,7 +39,7 @@ from isojax.errors import UserError
 from isojax.numerics import DTYPES
 from isojax.model.decoder import collect_states, model_class, single_row
 from isojax.model.options import KernelChoice
-from isojax.hf.tokenizer import load_tokenizer
+from isojax.hf.tokenizer import Bos, load_tokenizer, tokenizer_bos
 from isojax.steps import checkpoint_weights, local_revision
 
 
@@ -79,6 +79,11 @@ class LoadedModel:
         tok, self.source["tokenizer"] = load_tokenizer(self.tokenizer_dir, self.config, hub_repo=self.hub_repo,
                                                            hub_revision=self.hub_revision)
         return tok
+
+    @functools.cached_property
+    def bos(self) -> Bos:
+        """The tokenizer's BOS token, and whether Hugging Face adds it by default (hf.tokenizer.tokenizer_bos)."""
+        return tokenizer_bos(self.tokenizer, self.tokenizer_dir, self.source["tokenizer"])
 
     def hidden_states_packed(self, tokens_BxT, segment_ids_BxT, positions_BxT,
                              kernels: KernelChoice = KernelChoice()) -> np.ndarray:

@@ -2,10 +2,12 @@
 (`vocab.json` + `merges.txt` of a byte-level BPE, as OPT's repositories ship), else its hub
 repository's `tokenizer.json` (huggingface_hub cache first, then network), else -- announced --
 GPT-NeoX-20B's tokenizer, which Pythia uses and isojax ships
-(isojax/data/gpt-neox-20b-tokenizer.json, Apache-2.0). Returns (tokenizers.Tokenizer, description)."""
+(isojax/data/gpt-neox-20b-tokenizer.json, Apache-2.0). Returns (tokenizers.Tokenizer, description).
+`tokenizer_bos` says which BOS token it has and whether Hugging Face adds it by default."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -112,3 +114,49 @@ def _checked(tok, cfg: ModelConfig, desc: str, bundled: bool):
                         f"({cfg.vocab_size}): token ids would index past the embedding"
                         + ("; put the model's own tokenizer.json beside its weights" if bundled else ""))
     return tok, desc
+
+
+BUNDLED_BOS = "<|endoftext|>"  # the bos_token of Pythia's tokenizer_config.json, for the bundled tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Bos:
+    """A tokenizer's beginning-of-sequence token: its id (None: it has none), and whether Hugging
+    Face's tokenizer puts it before a text by default (add_special_tokens=True)."""
+    id: int | None
+    default: bool
+
+    def resolve(self, choice: str, tokenizer: str) -> int | None:
+        """The BOS id a run puts before each unit under --bos `choice` (auto, on, off), or None."""
+        if choice == "off" or (choice == "auto" and not self.default):
+            return None
+        if self.id is None:
+            raise UserError(f"--bos on: the tokenizer ({tokenizer}) has no BOS token")
+        return self.id
+
+
+def tokenizer_bos(tok, directory: Path | None, description: str) -> Bos:
+    """What Hugging Face's tokenizer of these files does with add_special_tokens=True (transformers 5,
+    tested): a tokenizer.json's post-processor puts its BOS first or not (Llama's <s>; GPT-NeoX's none;
+    tokenizer_config.json's add_bos_token is not read then); GPT-2-style files (`description` says
+    vocab.json + merges.txt) have no post-processor, and tokenizer_config.json's add_bos_token (default
+    false) says. The BOS id: the post-processor's, else tokenizer_config.json's bos_token, else (the
+    bundled tokenizer) Pythia's <|endoftext|>."""
+    config = {}
+    path = Path(directory) / "tokenizer_config.json" if directory is not None else None
+    if path is not None and path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path}: unreadable tokenizer_config.json ({e})") from None
+    config = config if isinstance(config, dict) else {}
+    name = config.get("bos_token")
+    name = name.get("content") if isinstance(name, dict) else name
+    from isojax.data.tokens import backend_tokenizer
+    enc = backend_tokenizer(tok).encode("a", add_special_tokens=True)  # truncation off
+    leading = enc.ids[0] if enc.special_tokens_mask and enc.special_tokens_mask[0] else None
+    named = tok.token_to_id(name) if isinstance(name, str) else None
+    bundled = tok.token_to_id(BUNDLED_BOS) if description.startswith("gpt-neox-20b (bundled") else None
+    bos = next((i for i in (leading, named, bundled) if i is not None), None)
+    default = config.get("add_bos_token") is True if "vocab.json + merges.txt" in description else leading is not None
+    return Bos(bos, default and bos is not None)

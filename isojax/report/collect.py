@@ -200,7 +200,7 @@ def _corpus_said(manifest: dict) -> dict:
     options = manifest.get("corpus_options") or {}
     settings = manifest.get("settings") or {}
     return {"--data": manifest.get("corpus"), "--unit": options.get("unit"), "--source": options.get("sources"),
-            "--max-tokens": options.get("max_tokens", settings.get("max_tokens")),
+            "--max-tokens": options.get("max_tokens", settings.get("max_tokens")), "--bos": settings.get("bos"),
             "--max-tokens-per-source": options.get("max_tokens_per_source")}
 
 

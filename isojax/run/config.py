@@ -20,7 +20,9 @@ class DataConfig:
     """data: paths or hub: specs (None: CPython's bundled documentation); unit: sentence, paragraph
     or document; sources: the sources to keep; seq_len: tokens per row; batch_tokens: token slots
     per step over all devices; max_tokens: the tokens measured, an equal share for each source;
-    max_tokens_per_source: each source's share (with max_tokens: at most this)."""
+    max_tokens_per_source: each source's share (with max_tokens: at most this); bos: auto, on or off,
+    the tokenizer's BOS token before each unit (auto: where Hugging Face's tokenizer adds it by
+    default; hf.tokenizer.tokenizer_bos)."""
     data: Any = None
     unit: str = "sentence"
     sources: Any = None
@@ -28,6 +30,7 @@ class DataConfig:
     batch_tokens: int | None = None
     max_tokens: int | None = None
     max_tokens_per_source: int | None = None
+    bos: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +99,9 @@ class MeasureConfig:
               norm_kernel: str = "auto", mesh=None, checkpoint_dir=None, checkpoint_every_tokens=None,
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
               intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.75,
-              skip_positions: int = 0) -> MeasureConfig:
+              skip_positions: int = 0, bos: str = "auto") -> MeasureConfig:
         """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
-        return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source),
+        return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source, bos),
                    model=ModelConfig(model, revision, dtype),
                    stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k,
                                      isoscore_zeta, skip_positions),
@@ -128,4 +131,4 @@ def cli_options(args) -> dict:
                 mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel, mesh=parse_mesh(args.mesh) or None,
                 checkpoint_every_tokens=args.checkpoint_every_tokens,
                 sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
-                isoscore_zeta=args.isoscore_zeta, skip_positions=args.skip_positions)
+                isoscore_zeta=args.isoscore_zeta, skip_positions=args.skip_positions, bos=args.bos)

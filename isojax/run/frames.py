@@ -37,7 +37,7 @@ from isojax.steps import step_of
 
 HEAD = ["model", "revision", "step", "layer", "layer_index", "tokens", "run"]
 # a run's settings that change its numbers: metrics.json's keys, then manifest.json's "settings"
-SETTINGS = ["weights", "unit", "dtype", "skip_positions", "max_tokens", "corpus_fingerprint"]
+SETTINGS = ["weights", "unit", "dtype", "skip_positions", "bos", "max_tokens", "corpus_fingerprint"]
 _SKIP = {"plots", "tokens.zarr", "samples.zarr", "checkpoint", "figures", "__pycache__"}
 
 

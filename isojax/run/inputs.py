@@ -51,19 +51,21 @@ def load(model, revision, dtype: str, mesh):
 
 
 def tokenizer_without_weights(model, cfg):
-    """(tokenizer, description) where it is found without loading the weights (random presets,
-    local checkpoint directories, a LoadedModel), so that tokenizing starts while they load; else None."""
+    """(tokenizer, description, hf.tokenizer.Bos) where it is found without loading the weights
+    (random presets, local checkpoint directories, a LoadedModel), so that tokenizing starts while
+    they load; else None."""
     from isojax.hf.family.presets import hub_id
     from isojax.hf.loading import LoadedModel
-    from isojax.hf.tokenizer import load_tokenizer
+    from isojax.hf.tokenizer import load_tokenizer, tokenizer_bos
     if isinstance(model, LoadedModel):
-        return model.tokenizer, model.source["tokenizer"]
+        return model.tokenizer, model.source["tokenizer"], model.bos
     if model is None or cfg is None:
         return None
-    if model.startswith("random:"):
-        return load_tokenizer(None, cfg, hub_repo=hub_id(cfg.name))
-    path = Path(model).expanduser()
-    return load_tokenizer(path, cfg) if path.is_dir() else None
+    path = None if model.startswith("random:") else Path(model).expanduser()
+    if path is not None and not path.is_dir():
+        return None
+    tok, desc = load_tokenizer(path, cfg, hub_repo=hub_id(cfg.name) if path is None else None)
+    return tok, desc, tokenizer_bos(tok, path, desc)
 
 
 def row_length(cfg, unit: str, seq_len) -> int:
@@ -73,9 +75,9 @@ def row_length(cfg, unit: str, seq_len) -> int:
     return row_len
 
 
-def open_tokens(corpus, tokenizer, row_len: int, progress: bool):
+def open_tokens(corpus, tokenizer, row_len: int, progress: bool, bos: int | None = None):
     """The corpus's token cache, or a TokenStream building it (a first run) that the devices
-    follow. A hub dataset is tokenized first: knowing its sources up front (Corpus.labels)
+    follow; bos: an id put before each unit (None: none). A hub dataset is tokenized first: knowing its sources up front (Corpus.labels)
     would cost a second download. In a multi-process run each process reads only its share
     (data/shares.py), where the corpus allows (Corpus.shareable)."""
     import jax
@@ -83,7 +85,7 @@ def open_tokens(corpus, tokenizer, row_len: int, progress: bool):
     from isojax.data import stream_tokens, tokenize_corpus
     from isojax.data.shares import HostShare
     from isojax.hf.loading import cache_root
-    where = dict(cache_dir=cache_root() / "tokens", max_len=row_len)
+    where = dict(cache_dir=cache_root() / "tokens", max_len=row_len, bos=bos)
     if jax.process_count() > 1 and corpus.shareable():
         return HostShare(corpus, tokenizer, progress=progress, **where)
     if any(inp.kind == "hub" for inp in corpus.inputs):

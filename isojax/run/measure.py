@@ -92,8 +92,8 @@ def check_skip_positions(tokens, skip: int) -> None:
 
 
 def check_options(config: MeasureConfig) -> None:
-    """Refuse config's counts that are not positive integers, a skip_positions below 0 and an
-    isoscore_zeta outside [0, 1]."""
+    """Refuse config's counts that are not positive integers, a skip_positions below 0, an
+    isoscore_zeta outside [0, 1] and a bos not auto, on or off."""
     data, stats = config.data, config.stats
     for name, value in (("max_tokens", data.max_tokens), ("max_tokens_per_source", data.max_tokens_per_source),
                         ("batch_tokens", data.batch_tokens), ("seq_len", data.seq_len),
@@ -106,6 +106,8 @@ def check_options(config: MeasureConfig) -> None:
     skip = stats.skip_positions
     if not isinstance(skip, (int, np.integer)) or skip < 0:
         raise UserError(f"skip_positions must be a non-negative integer, not {skip!r}")
+    if data.bos not in ("auto", "on", "off"):
+        raise UserError(f"bos must be auto, on or off, not {data.bos!r}")
 
 
 def measure(model=None, data=None, **kwargs) -> Results:
@@ -173,15 +175,16 @@ def start_measure(model=None, data=None, **kwargs) -> Results:
         cfg, config, dtype=dtype, attention=attention, auto_attention=auto_attention, mesh=mesh, row_len=row_len,
         corpus=corpus, tokens=tokens, timings=timings)
 
-    def open_beside(tokenizer, cfg):  # on a thread beside the load (and the plan, which waits for it)
+    def open_beside(tokenizer, cfg, bos):  # on a thread beside the load (and the plan, which waits for it)
         with timings.beside("tokenize"):
-            opened = open_tokens(corpus, tokenizer, row_length(cfg, unit, seq_len), progress)
+            opened = open_tokens(corpus, tokenizer, row_length(cfg, unit, seq_len), progress, bos)
             faults.reached("tokens_opened")
         return opened
 
     try:
         if found is not None:  # the token cache opens (tokenizing starts) and the step's plan, while the weights load
-            opening = in_background(lambda: open_beside(found[0], early), daemon=True, name="isojax-tokens")
+            bos = found[2].resolve(config.data.bos, found[1])
+            opening = in_background(lambda: open_beside(found[0], early, bos), daemon=True, name="isojax-tokens")
             planned = plan_for(early, row_length(early, unit, seq_len), opening)
         with timings("load"):
             loaded = load(model, revision, dtype, mesh)  # a LoadedModel given is copied, not changed
@@ -191,8 +194,9 @@ def start_measure(model=None, data=None, **kwargs) -> Results:
                 tokens = opening.result()
         row_len = row_length(loaded.config, unit, seq_len)
         if tokens is None:
+            bos = loaded.bos.resolve(config.data.bos, loaded.source["tokenizer"])
             with timings("tokenize"):
-                tokens = open_tokens(corpus, loaded.tokenizer, row_len, progress)
+                tokens = open_tokens(corpus, loaded.tokenizer, row_len, progress, bos)
         with timings("compile"):  # what is left of the plan: the part that did not overlap the load
             waited = time.time()
             plan = planned.result() if planned is not None else None
@@ -200,7 +204,9 @@ def start_measure(model=None, data=None, **kwargs) -> Results:
             if plan is None or dataclasses.replace(plan.cfg, name=loaded.config.name) != loaded.config:
                 plan = plan_for(loaded.config, row_len, tokens).result()
             plan.seconds["waited"] = time.time() - waited
-        return _measure(loaded, corpus, tokens, timings, config, plan, row_len=row_len, mesh=mesh)
+        # Results.config records the choice resolved: on or off, never auto
+        config = config.replace(data={"bos": "off" if bos is None else "on"})
+        return _measure(loaded, corpus, tokens, timings, config, plan, row_len=row_len, mesh=mesh, bos=bos)
     finally:
         if isinstance(tokens, TokenStream):  # nothing once finished; after an error, stops the build
             tokens.cancel()
@@ -215,7 +221,8 @@ def _cancel_opened(opening) -> None:
         opening.result().cancel()
 
 
-def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh) -> Results:
+def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh,
+             bos: int | None) -> Results:
     """measure() once the weights are loaded, the tokens cached or streaming and the step planned."""
     import jax
 
@@ -228,12 +235,12 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     finished = lambda: tokens.result() if streamed else tokens
     # the padding fraction, from the plan of the finished cache, computed while the devices work
     padding = in_background(lambda: plan_stats(finished(), rows=step.rows, row_len=row_len))
-    runner = _start(loaded, corpus, tokens, timings, config, step, row_len=row_len, mesh=mesh)
+    runner = _start(loaded, corpus, tokens, timings, config, step, row_len=row_len, mesh=mesh, bos=bos)
     settings = {"model_checksum": loaded.source["checksum"], "corpus": tokens.fingerprint, "rows": step.rows,
                 "row_len": row_len, "dtype": loaded.dtype, "token_stats": config.stats.token_stats,
                 "max_tokens": step.max_tokens, "devices": mesh.size, "processes": jax.process_count(),
                 "mesh": dict(mesh.shape), "sample_states": step.sample_states,
-                "skip_positions": int(config.stats.skip_positions)}
+                "skip_positions": int(config.stats.skip_positions), "bos": config.data.bos, "bos_id": bos}
 
     def total():  # None while tokenizing: the bar shows count and rate
         if streamed and not tokens.done():
@@ -272,7 +279,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
                     loop_rate=loop_rate, final=final, settings=settings, has_sources=has_sources, pending=pending)
 
 
-def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh):
+def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh, bos):
     """The run's opening lines, its last refusals (skip_positions, memory), and its Runner, with
     the step compiled ahead where it takes these parameters."""
     import jax
@@ -287,7 +294,8 @@ def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPla
         f"{dtype}, devices: {mesh.size} x {mesh.devices.flat[0].device_kind}, processes: {jax.process_count()}")
     size = "tokenizing while the devices measure (first run)" if isinstance(tokens, TokenStream) else \
         f"{tokens.n_tokens:,} tokens in {tokens.n_sequences:,} {config.data.unit}s"
-    log(f"corpus {corpus.describe()}: {size}, sources: {', '.join(step.labels)}; rows {step.rows} x {row_len}, "
+    log(f"corpus {corpus.describe()}: {size}, sources: {', '.join(step.labels)}; "
+        f"{'no BOS' if bos is None else f'BOS {bos} before each {config.data.unit}'}; rows {step.rows} x {row_len}, "
         f"attention {step.kernels.attention}, MLP {step.kernels.mlp}, LayerNorms {step.kernels.norm}")
     skip = int(config.stats.skip_positions)
     check_skip_positions(tokens, skip)
@@ -383,9 +391,21 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
             final["cka"] = sample_cka(states, count, state_names)
             if intrinsic:
                 final["sample"], final["sample_keys"] = states, runner.sample_keys()
+                final["sample_tokens"] = _sample_identity(final["sample_keys"], cache)
     if config.stats.centered:
         final = centered_pass(final, acc, runner, state_names, cache, rows, row_len, local, timings, config.progress)
     return final, pending
+
+
+def _sample_identity(keys, cache):
+    """A Future of the sampled tokens' sequence ids, positions and token ids (stats.sample.identify),
+    recovered on a thread from the token cache while the run goes on; None in a multi-process run
+    (each process holds only its share of the tokens: samples.zarr has the keys only)."""
+    from isojax.data import TokenCache
+    from isojax.stats.sample import identify
+    if keys is None or not isinstance(cache, TokenCache):
+        return None
+    return in_background(lambda: identify(keys, cache.offsets, cache.tokens), daemon=True, name="isojax-sample-ids")
 
 
 def _timed_beside(timings, phase: str, fn) -> None:
@@ -399,6 +419,7 @@ def _results(loaded, runner, corpus, tokens, cache, plan, timings, config: Measu
     from isojax.data import TokenStream
     from isojax.run.manifest import build_manifest, build_metrics
     metrics = build_metrics(loaded, config.data.unit, done, final, has_sources)
+    metrics["bos"] = config.data.bos  # on or off: a BOS token before each unit (--bos, resolved)
     loop_s = timings["loop"] + timings["compile"]
     manifest = build_manifest(loaded, step.kernels, cache, corpus, done, plan, loop_s, time.time() - timings.start,
                               settings)

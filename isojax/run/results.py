@@ -292,6 +292,9 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
             store[s].write(first if s == 0 else np.asarray(states(s))).result()
         if final.get("sample_keys") is not None:  # which tokens: each one's key, a hash of its sequence and position
             write_zarr(stage / "samples.zarr" / "keys", np.asarray(final["sample_keys"], np.uint32))
+        if final.get("sample_tokens") is not None:  # and each one's sequence id, position and token id
+            for name, values in final["sample_tokens"].result().items():
+                write_zarr(stage / "samples.zarr" / name, values)
 
 
 def _plot(metrics: dict, plot_dir: Path, timings, pending=None) -> list[Path]:

@@ -336,8 +336,9 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
 
 def check_same_corpus(manifest: dict, steps: list[Step], step: Step) -> None:
     """A resumed sweep measures what its finished steps measured: the same corpus (fingerprint of the
-    text as this model's tokenizer reads it; other models may tokenize differently) and the same
-    --max-tokens; otherwise sweep.csv would mix two corpora. Checked once the step is measured (the
+    text as this model's tokenizer reads it; other models may tokenize differently), the same
+    --max-tokens, and for the same model the same BOS (on or off, as --bos resolved: auto may differ
+    between models; a step measured before --bos added none); otherwise sweep.csv would mix two corpora. Checked once the step is measured (the
     fingerprint is known only then), before it is saved."""
     import json
     for other in steps:
@@ -352,6 +353,10 @@ def check_same_corpus(manifest: dict, steps: list[Step], step: Step) -> None:
         if was != now:
             raise UserError(f"{d} was measured with --max-tokens {was or 'unset'}, this run with {now or 'unset'}: "
                             "resume with the same --max-tokens, or sweep into another --out")
+        was, now = ((m.get("settings") or {}).get("bos") or "off" for m in (earlier, manifest))
+        if other.model == step.model and was != now:
+            raise UserError(f"{d} was measured with BOS {was}, this run with BOS {now}: resume with --bos {was}, "
+                            "or sweep into another --out")
         if other.model == step.model and earlier.get("corpus_fingerprint") != manifest.get("corpus_fingerprint"):
             raise UserError(f"{d} was measured on another corpus ({earlier.get('corpus')}) than this run "
                             f"({manifest.get('corpus')}): resume with the same --data, --source and --unit, "

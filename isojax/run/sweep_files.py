@@ -78,10 +78,7 @@ def read_sample(folder: Path) -> np.ndarray | None:
     return np.asarray(ts.open(spec, open=True).result().read().result())
 
 
-def read_sample_keys(folder: Path) -> np.ndarray | None:
-    """samples.zarr/keys [K, 2] uint32 of a step folder (each sampled token's key, stats/sample.py);
-    None where it has none (no sample, or written before the keys were)."""
-    path = Path(folder) / "samples.zarr" / "keys"
+def _read_small(path: Path) -> np.ndarray | None:
     if not path.is_dir():
         return None
     import tensorstore as ts
@@ -89,24 +86,44 @@ def read_sample_keys(folder: Path) -> np.ndarray | None:
                               open=True).result().read().result())
 
 
-LATER = ("row length", "skip positions", "dtype", "sampled tokens' keys")  # recorded or checked since issue 45
+def read_sample_keys(folder: Path) -> np.ndarray | None:
+    """samples.zarr/keys [K, 2] uint32 of a step folder (each sampled token's key, stats/sample.py);
+    None where it has none (no sample, or written before the keys were)."""
+    return _read_small(Path(folder) / "samples.zarr" / "keys")
+
+
+def read_sample_tokens(folder: Path) -> dict | None:
+    """Which tokens a run folder's sample holds, in the order of samples.zarr/states' K axis:
+    {"sequence_ids": int64 (index in the token cache), "positions": int32, "token_ids": int32} [K]
+    from samples.zarr; None where it has none (no sample, a multi-process run, or written before
+    they were: its keys alone say which tokens)."""
+    from isojax.stats.sample import IDENTITY
+    arrays = {name: _read_small(Path(folder) / "samples.zarr" / name) for name in IDENTITY}
+    return None if any(a is None for a in arrays.values()) else arrays
+
+
+LATER = ("row length", "skip positions", "BOS", "dtype", "sampled tokens' keys",
+         "sampled tokens")  # recorded or checked since issue 45
 
 
 def _describe(folder: Path) -> dict:
     """What must match between two checkpoints for their samples to hold the same tokens, measured
-    alike: corpus, token count, layers, the row length (windows), the positions left out, the dtype,
-    and the sampled tokens' keys (a sha256 of samples.zarr/keys). Those of LATER are not compared
-    where a folder written before them lacks them (None)."""
+    alike: corpus, token count, layers, the row length (windows), the positions left out, the BOS, the dtype,
+    the sampled tokens' keys (a sha256 of samples.zarr/keys) and the sampled tokens themselves (a
+    sha256 of their sequence ids, positions and token ids). Those of LATER are not compared where a
+    folder written before them lacks them (None): the keys alone are compared then."""
     import hashlib
     metrics = json.loads((folder / "metrics.json").read_text())
     manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
     settings = manifest.get("settings") or {}
-    keys = read_sample_keys(folder)
+    keys, tokens = read_sample_keys(folder), read_sample_tokens(folder)
+    digest = lambda arrays: hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()[:16]
     return {"corpus fingerprint": manifest.get("corpus_fingerprint"), "tokens": metrics.get("tokens"),
             "layers": [layer.get("name") for layer in metrics.get("layers") or []],
             "row length": settings.get("row_len"), "skip positions": settings.get("skip_positions"),
-            "dtype": settings.get("dtype"),
-            "sampled tokens' keys": None if keys is None else hashlib.sha256(keys.tobytes()).hexdigest()[:16]}
+            "BOS": settings.get("bos"), "dtype": settings.get("dtype"),
+            "sampled tokens' keys": None if keys is None else digest([keys]),
+            "sampled tokens": None if tokens is None else digest(tokens.values())}
 
 
 def damaged_sample(folder: Path) -> str | None:

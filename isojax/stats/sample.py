@@ -112,3 +112,48 @@ def merge_host(keys_PxKx2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     order = np.lexsort((flat[:, 1], flat[:, 0]))[:k]
     order = order[~((flat[order, 0] == EMPTY) & (flat[order, 1] == EMPTY))]
     return order // k, order % k
+
+
+IDENTITY = ("sequence_ids", "positions", "token_ids")  # samples.zarr's arrays beside keys, one entry per sampled token
+
+
+def identify(keys_Kx2: np.ndarray, offsets: np.ndarray, tokens: np.ndarray, chunk: int = 1 << 22) -> dict:
+    """{"sequence_ids": int64, "positions": int32, "token_ids": int32} [K] of the sampled tokens, in the
+    order of keys_Kx2, recovered on the host: every token of the token cache (sequence i is
+    tokens[offsets[i]:offsets[i+1]], a window as the run packed it) gets its key by token_keys, the
+    device's own function, about `chunk` tokens at a time (one compile: chunks padded to one size),
+    and the sampled keys are looked up among them. -1 where a key matches no token (never, unless the
+    cache is not the run's)."""
+    k = len(keys_Kx2)
+    packed = lambda hi_lo: (hi_lo[:, 0].astype(np.uint64) << np.uint64(32)) | hi_lo[:, 1].astype(np.uint64)
+    wanted = packed(np.asarray(keys_Kx2, np.uint32))
+    order = np.argsort(wanted)
+    ranked = wanted[order]
+    out = {"sequence_ids": np.full(k, -1, np.int64), "positions": np.full(k, -1, np.int32),
+           "token_ids": np.full(k, -1, np.int32)}
+    offsets = np.asarray(offsets, np.int64)
+    lengths = np.diff(offsets)
+    n_seq = len(lengths)
+    if not k or not n_seq:
+        return out
+    size = chunk + int(lengths.max())
+    cpu = jax.devices("cpu")[0]
+    keys_of = jax.jit(lambda s, p: token_keys(s, p, jnp.ones(s.shape, bool)))  # on the host's CPU: inputs placed there
+    first = 0
+    while first < n_seq:
+        last = max(first + 1, int(np.searchsorted(offsets, offsets[first] + chunk, "right")) - 1)
+        last = min(last, n_seq)
+        seq = np.repeat(np.arange(first, last, dtype=np.int64), lengths[first:last])
+        at = np.arange(offsets[first], offsets[last], dtype=np.int64)
+        pos = at - offsets[seq]
+        n = len(seq)
+        pad = lambda a: jax.device_put(np.pad(a.astype(np.int32), (0, size - n)), cpu)
+        got = packed(np.asarray(keys_of(pad(seq), pad(pos)))[:n])
+        slot = np.minimum(np.searchsorted(ranked, got), k - 1)
+        hit = ranked[slot] == got
+        where = order[slot[hit]]
+        out["sequence_ids"][where] = seq[hit]
+        out["positions"][where] = pos[hit]
+        out["token_ids"][where] = np.asarray(tokens[at[hit]])
+        first = last
+    return out
