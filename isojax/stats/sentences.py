@@ -103,6 +103,24 @@ def pack(cache, chosen, row_len: int):
     return tokens, seg, pos, spans
 
 
+_FORWARDS: dict = {}  # (cfg, dtype, options, mesh) -> the jitted forward (Probe)
+_COMPILED: dict = {}  # and rows' shape, parameters' shapes -> its executable
+
+
+def _jitted_forward(module, replicated):
+    import jax
+    import jax.numpy as jnp
+
+    from isojax.model.decoder import collect_states
+    cfg = module.cfg
+
+    def forward(params, tokens, seg, pos):
+        buf = jnp.zeros((cfg.num_states, *tokens.shape, cfg.hidden_size), module.dtype)
+        return module.apply({"params": params}, tokens, seg, pos, buf, collect_states)
+
+    return jax.jit(forward, out_shardings=replicated)
+
+
 class Probe:
     """The forward of every state over the subset's packed rows: the run's module without its rows'
     split over devices, its parameters where the run placed them, inputs and output replicated.
@@ -112,21 +130,16 @@ class Probe:
     def __init__(self, module, params, mesh, row_len: int):
         import dataclasses
 
-        import jax
-        import jax.numpy as jnp
-
         from isojax.device import mesh as parallel
-        from isojax.model.decoder import collect_states
         self.module = module.clone(options=dataclasses.replace(module.options, activation_sharding=None))
         self.params, self.mesh, self.row_len = params, mesh, row_len
         self.replicated = parallel.replicated(mesh)
-        cfg, module = module.cfg, self.module
-
-        def forward(params, tokens, seg, pos):
-            buf = jnp.zeros((cfg.num_states, *tokens.shape, cfg.hidden_size), module.dtype)
-            return module.apply({"params": params}, tokens, seg, pos, buf, collect_states)
-
-        self._jitted = jax.jit(forward, out_shardings=self.replicated)
+        # one jitted forward per model shape and mesh in a process: a sweep's checkpoints share it, and
+        # its executable (_COMPILED), so a later checkpoint neither traces nor compiles the probe again
+        self._key = (self.module.cfg, self.module.dtype, self.module.options, mesh)
+        if self._key not in _FORWARDS:
+            _FORWARDS[self._key] = _jitted_forward(self.module, self.replicated)
+        self._jitted = _FORWARDS[self._key]
         self._compiled, self._ahead, self.packed = None, None, None
 
     def prepare(self, cache):
@@ -145,7 +158,10 @@ class Probe:
         self.prepare(cache)
         rows = jax.ShapeDtypeStruct(self.packed[0].shape, np.int32, sharding=self.replicated)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params)
-        self._compiled = self._jitted.lower(abstract, rows, rows, rows).compile()
+        key = (self._key, rows.shape, str(jax.tree.structure(abstract)), tuple(jax.tree.leaves(abstract)))
+        if key not in _COMPILED:
+            _COMPILED[key] = self._jitted.lower(abstract, rows, rows, rows).compile()
+        self._compiled = _COMPILED[key]
 
     def compile_beside(self, finished) -> None:
         """compile(finished()) on a thread (while the devices measure); states() waits for it."""
