@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="IsoScore*'s covariance shrinkage (1 - ZETA) C + ZETA C0, 0 to 1, C0 the covariance of all "
                          "the layer's states (default: 0.75, I-STAR's analysis, Rudman & Eickhoff 2024)")
     ap.add_argument("--no-sample", action="store_true", help="keep no sample (no batch anisotropy)")
+    ap.add_argument("--sentence-probe", action="store_true",
+                    help="the per-sentence measures of Diff-eRank (erank) and Sun et al. (massive_count, ...) on a "
+                         "fixed subset of sentences, by a forward of its own after the loop (off by default: seconds "
+                         "per checkpoint; README \"The sentence probe\")")
     ap.add_argument("--skip-positions", type=non_negative_int, default=0, metavar="K",
                     help="leave the first K positions of every sequence (window) out of every statistic; the model "
                          "still reads them (default: 0); with a BOS token (--bos), it is position 0")

@@ -235,7 +235,7 @@ def test_extract_writes_the_probe_measures_of_the_papers(tmp_path, monkeypatch):
     docs = write_pile_jsonl(tmp_path / "pile.jsonl", 24, seed=5)
     out = tmp_path / "out"
     assert main(["--model", str(tmp_path / "ckpt"), "--data", str(tmp_path / "pile.jsonl"), "--unit", "document",
-                 "--seq-len", "64", "--out", str(out), "--no-plots", "--no-token-stats"]) == 0
+                 "--seq-len", "64", "--out", str(out), "--no-plots", "--no-token-stats", "--sentence-probe"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     tok = Tokenizer.from_file(str(tmp_path / "ckpt" / "tokenizer.json"))
     windows = [ids[i:i + 64] for _, text in docs for ids in [np.array(tok.encode(text, add_special_tokens=False).ids)]

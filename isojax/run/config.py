@@ -48,7 +48,8 @@ class StatsConfig:
     save_token_sums: write the per-token unit sums; sample_states: K sampled states (None: the
     platform's default, 0: none); intrinsic_k: neighbours of the intrinsic-dimension estimators;
     isoscore_zeta: IsoScore*'s covariance shrinkage, 0 to 1 (stats.geometry.isoscore_star).
-    skip_positions: the first K positions of every sequence are left out of every statistic."""
+    skip_positions: the first K positions of every sequence are left out of every statistic.
+    sentence_probe: the per-sentence measures of the papers on a fixed subset (stats/sentences.py)."""
     token_stats: bool = True
     centered: bool = False
     save_token_sums: bool = False
@@ -56,6 +57,7 @@ class StatsConfig:
     intrinsic_k: int = 20
     isoscore_zeta: float = 0.75  # stats.geometry.ISOSCORE_ZETA: Rudman & Eickhoff (2024)
     skip_positions: int = 0
+    sentence_probe: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +101,12 @@ class MeasureConfig:
               norm_kernel: str = "auto", mesh=None, checkpoint_dir=None, checkpoint_every_tokens=None,
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
               intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.75,
-              skip_positions: int = 0, bos: str = "auto") -> MeasureConfig:
+              skip_positions: int = 0, bos: str = "auto", sentence_probe: bool = False) -> MeasureConfig:
         """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
         return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source, bos),
                    model=ModelConfig(model, revision, dtype),
                    stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k,
-                                     isoscore_zeta, skip_positions),
+                                     isoscore_zeta, skip_positions, sentence_probe),
                    kernels=KernelConfig(attention, mlp_kernel, norm_kernel),
                    devices=DeviceConfig(mesh),
                    checkpoint=CheckpointConfig(checkpoint_dir, checkpoint_every_tokens, resume_run),
@@ -131,4 +133,5 @@ def cli_options(args) -> dict:
                 mlp_kernel=args.mlp_kernel, norm_kernel=args.norm_kernel, mesh=parse_mesh(args.mesh) or None,
                 checkpoint_every_tokens=args.checkpoint_every_tokens,
                 sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
-                isoscore_zeta=args.isoscore_zeta, skip_positions=args.skip_positions, bos=args.bos)
+                isoscore_zeta=args.isoscore_zeta, skip_positions=args.skip_positions, bos=args.bos,
+                sentence_probe=args.sentence_probe)

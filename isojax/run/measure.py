@@ -249,7 +249,8 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
 
     from isojax.stats.sentences import Probe
     # not in multi-process runs: each process holds only its share of the token cache (data/shares.py)
-    probe = Probe(runner.module, runner.params, runner.mesh, row_len) if jax.process_count() == 1 else None
+    probe = Probe(runner.module, runner.params, runner.mesh, row_len) \
+        if config.stats.sentence_probe and jax.process_count() == 1 else None
     done, loop_rate, local = _loop(runner, tokens, total, timings, config, step, row_len=row_len, settings=settings,
                                    probe=lambda: probe and probe.compile_beside(finished))
     with timings("tokenize"):
@@ -263,7 +264,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     has_sources = len(step.labels) > 1 or bool(config.data.sources)
     final, pending = _read_out(runner, loaded.config.state_names, cache, timings, config, has_sources,
                                row_len=row_len, rows=step.rows, local=local)
-    if probe is None:
+    if probe is None and config.stats.sentence_probe:
         log("multi-process run: no sentence probe (erank, massive_count, ... are null; README \"Measures\")")
     else:
         with timings("finalize"):  # the sentence probe (stats/sentences.py): its forward, then float64 on the host
