@@ -264,8 +264,9 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     has_sources = len(step.labels) > 1 or bool(config.data.sources)
     final, pending = _read_out(runner, loaded.config.state_names, cache, timings, config, has_sources,
                                row_len=row_len, rows=step.rows, local=local)
-    if probe is None and config.stats.sentence_probe:
-        log("multi-process run: no sentence probe (erank, massive_count, ... are null; README \"Measures\")")
+    if probe is None:
+        if config.stats.sentence_probe:
+            log("multi-process run: no sentence probe (erank, massive_count, ... are null; README \"Measures\")")
     else:
         with timings("finalize"):  # the sentence probe (stats/sentences.py): its forward, then float64 on the host
             from isojax.stats.sentences import probe as sentence_probe
