@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import build_hf_checkpoint, hf_states, max_rel_error
+from conftest import build_hf_checkpoint, hf_states, max_rel_error, need
 from test_families import SHAPES, build
 from test_families import hf_states as family_states
 
@@ -109,7 +109,7 @@ def test_probe_measures_equal_float64_references_on_hugging_face_states(tmp_path
     is the papers' formulas on its own states (to 1e-10), and erank and the magnitudes from Hugging
     Face's float64 states agree to the dtype's precision. GPT-NeoX's embedding of token 13 (a
     delimiter here) holds a planted 500 in dimension 5: its massive activations are those tokens'."""
-    import torch
+    torch = need("torch")
     seqs = sequences(300)
     if family == "gpt_neox":
         model = build_hf_checkpoint(tmp_path, hidden_size=64, tokenizer=False)

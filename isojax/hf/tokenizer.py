@@ -152,8 +152,10 @@ def tokenizer_bos(tok, directory: Path | None, description: str) -> Bos:
     config = config if isinstance(config, dict) else {}
     name = config.get("bos_token")
     name = name.get("content") if isinstance(name, dict) else name
-    from isojax.data.tokens import backend_tokenizer
-    enc = backend_tokenizer(tok).encode("a", add_special_tokens=True)  # truncation off
+    backend = Tokenizer.from_str(getattr(tok, "backend_tokenizer", tok).to_str())  # a copy: truncation off
+    backend.no_truncation()
+    backend.no_padding()
+    enc = backend.encode("a", add_special_tokens=True)
     leading = enc.ids[0] if enc.special_tokens_mask and enc.special_tokens_mask[0] else None
     named = tok.token_to_id(name) if isinstance(name, str) else None
     bundled = tok.token_to_id(BUNDLED_BOS) if description.startswith("gpt-neox-20b (bundled") else None

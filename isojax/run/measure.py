@@ -1,4 +1,5 @@
 """`isojax.measure(model, data, **options) -> Results`: the whole extract job as a library call,
+Length: the job's steps (load, loop, read-out, the sentence probe, results) read top down in one place.
 read top down: measure() loads, tokenizes and plans the step (run/plan.py) at once; _measure runs
 it in four steps (_start, _loop, _read_out, _results). Memory planning lives in device/memory.py,
 kernel choice in device/kernel_choice.py, the inputs in run/inputs.py, the centered pass in

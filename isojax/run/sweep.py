@@ -1,5 +1,6 @@
 """Runs over training checkpoints and model sizes: `extract --model A --model B --revisions R1,R2`
 or `--paper-steps`, and `weights --model A --revisions ...` alike.
+Length: a sweep's whole life (layout, resume, the pipelined saving, shards) in one place, read together.
 
 Every (model, revision) is measured into OUT/<model>/<revision>/ (isojax.run.names: the model's
 name with '/' as '--', a preset as its hub id; revision `main` when none), then OUT/sweep.csv

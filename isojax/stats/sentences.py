@@ -130,10 +130,10 @@ class Probe:
     def __init__(self, module, params, mesh, row_len: int):
         import dataclasses
 
-        from isojax.device import mesh as parallel
+        from jax.sharding import NamedSharding, PartitionSpec
         self.module = module.clone(options=dataclasses.replace(module.options, activation_sharding=None))
         self.params, self.mesh, self.row_len = params, mesh, row_len
-        self.replicated = parallel.replicated(mesh)
+        self.replicated = NamedSharding(mesh, PartitionSpec())  # stats/ imports nothing of device/
         # one jitted forward per model shape and mesh in a process: a sweep's checkpoints share it, and
         # its executable (_COMPILED), so a later checkpoint neither traces nor compiles the probe again
         self._key = (self.module.cfg, self.module.dtype, self.module.options, mesh)
@@ -165,8 +165,17 @@ class Probe:
 
     def compile_beside(self, finished) -> None:
         """compile(finished()) on a thread (while the devices measure); states() waits for it."""
-        from isojax.run.timings import in_background
-        self._ahead = in_background(lambda: self.compile(finished()), daemon=True, name="isojax-sentences")
+        import concurrent.futures
+        import threading
+        self._ahead = concurrent.futures.Future()
+
+        def run():
+            try:
+                self._ahead.set_result(self.compile(finished()))
+            except BaseException as e:  # settle() finds it and compiles at the call instead
+                self._ahead.set_exception(e)
+
+        threading.Thread(target=run, daemon=True, name="isojax-sentences").start()
 
     def settle(self) -> None:
         """Wait for the compile beside, if any; one that failed is done again at the call."""
