@@ -6,10 +6,11 @@ ways of taking the eigenvalues of its three [D, D] covariances (issue 12).
 
 Rows (ms per state, median of --repeats):
   read           hi + lo -> float64, covariances (the [3, D, D] stack)
-  tridiagonal    Householder reduction of the three on the device (lax.linalg.tridiagonal)
+  tridiagonal    Householder reduction of the three on the device, one at a time (cuSOLVER sytrd)
+  batched        the same for all --states states' matrices in one batch (stats/tridiagonal.py), per state
   bisection      the tridiagonals' eigenvalues on the device (jax eigh_tridiagonal), one state
   bisection, all  all --states states' 3 tridiagonals in one call, per state (what finalize runs)
-  finalize path  read + tridiagonal (finalize._whole_spectra) + the bisection of all states, per state
+  finalize path  read (finalize._whole_spectra) + the batched reduction + the bisection of all states, per state
   host sterf     the tridiagonals' eigenvalues by LAPACK dsterf on the host instead (scipy)
   eigvalsh       jnp.linalg.eigvalsh of the stack (the solver's own eigh), float64
   host LAPACK    numpy eigvalsh of the stack on the host CPU, float64
@@ -32,6 +33,7 @@ jax.config.update("jax_enable_x64", True)
 
 from isojax.stats import finalize
 from isojax.stats import accumulators as stats
+from isojax.stats import tridiagonal
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -75,9 +77,9 @@ def main() -> int:
     bis_all = lambda: finalize._bisect(diag_all, off_all)[:3]
 
     def whole():
-        reduced = [finalize._whole_spectra(n_G, sum_GxD, sum_GxD, m2_p, um2_p, per_group=False)
-                   for _ in range(args.states)]
-        return finalize._bisect_states(reduced)[0][0]
+        return finalize._read_states(lambda s: finalize._whole_spectra(n_G, sum_GxD, sum_GxD, m2_p, um2_p, per_group=False),
+                                     args.states, on_cpu=False)[0][0]
+    stack = jnp.tile(mats, (args.states, 1, 1))
 
     def host_sterf(diag_KxD, off_KxD):
         return np.stack([scipy.linalg.eigvalsh_tridiagonal(a, b, lapack_driver="sterf")[::-1]
@@ -87,6 +89,8 @@ def main() -> int:
     rows = []
     rows.append(("read", *timed(read, args.repeats)))
     rows.append(("tridiagonal", *timed(lambda: tri(mats), args.repeats)))
+    ms, _ = timed(lambda: tridiagonal.tridiagonalize(stack), args.repeats)
+    rows.append(("batched", ms / args.states, None))
     rows.append(("bisection", *timed(lambda: bis(diag, off), args.repeats)))
     ms, val = timed(bis_all, args.repeats)
     rows.append(("bisection, all", ms / args.states, val))
@@ -104,7 +108,7 @@ def main() -> int:
     print(f"{'way':<16}{'ms/state':>10}{'x states s':>12}{'max rel err':>13}")
     for name, ms, val in rows:
         err = ""
-        if name not in ("read", "tridiagonal") and val is not None:
+        if name not in ("read", "tridiagonal", "batched") and val is not None:
             v = np.asarray(val)
             if name == "bisection":  # ascending (finalize._bisect: descending)
                 v = v[:, ::-1]

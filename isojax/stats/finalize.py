@@ -2,15 +2,15 @@
 Length: every metric's float64 read-out in one place, so that the formulas of DESIGN.md are read together.
 
 Each double-float pair is summed as float64(hi) + float64(lo). Vectors (counts, sums) are read
-out in numpy on the host. The second moments, the bulk of the work, are read out where they lie,
-one state at a time by one jitted float64 function (jax.enable_x64): groups combined with Chan's
-pairwise formula, the uncentered Gram rebuilt, and the eigenvalues of all three covariances
-taken on an accelerator in float64: a Householder reduction to tridiagonal form (cuSOLVER sytrd)
-and bisection on the tridiagonal matrix. jax's eigvalsh would also build the eigenvectors (it is
-eigh). On the CPU the eigenvalues come from LAPACK's eigvalsh through numpy instead: XLA's
-bisection and its compile are slower there (the same eigenvalues to ~1e-14 of the largest;
-tests/test_stats.py compares with numpy's eigvalsh).
-"""
+out in numpy on the host. The second moments, the bulk of the work, are read out where they lie by
+jitted float64 functions (jax.enable_x64): per state, groups combined with Chan's pairwise formula,
+the uncentered Gram rebuilt, the covariances formed; then on an accelerator the eigenvalues of a
+chunk of states' covariances at once: a batched Householder reduction to tridiagonal form
+(stats/tridiagonal.py; cuSOLVER's sytrd takes one matrix at a time) and bisection of every
+tridiagonal matrix in one call. jax's eigvalsh would also build the eigenvectors (it is eigh). On
+the CPU the eigenvalues come from LAPACK's eigvalsh through numpy instead: XLA's bisection and its
+compile are slower there (the same eigenvalues to ~1e-14 of the largest; tests/test_stats.py
+compares with numpy's eigvalsh)."""
 
 import functools
 
@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from isojax.errors import UserError
 from isojax.stats import accumulators as stats
-from isojax.stats import geometry, measures
+from isojax.stats import geometry, measures, tridiagonal
 from isojax.stats.accumulators import _COUNT_BITS, Accumulators, chan_term
 from isojax.stats.streamed import streamed_measures
 
@@ -60,14 +60,6 @@ def _covariances(n, sum_D, m2_DxD, unit_m2_DxD):
     return (mats + mats.swapaxes(1, 2)) / 2, jnp.trace(gram_DxD) / jnp.maximum(n, 1)
 
 
-def _tridiagonals(n, sum_D, m2_DxD, unit_m2_DxD):
-    """(([3, D] diagonals, [3, D-1] off-diagonals) of _covariances' matrices reduced to
-    tridiagonal form by Householder reflections, Sum |x|^2 / n, [3, D] diagonals of the matrices)."""
-    mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
-    _, diag_KxD, off_KxD, _ = jax.lax.linalg.tridiagonal(mats, lower=True)
-    return (diag_KxD, off_KxD), mean_sq_norm, jnp.diagonal(mats, axis1=1, axis2=2)
-
-
 def _matrices(n, sum_D, m2_DxD, unit_m2_DxD):
     """(_covariances' [3, D, D] matrices, Sum |x|^2 / n, their [3, D] diagonals)."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
@@ -87,8 +79,8 @@ def _bisect(diags: list, offs: list):
 
 def _bisect_states(reduced: list) -> list:
     """Per state, a read-out whose first element is a tridiagonal form, ([..., D] diagonals,
-    [..., D-1] off-diagonals) (_whole_spectra's or _group_spectra's, how="tridiagonal") -> the
-    same with the eigenvalues in its place, in host memory: one bisection of all their matrices."""
+    [..., D-1] off-diagonals) (_reduce_chunk's) -> the same with the eigenvalues in its place, in
+    host memory: one bisection of all their matrices."""
     parts = [r[0] for r in reduced]
     with jax.enable_x64(True):
         eig_NxD = np.asarray(_bisect([p[0] for p in parts], [p[1] for p in parts]))
@@ -100,22 +92,69 @@ def _bisect_states(reduced: list) -> list:
     return out
 
 
+READOUT_BYTES = 1 << 30  # the float64 matrices of one batched reduction (a chunk of states) at most
+
+
+def chunk_states(matrices_per_state: int, d: int, num_states: int) -> int:
+    """States per batched reduction: as many as fit READOUT_BYTES (at least one), spread evenly
+    over the chunks (at most two chunk sizes to compile)."""
+    most = max(1, READOUT_BYTES // (matrices_per_state * d * d * 8))
+    chunks = -(-num_states // most)
+    return -(-num_states // chunks)
+
+
+@jax.jit
+def _tridiagonal_forms(mats: list) -> list:
+    """The tridiagonal forms ([..., D], [..., D-1]) of each [..., D, D] stack in mats, all of them
+    reduced in one batch (stats/tridiagonal.py)."""
+    d = mats[0].shape[-1]
+    diag_BxD, off_BxD = tridiagonal.tridiagonalize(jnp.concatenate([m.reshape(-1, d, d) for m in mats]))
+    out, at = [], 0
+    for m in mats:
+        k = int(np.prod(m.shape[:-2]))
+        out.append((diag_BxD[at:at + k].reshape(*m.shape[:-1]), off_BxD[at:at + k].reshape(*m.shape[:-2], d - 1)))
+        at += k
+    return out
+
+
+def _reduce_chunk(chunk: list) -> list:
+    """Read-outs whose first element is a [..., D, D] stack of matrices -> the same with their
+    tridiagonal forms in its place (on the devices; one batched reduction)."""
+    with jax.enable_x64(True):
+        forms = _tridiagonal_forms([r[0] for r in chunk])
+    return [(f, *r[1:]) for f, r in zip(forms, chunk)]
+
+
 def _read_states(dispatch, num_states: int, on_cpu: bool, before_read=None) -> list:
-    """dispatch(s)'s read-out of every state, dispatched one state ahead (at most two states'
-    float64 matrices at a time), in host memory with eigenvalues in place of the matrices (the
-    CPU: LAPACK) or of the tridiagonal forms (accelerators: one bisection of all states).
+    """dispatch(s)'s read-out of every state (its first element a [..., D, D] stack of matrices),
+    in host memory with the matrices' eigenvalues in their place. The CPU: LAPACK, dispatched one
+    state ahead. Accelerators: a chunk of states (chunk_states) dispatched, their matrices reduced
+    in one batch, then the next chunk; one bisection of all states at the end.
     before_read: called once the first two states are dispatched, before the first is read."""
-    reduced, ahead = [], dispatch(0)
+    if on_cpu:
+        reduced, ahead = [], dispatch(0)
+        for s in range(num_states):
+            current, ahead = ahead, dispatch(s + 1) if s + 1 < num_states else None
+            if s == 0 and before_read is not None:
+                before_read()
+            reduced.append(_host_eigs(jax.device_get(current)))
+        return reduced
+    reduced, chunk, size = [], [], None
     for s in range(num_states):
-        current, ahead = ahead, dispatch(s + 1) if s + 1 < num_states else None
-        if s == 0 and before_read is not None:
+        chunk.append(dispatch(s))
+        if s == min(1, num_states - 1) and before_read is not None:
             before_read()
-        reduced.append(_host_eigs(jax.device_get(current)) if on_cpu else jax.block_until_ready(current))
-    return reduced if on_cpu else _bisect_states(reduced)
+        if size is None:
+            mats = chunk[0][0]
+            size = chunk_states(int(np.prod(mats.shape[:-2])), mats.shape[-1], num_states)
+        if len(chunk) == size or s == num_states - 1:
+            reduced += _reduce_chunk(chunk)
+            chunk = []
+    return _bisect_states(reduced)
 
 
 def _host_eigs(readout):
-    """_whole_spectra's or _group_spectra's read-out (how="matrices") with eigenvalues, descending, in
+    """_whole_spectra's or _group_spectra's read-out with eigenvalues, descending, in
     place of its matrices, in host memory: LAPACK (numpy) on the CPU."""
     if readout is None:
         return None
@@ -126,11 +165,10 @@ def _host_eigs(readout):
 GROUP_LANCZOS_STEPS = 128  # 1e-15 of numpy's top eigenvalue on near-isotropic 2048-wide covariances
 
 
-def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, c0_DxD, zeta, how: str):
+def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, c0_DxD, zeta):
     """One source's covariances read out for _moments: the centered one whole (its spectrum gives
     the effective rank) and IsoScore*'s shrunk covariance (1 - zeta) C + zeta C0 (C the source's
-    sample covariance, ddof = 1; C0 the layer's, c0_DxD), both as tridiagonal forms ([2, D],
-    how="tridiagonal") or matrices ([2, D, D], "matrices"); of the second moment and of the unit
+    sample covariance, ddof = 1; C0 the layer's, c0_DxD), both as matrices ([2, D, D]); of the second moment and of the unit
     vectors' covariance only sigma_1^2 / sum sigma^2, by Lanczos (bench/RESULTS.md 8e); Sum |x|^2 / n;
     and the [3, D] diagonals of the three matrices."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
@@ -139,9 +177,6 @@ def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, c0_DxD, zeta, how: str):
     ratios_2 = jnp.where(trace_2 > 0, top_2 / jnp.where(trace_2 > 0, trace_2, 1.0), jnp.nan)
     diag_3xD = jnp.diagonal(mats, axis1=1, axis2=2)
     shrunk = (1.0 - zeta) * mats[0] * (n / jnp.maximum(n - 1.0, 1.0)) + zeta * c0_DxD
-    if how == "tridiagonal":  # one matrix at a time: no [2, D, D] copy on the device
-        forms = [jax.lax.linalg.tridiagonal(m, lower=True)[1:3] for m in (mats[0], shrunk)]
-        return tuple(jnp.stack(parts) for parts in zip(*forms)), ratios_2, mean_sq_norm, diag_3xD
     return jnp.stack([mats[0], shrunk]), ratios_2, mean_sq_norm, diag_3xD
 
 
@@ -150,25 +185,23 @@ def _float64_m2(m2, unit_m2):
         unit_m2.hi.astype(jnp.float64) + unit_m2.lo.astype(jnp.float64)
 
 
-@functools.partial(jax.jit, static_argnames=("per_group", "how"))
-def _whole_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool, how: str = "tridiagonal"):
+@functools.partial(jax.jit, static_argnames=("per_group",))
+def _whole_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, per_group: bool):
     """One state's covariances of the whole population (all groups together; per_group: m2 holds
     each group's, combined here); call under jax.enable_x64. m2, unit_m2: stats.DFPair of [H, D, D]
-    float32 pairs. how="tridiagonal" (accelerators): each reduced to tridiagonal form, for
-    _bisect_states; "matrices" (the CPU): the matrices themselves, for _host_eigs. On the CPU,
-    LAPACK beats XLA's bisection and its compile; on accelerators the host's dsterf of the
-    tridiagonals is the slower path (bench/RESULTS.md 8c)."""
+    float32 pairs. Returns _matrices' read-out, whose matrices _read_states reduces (on the CPU,
+    LAPACK beats XLA's reduction, bisection and their compile; on accelerators the host's dsterf of
+    the tridiagonals is the slower path, bench/RESULTS.md 8c)."""
     m2_HxDxD, unit_m2_HxDxD = _float64_m2(m2, unit_m2)
     if per_group:
         whole = (_combine_m2(n_G, sum_GxD, m2_HxDxD), _combine_m2(n_G, unit_sum_GxD, unit_m2_HxDxD))
     else:
         whole = (m2_HxDxD[0], unit_m2_HxDxD[0])
-    readout = {"tridiagonal": _tridiagonals, "matrices": _matrices}[how]
-    return readout(n_G.sum(), sum_GxD.sum(0), *whole)
+    return _matrices(n_G.sum(), sum_GxD.sum(0), *whole)
 
 
-@functools.partial(jax.jit, static_argnames=("how",))
-def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, zeta, how: str = "tridiagonal"):
+@jax.jit
+def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, zeta):
     """One state's covariances of each group (_group_readout), m2 holding each group's
     (_whole_spectra for the arguments; zeta: IsoScore*'s shrinkage toward the layer's covariance).
     Apart from _whole_spectra, so that the whole population's metrics, figures and files are ready
@@ -176,7 +209,7 @@ def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, zeta, how: str = "tr
     m2_HxDxD, unit_m2_HxDxD = _float64_m2(m2, unit_m2)
     c0 = _combine_m2(n_G, sum_GxD, m2_HxDxD) / jnp.maximum(n_G.sum() - 1.0, 1.0)
     c0 = (c0 + c0.T) / 2
-    return jax.vmap(functools.partial(_group_readout, how=how), in_axes=(0, 0, 0, 0, None, None))(
+    return jax.vmap(_group_readout, in_axes=(0, 0, 0, 0, None, None))(
         n_G, sum_GxD, m2_HxDxD, unit_m2_HxDxD, c0, zeta)
 
 
@@ -315,13 +348,16 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
     pair = stats.DFPair(jax.ShapeDtypeStruct((h, d, d, 2), np.float32, sharding=on))
     with jax.enable_x64(True):
         args = (f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair)
-        _whole_spectra.lower(*args, per_group=per_group, how="tridiagonal").compile()
-        # _bisect_states' calls: every state's whole population, then every state's groups
-        parts = [[(3,)] * s] + ([[(num_groups, 2)] * s] if per_group else [])
-        for part in parts:
-            _bisect.lower([f64_on(*k, d) for k in part], [f64_on(*k, d - 1) for k in part]).compile()
+        _whole_spectra.lower(*args, per_group=per_group).compile()
         if per_group:
-            _group_spectra.lower(*args, f64(), how="tridiagonal").compile()
+            _group_spectra.lower(*args, f64()).compile()
+        # _read_states' calls: the chunks' batched reductions, then one bisection of every state's
+        # whole population, then of every state's groups
+        for per_state in [(3,)] + ([(num_groups, 2)] if per_group else []):
+            size = chunk_states(int(np.prod(per_state)), d, s)
+            for k in {size, s - size * (-(-s // size) - 1)}:
+                _tridiagonal_forms.lower([f64_on(*per_state, d, d)] * k).compile()
+            _bisect.lower([f64_on(*per_state, d)] * s, [f64_on(*per_state, d - 1)] * s).compile()
         if sample_count >= BATCH:
             x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
             _batch_anisotropy.lower(x).compile()
@@ -383,7 +419,6 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
 
     layers, spectra = [], {"centered_SxD": [], "uncentered_SxD": [], "unit_SxD": []}
     on_cpu = jax.default_backend() == "cpu"
-    how = "matrices" if on_cpu else "tridiagonal"
 
     def state_args(s):
         return (n_GxS[:, s].astype(np.float64), sum_GxSxD[:, s], unit_sum_GxSxD[:, s],
@@ -392,7 +427,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
 
     def dispatch(s):
         with jax.enable_x64(True):
-            return _whole_spectra(*state_args(s), per_group=per_group_m2, how=how)
+            return _whole_spectra(*state_args(s), per_group=per_group_m2)
 
     reduced = _read_states(dispatch, num_states, on_cpu)
     for s, name in enumerate(state_names):
@@ -441,7 +476,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         if s in dispatched:
             return dispatched.pop(s)
         with jax.enable_x64(True):
-            return _group_spectra(*state_args(s), np.float64(isoscore_zeta), how=how)
+            return _group_spectra(*state_args(s), np.float64(isoscore_zeta))
 
     # the first two states' reductions traced and dispatched here, the rest one ahead by finish_groups
     dispatched = {}
