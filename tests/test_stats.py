@@ -403,11 +403,10 @@ def test_accelerator_spectra_equal_numpy_eigvalsh():
         states.append((x_GxNxD, args))
     zeta = np.float64(0.75)  # IsoScore*'s shrinkage of each group's covariance toward the layer's
     with jax.enable_x64(True):
-        got_S = zip(fz._read_states(lambda s: fz._whole_spectra(*states[s][1], per_group=True), 2, on_cpu=False),
-                    fz._read_states(lambda s: fz._group_spectra(*states[s][1], zeta), 2, on_cpu=False))
-        want_S = [[fz._host_eigs(jax.device_get(part)) for part in (fz._whole_spectra(*a, per_group=True),
-                                                                    fz._group_spectra(*a, zeta))]
-                  for _, a in states]
+        got_S, want_S = ([fz._read_states(lambda s: fz._whole_spectra(*states[s][1], per_group=True), 2, on_cpu=cpu),
+                          fz._read_states(lambda s: fz._group_spectra(*states[s][1], zeta), 2, on_cpu=cpu, top_ratios=True)]
+                         for cpu in (False, True))
+        got_S, want_S = zip(*got_S), list(zip(*want_S))
     for (x_GxNxD, _), (whole, groups), (ref_whole, ref_groups) in zip(states, got_S, want_S):
         assert whole[0].shape == ref_whole[0].shape == (3, d) and groups[0].shape == ref_groups[0].shape == (g, 2, d)
         for eig, ref in ((whole[0], ref_whole[0]), (groups[0], ref_groups[0])):
@@ -453,9 +452,9 @@ def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
     with jax.log_compiles(True), jax.enable_x64(True):
         args = [(np.full(g, 50.0), rng.normal(size=(g, d)), rng.normal(size=(g, d)), pair, pair) for _ in range(s)]
         fz._read_states(lambda i: fz._whole_spectra(*args[i], per_group=True), s, on_cpu=False)
-        eigs = fz._read_states(lambda i: fz._group_spectra(*args[i], np.float64(0.75)), s, on_cpu=False)
+        eigs = fz._read_states(lambda i: fz._group_spectra(*args[i], np.float64(0.75)), s, on_cpu=False, top_ratios=True)
         ratios = np.asarray(fz._batch_anisotropy(x.reshape(2, fz.BATCH, d)))
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not [c for c in compiled if any(f in c for f in ("_spectra", "_bisect", "_tridiagonal_forms",
-                                                           "_batch_anisotropy"))], compiled
+                                                           "_top_ratios", "_batch_anisotropy"))], compiled
     assert len(eigs) == s and eigs[0][0].shape == (g, 2, d) and eigs[0][1].shape == (g, 2) and ratios.shape == (2, 2)

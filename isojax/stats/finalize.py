@@ -117,19 +117,22 @@ def _tridiagonal_forms(mats: list) -> list:
     return out
 
 
-def _reduce_chunk(chunk: list) -> list:
+def _reduce_chunk(chunk: list, top_ratios: bool) -> list:
     """Read-outs whose first element is a [..., D, D] stack of matrices -> the same with their
-    tridiagonal forms in its place (on the devices; one batched reduction)."""
+    tridiagonal forms in its place (on the devices; one batched reduction); top_ratios: the second
+    element a stack too, replaced by _top_ratios' (one batch)."""
     with jax.enable_x64(True):
         forms = _tridiagonal_forms([r[0] for r in chunk])
-    return [(f, *r[1:]) for f, r in zip(forms, chunk)]
+        ratios = _top_ratios([r[1] for r in chunk]) if top_ratios else [r[1] for r in chunk]
+    return [(f, q, *r[2:]) for f, q, r in zip(forms, ratios, chunk)]
 
 
-def _read_states(dispatch, num_states: int, on_cpu: bool, before_read=None) -> list:
+def _read_states(dispatch, num_states: int, on_cpu: bool, before_read=None, top_ratios: bool = False) -> list:
     """dispatch(s)'s read-out of every state (its first element a [..., D, D] stack of matrices),
-    in host memory with the matrices' eigenvalues in their place. The CPU: LAPACK, dispatched one
-    state ahead. Accelerators: a chunk of states (chunk_states) dispatched, their matrices reduced
-    in one batch, then the next chunk; one bisection of all states at the end.
+    in host memory with the matrices' eigenvalues in their place (top_ratios: and the second
+    element, a stack too, replaced by _top_ratios'). The CPU: LAPACK, dispatched one state ahead.
+    Accelerators: a chunk of states (chunk_states) dispatched, their matrices reduced in one batch,
+    then the next chunk; one bisection of all states at the end.
     before_read: called once the first two states are dispatched, before the first is read."""
     if on_cpu:
         reduced, ahead = [], dispatch(0)
@@ -137,6 +140,9 @@ def _read_states(dispatch, num_states: int, on_cpu: bool, before_read=None) -> l
             current, ahead = ahead, dispatch(s + 1) if s + 1 < num_states else None
             if s == 0 and before_read is not None:
                 before_read()
+            if top_ratios:
+                with jax.enable_x64(True):
+                    current = (current[0], _top_ratios([current[1]])[0], *current[2:])
             reduced.append(_host_eigs(jax.device_get(current)))
         return reduced
     reduced, chunk, size = [], [], None
@@ -146,9 +152,9 @@ def _read_states(dispatch, num_states: int, on_cpu: bool, before_read=None) -> l
             before_read()
         if size is None:
             mats = chunk[0][0]
-            size = chunk_states(int(np.prod(mats.shape[:-2])), mats.shape[-1], num_states)
+            size = chunk_states(int(np.prod(mats.shape[:-2])) * (2 if top_ratios else 1), mats.shape[-1], num_states)
         if len(chunk) == size or s == num_states - 1:
-            reduced += _reduce_chunk(chunk)
+            reduced += _reduce_chunk(chunk, top_ratios)
             chunk = []
     return _bisect_states(reduced)
 
@@ -168,16 +174,32 @@ GROUP_LANCZOS_STEPS = 128  # 1e-15 of numpy's top eigenvalue on near-isotropic 2
 def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, c0_DxD, zeta):
     """One source's covariances read out for _moments: the centered one whole (its spectrum gives
     the effective rank) and IsoScore*'s shrunk covariance (1 - zeta) C + zeta C0 (C the source's
-    sample covariance, ddof = 1; C0 the layer's, c0_DxD), both as matrices ([2, D, D]); of the second moment and of the unit
-    vectors' covariance only sigma_1^2 / sum sigma^2, by Lanczos (bench/RESULTS.md 8e); Sum |x|^2 / n;
-    and the [3, D] diagonals of the three matrices."""
+    sample covariance, ddof = 1; C0 the layer's, c0_DxD), both as matrices ([2, D, D]) whose spectra
+    _read_states takes; the second moment and the unit vectors' covariance ([2, D, D]), of which
+    _read_states(top_ratios=True) takes only sigma_1^2 / sum sigma^2, by Lanczos (bench/RESULTS.md
+    8e); Sum |x|^2 / n; and the [3, D] diagonals of the three matrices."""
     mats, mean_sq_norm = _covariances(n, sum_D, m2_DxD, unit_m2_DxD)
-    top_2 = jax.vmap(lambda a: _top_eigenvalue(a, GROUP_LANCZOS_STEPS))(mats[1:])
-    trace_2 = jnp.trace(mats[1:], axis1=1, axis2=2)
-    ratios_2 = jnp.where(trace_2 > 0, top_2 / jnp.where(trace_2 > 0, trace_2, 1.0), jnp.nan)
     diag_3xD = jnp.diagonal(mats, axis1=1, axis2=2)
     shrunk = (1.0 - zeta) * mats[0] * (n / jnp.maximum(n - 1.0, 1.0)) + zeta * c0_DxD
-    return jnp.stack([mats[0], shrunk]), ratios_2, mean_sq_norm, diag_3xD
+    return jnp.stack([mats[0], shrunk]), mats[1:], mean_sq_norm, diag_3xD
+
+
+@jax.jit
+def _top_ratios(mats: list) -> list:
+    """sigma_1^2 / sum sigma^2 (NaN where the trace is 0) of each matrix of each [..., D, D] stack in
+    mats, by Lanczos (_top_eigenvalue, GROUP_LANCZOS_STEPS), all of them side by side: their steps
+    are latency, not work."""
+    d = mats[0].shape[-1]
+    a_BxDxD = jnp.concatenate([m.reshape(-1, d, d) for m in mats])
+    top_B = jax.vmap(lambda a: _top_eigenvalue(a, GROUP_LANCZOS_STEPS))(a_BxDxD)
+    trace_B = jnp.trace(a_BxDxD, axis1=1, axis2=2)
+    ratio_B = jnp.where(trace_B > 0, top_B / jnp.where(trace_B > 0, trace_B, 1.0), jnp.nan)
+    out, at = [], 0
+    for m in mats:
+        k = int(np.prod(m.shape[:-2]))
+        out.append(ratio_B[at:at + k].reshape(m.shape[:-2]))
+        at += k
+    return out
 
 
 def _float64_m2(m2, unit_m2):
@@ -353,10 +375,12 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
             _group_spectra.lower(*args, f64()).compile()
         # _read_states' calls: the chunks' batched reductions, then one bisection of every state's
         # whole population, then of every state's groups
-        for per_state in [(3,)] + ([(num_groups, 2)] if per_group else []):
-            size = chunk_states(int(np.prod(per_state)), d, s)
+        for per_state, ratios in [((3,), 1)] + ([((num_groups, 2), 2)] if per_group else []):
+            size = chunk_states(int(np.prod(per_state)) * ratios, d, s)
             for k in {size, s - size * (-(-s // size) - 1)}:
                 _tridiagonal_forms.lower([f64_on(*per_state, d, d)] * k).compile()
+                if ratios == 2:  # the groups' read-out: _top_ratios of their other two matrices
+                    _top_ratios.lower([f64_on(*per_state, d, d)] * k).compile()
             _bisect.lower([f64_on(*per_state, d)] * s, [f64_on(*per_state, d - 1)] * s).compile()
         if sample_count >= BATCH:
             x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
@@ -488,7 +512,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         eigs_GxS = [[None] * num_states for _ in range(num_groups)]  # groups with their own second moments
         shrunk_GxS = [[None] * num_states for _ in range(num_groups)]  # their IsoScore* covariances' eigenvalues
         if per_group_m2:
-            groups_S = _read_states(dispatch_groups, num_states, on_cpu,
+            groups_S = _read_states(dispatch_groups, num_states, on_cpu, top_ratios=True,
                                     before_read=lambda: faults.reached("sources_readout"))
             for s, groups in enumerate(groups_S):
                 for g in range(num_groups):
