@@ -116,23 +116,26 @@ def test_results_written_before_read_their_changed_measures_as_null(tmp_path):
 
 
 def test_diff_erank_pooled_is_step0_minus_this_one_and_null_without_step0(capsys):
-    """diff_erank (of the probe's erank) and diff_erank_pooled: step0's minus this one's, null without
-    a step0 (diff_erank_baseline says which), and where a checkpoint lacks the measure."""
+    """diff_erank (of the probe's erank) and diff_erank_pooled: step0's minus this one's; without a
+    step0, diff_erank from the row's erank_init (a random initialization) and diff_erank_pooled null;
+    null where a checkpoint lacks the measure (diff_erank_baseline says which baseline)."""
     from isojax.run import sweep_files
-    rows = [{"model": m, "revision": r, "name": "b", "erank_pooled": e, "erank": e / 10}
+    rows = [{"model": m, "revision": r, "name": "b", "erank_pooled": e, "erank": e / 10, "erank_init": 7.5}
             for m, r, e in [("a", "step1000", 30.0), ("a", "step0", 50.0), ("a", "main", 20.0),
-                            ("z", "step1000", 30.0), ("z", "main", 20.0)]]
+                            ("z", "step1000", 30.0), ("z", "main", 20.0), ("y", "main", 20.0)]]
     del rows[2]["erank"]  # a checkpoint measured before the sentence probe
+    del rows[4]["erank_init"], rows[5]["erank_init"]  # measured before erank_init
     rows = sweep_files.add_diff_erank(rows)
     got = {(r["model"], r["revision"]): r["diff_erank_pooled"] for r in rows}
     assert got == {("a", "step1000"): 20.0, ("a", "step0"): 0.0, ("a", "main"): 30.0,
-                   ("z", "step1000"): None, ("z", "main"): None}
+                   ("z", "step1000"): None, ("z", "main"): None, ("y", "main"): None}
     got = {(r["model"], r["revision"]): r["diff_erank"] for r in rows}
     assert got == {("a", "step1000"): pytest.approx(2.0), ("a", "step0"): 0.0, ("a", "main"): None,
-                   ("z", "step1000"): None, ("z", "main"): None}
-    assert [r["diff_erank_baseline"] for r in rows] == ["step0"] * 3 + [None] * 2
+                   ("z", "step1000"): pytest.approx(4.5), ("z", "main"): None, ("y", "main"): None}
+    assert [r["diff_erank_baseline"] for r in rows] == ["step0"] * 3 + ["random-init-seed0", None, None]
     err = capsys.readouterr().err
-    assert "diff_erank and diff_erank_pooled of z are null: the sweep has no step0" in err and " of a " not in err
+    assert "z: no step0 in the sweep" in err and "diff_erank from a random initialization" in err
+    assert "y: no step0 in the sweep" in err and "diff_erank null (no erank_init" in err and "a: no step0" not in err
 
 
 def test_a_sweep_csv_written_before_reads_its_changed_measures_as_null(tmp_path):

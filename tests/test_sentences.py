@@ -12,6 +12,7 @@ import sys
 import types
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import build_hf_checkpoint, hf_states, max_rel_error, need
@@ -253,4 +254,21 @@ def test_extract_writes_the_probe_measures_of_the_papers(tmp_path, monkeypatch):
         assert got["massive_median"] == pytest.approx(w["massive_median"], rel=1e-5)
         assert got["massive_count"] == w["massive_count"] == 0
     header = next(csv.reader(open(out / "layers.csv")))
-    assert {"erank", "massive_count", "massive_dims", "massive_top1", "massive_first_share"} <= set(header)
+    assert {"erank", "erank_init", "massive_count", "massive_dims", "massive_top1", "massive_first_share"} <= set(header)
+    # erank_init: the same sentences through the config's random initialization, seed 0 (Diff-eRank's
+    # baseline without a step0); its states from isojax's model (itself checked against Hugging Face)
+    import dataclasses
+
+    from isojax.hf.loading import from_config_params, load_model
+    loaded = load_model(str(tmp_path / "ckpt"))
+    init = dataclasses.replace(loaded, params=from_config_params(loaded.config, loaded.dtype, seed=0))
+    for path, w in jax.tree_util.tree_flatten_with_path(init.params)[0]:  # Hugging Face's _init_weights
+        name = jax.tree_util.keystr(path)
+        if "kernel" in name or "embed" in name:
+            assert abs(np.std(np.asarray(w)) - 0.02) < 0.002 and abs(np.mean(np.asarray(w))) < 0.002, name
+        elif "bias" in name:
+            assert not np.asarray(w).any(), name
+    assert metrics["sentences"]["init_seed"] == 0
+    for s, got in enumerate(metrics["layers"]):
+        want = np.mean([ref_erank(init.hidden_states(i)[s].astype(np.float64)) for i in ids])
+        assert got["erank_init"] == pytest.approx(want, rel=1e-5) and abs(got["erank_init"] - got["erank"]) > 1e-3

@@ -124,7 +124,8 @@ def build_module(cfg: ModelConfig, dtype: str, kernels: KernelChoice = KernelCho
 
 
 def _init_params(cfg: ModelConfig, dtype: str):
-    """key -> the parameter tree of the config's shapes (normal(0.02), LayerNorms at 1/0) in `dtype`."""
+    """key -> the parameter tree of the config's shapes (embeddings normal(0.02), weight matrices
+    lecun_normal, biases 0, norms at a gain of 1) in `dtype`."""
     module = model_class(cfg)(cfg)
     tokens, seg, pos = single_row(np.zeros(4, np.int32))
     return lambda key: jax.tree.map(lambda p: p.astype(DTYPES[dtype]),
@@ -141,6 +142,30 @@ def random_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, mesh=
         from isojax.device.mesh import param_shardings
         shardings = param_shardings(jax.eval_shape(make, key), mesh)
     return jax.jit(make, out_shardings=shardings)(key)
+
+
+INIT_STD = 0.02  # Hugging Face's initializer_range of Pythia, Llama, OPT, ... (the configs' default)
+
+
+def from_config_params(cfg: ModelConfig, dtype: str = "float32", seed: int = 0, mesh=None) -> dict:
+    """Weights as Hugging Face's `from_config` initializes a model (its `_init_weights` for GPT-NeoX,
+    Llama, OPT, ...): every weight matrix and embedding normal(0, INIT_STD), biases 0, norms at a gain
+    of 1; drawn by jax's PRNG from `seed` (the same distribution as torch's draw, not its values).
+    random_params' weight matrices are lecun_normal instead (flax's default)."""
+    make = _init_params(cfg, "float32")
+
+    def draw(key):
+        leaves, tree = jax.tree_util.tree_flatten_with_path(make(key))
+        keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
+        leaves = [INIT_STD * jax.random.normal(k, x.shape, jnp.float32) if getattr(path[-1], "key", None) == "kernel" else x
+                  for (path, x), k in zip(leaves, keys)]
+        return jax.tree.map(lambda p: p.astype(DTYPES[dtype]), tree.unflatten(leaves))
+
+    shardings = None
+    if mesh is not None:
+        from isojax.device.mesh import param_shardings
+        shardings = param_shardings(jax.eval_shape(draw, jax.random.PRNGKey(seed)), mesh)
+    return jax.jit(draw, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
 
 def abstract_params(cfg: ModelConfig, dtype: str, mesh) -> dict:

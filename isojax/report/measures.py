@@ -65,7 +65,8 @@ def _position_bands(figs: Figures, runs: list[Run], by_layer: bool, series=None)
 
 def _with_diff_erank(series: dict[str, list[Run]]) -> dict[str, list[Run]]:
     """Each run's layers get diff_erank and diff_erank_pooled: erank (erank_pooled) at the model's step0
-    minus its own (isojax.run.sweep_files.add_diff_erank); null without a step0."""
+    minus its own; without a step0, diff_erank from the layer's erank_init and diff_erank_pooled null
+    (isojax.run.sweep_files.add_diff_erank)."""
     for rs in series.values():
         base = next((r for r in rs if r.step == 0), None)
         for measure in ("erank", "erank_pooled"):
@@ -73,7 +74,11 @@ def _with_diff_erank(series: dict[str, list[Run]]) -> dict[str, list[Run]]:
                                              for layer in base.data["layers"]}
             for run in rs:
                 for layer in run.data["layers"]:
-                    d = first.get(str(layer.get("name")), math.nan) - number(layer.get(measure))
+                    if base is not None:
+                        start = first.get(str(layer.get("name")), math.nan)
+                    else:
+                        start = number(layer.get("erank_init")) if measure == "erank" else math.nan
+                    d = start - number(layer.get(measure))
                     layer[f"diff_{measure}"] = d if math.isfinite(d) else None
     return series
 

@@ -278,8 +278,39 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
                 per_state = []
             for layer, extra in zip(final["layers"], per_state):
                 layer.update(extra)
+            if per_state:
+                _add_init_erank(final, loaded, runner, cache, tokens.fingerprint, row_len)
     return _results(loaded, runner, corpus, tokens, cache, plan, timings, config, step, done=done,
                     loop_rate=loop_rate, final=final, settings=settings, has_sources=has_sources, pending=pending)
+
+
+_INIT_ERANKS: dict = {}  # per model shape, dtype, mesh, token cache and row length: once in a sweep's process
+
+
+def _add_init_erank(final: dict, loaded, runner, cache, corpus: str, row_len: int) -> None:
+    """Each layer's erank_init: the sentence probe's erank (the same sentences) through a random
+    initialization of the model's config as Hugging Face's from_config draws it (loading.from_config_params,
+    seed sweep_files.INIT_SEED), the baseline of diff_erank where a sweep has no step0,
+    as Wei et al. measure an untrained model; metrics.json's sentences["init_seed"] records the seed.
+    Computed once per process for a model shape and token cache (a sweep's checkpoints share it)."""
+    from isojax.hf.loading import from_config_params
+    from isojax.run.sweep_files import INIT_SEED
+    from isojax.stats.sentences import Probe
+    from isojax.stats.sentences import probe as sentence_probe
+    key = (loaded.config, loaded.dtype, runner.module.options, runner.mesh, corpus, row_len)
+    if key not in _INIT_ERANKS:
+        log(f"Diff-eRank's baseline: the same sentences through a random initialization of the config (seed {INIT_SEED})")
+        try:
+            params = from_config_params(loaded.config, loaded.dtype, seed=INIT_SEED, mesh=runner.mesh)
+            per_state, _ = sentence_probe(cache, Probe(runner.module, params, runner.mesh, row_len), loaded.tokenizer)
+            del params
+            _INIT_ERANKS[key] = [s.get("erank") for s in per_state]
+        except Exception as e:  # e.g. out of device memory: erank_init null, the run's results kept
+            log(f"warning: the random initialization's erank failed ({type(e).__name__}: {e}); erank_init is null")
+            _INIT_ERANKS[key] = [None] * len(final["layers"])
+    for layer, e in zip(final["layers"], _INIT_ERANKS[key]):
+        layer["erank_init"] = e
+    final["sentences"]["init_seed"] = INIT_SEED
 
 
 def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh, bos):

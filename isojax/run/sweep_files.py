@@ -8,9 +8,10 @@ representations minus the trained model's; positive: training removed redundant 
 `erank` (the sentence probe's, stats/sentences.py) of the model's step0 checkpoint minus this
 checkpoint's, per layer, on the same sentences (the probe's subset depends on the token cache and
 row length alone); diff_erank_pooled the same of `erank_pooled`. The paper's baseline is the
-untrained model: where the sweep has no step0 of a model, both are null, with a log line (measuring a
-random initialization of the config is not done here). Null too where either checkpoint lacks the
-measure. README "Measures" says how erank_pooled differs from the paper's per-sentence quantity.
+untrained model: where the sweep has no step0 of a model, diff_erank is taken from the row's own
+`erank_init` (the same sentences through a random initialization of the config, seed recorded in
+metrics.json: run/measure.py) and diff_erank_pooled is null (a random initialization's pooled
+eRank would need a run of its own), with a log line. Null too where either lacks the measure. README "Measures" says how erank_pooled differs from the paper's per-sentence quantity.
 
 sweep_cka.json: {MODEL: {"final": REVISION, "layers": [names], "tokens": K,
 "checkpoints": {REVISION: [[CKA(layer i at REVISION, layer j at final) for j] for i] or null}}}
@@ -46,25 +47,41 @@ def _number(v) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
 
 
+INIT_SEED = 0  # the random initialization behind erank_init (run/measure.py)
+
+
 def add_diff_erank(rows: list[dict], layer_key: str = "name") -> list[dict]:
     """Each row (model, revision, `layer_key`, erank, erank_pooled, ...) gets diff_erank (Wei et al.'s,
     from the sentence probe's erank) and diff_erank_pooled: that measure of its model's step0 at that
-    layer minus its own (None where either is missing; one log line per model without step0), and
-    diff_erank_baseline: "step0" where the model has one (None: no baseline, the differences null)."""
+    layer minus its own; without a step0, diff_erank is the row's erank_init minus its erank and
+    diff_erank_pooled null (one log line per model); and diff_erank_baseline: "step0",
+    "random-init-seed0" (INIT_SEED), or None where neither baseline exists."""
+    has_step0 = {row.get("model") for row in rows if step_of(str(row.get("revision"))) == 0}
     for measure in ("erank", "erank_pooled"):
         untrained: dict = {}
         for row in rows:
             if step_of(str(row.get("revision"))) == 0:
                 untrained[row.get("model"), row.get(layer_key)] = _number(row.get(measure))
-        for model in dict.fromkeys(row.get("model") for row in rows):
-            if measure == "erank" and not any(m == model for m, _ in untrained):
-                log(f"diff_erank and diff_erank_pooled of {model} are null: the sweep has no step0 (its untrained "
-                    "model, Diff-eRank's baseline)")
         for row in rows:
-            d = untrained.get((row.get("model"), row.get(layer_key)), math.nan) - _number(row.get(measure))
+            if row.get("model") in has_step0:
+                base = untrained.get((row.get("model"), row.get(layer_key)), math.nan)
+            else:
+                base = _number(row.get("erank_init")) if measure == "erank" else math.nan
+            d = base - _number(row.get(measure))
             row[f"diff_{measure}"] = d if math.isfinite(d) else None
-            if measure == "erank":  # which baseline: a column, not a comment line CSV readers would trip on
-                row["diff_erank_baseline"] = "step0" if any(m == row.get("model") for m, _ in untrained) else None
+    for model in dict.fromkeys(row.get("model") for row in rows):
+        if model not in has_step0:
+            init = any(math.isfinite(_number(r.get("erank_init"))) for r in rows if r.get("model") == model)
+            log(f"{model}: no step0 in the sweep (its untrained model, Diff-eRank's baseline): diff_erank "
+                + ("from a random initialization of its config (erank_init), " if init else "null (no erank_init: "
+                   "--sentence-probe measures it), ") + "diff_erank_pooled null")
+    for row in rows:  # which baseline: a column, not a comment line CSV readers would trip on
+        if row.get("model") in has_step0:
+            row["diff_erank_baseline"] = "step0"
+        elif row.get("diff_erank") is not None:
+            row["diff_erank_baseline"] = f"random-init-seed{INIT_SEED}"
+        else:
+            row["diff_erank_baseline"] = None
     return rows
 
 
