@@ -647,6 +647,18 @@ def massive_max_over_sample_median(layer: dict) -> float | None:
     return float(top / median) if top is not None and median else None
 
 
+def _chunks(states, count: int, num: int):
+    """states(0), ..., states(num - 1) in lists of sample_chunk states, each state asked for once."""
+    xs = [states(0)]
+    size = sample_chunk(count, xs[0].shape[-1], num)
+    for s in range(1, num):
+        if len(xs) == size:
+            yield xs
+            xs = []
+        xs.append(states(s))
+    yield xs
+
+
 PROGRESS_AFTER_S = 5.0  # sample_metrics logs a line per layer once it has run this long
 
 
@@ -674,8 +686,7 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
     start = time.perf_counter()
     num = len(state_names)
     pending, previous = [], None  # every state dispatched before any is read: one wait, not one a state
-    for first in range(0, num, chunk := sample_chunk(count, states(0).shape[1], num)):
-        xs = [states(s) for s in range(first, min(num, first + chunk))]
+    for xs in _chunks(states, count, num):
         with jax.enable_x64(True):
             pending.append(_states_readout(tuple(xs), batches))
         for x in xs:
