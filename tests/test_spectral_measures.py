@@ -210,9 +210,9 @@ def test_sample_read_outs_compiled_ahead_are_not_compiled_again(caplog, monkeypa
     x = jax.device_put(np.random.default_rng(0).normal(size=(k, d)).astype(np.float32), device)
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True), jax.enable_x64(True):
-        median, standardized = fz._sample_geometry(x)
-        cross = fz._centered_cross(x, x)
+        _, median, standardized = fz._states_readout((x, x), 0)
+        cross = fz._cross_matrix((x, x))
         fz.measures.sample_readout(x, x)  # the registered sample measures' (isojax.stats.measures)
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
-    assert not [c for c in compiled if "_sample_geometry" in c or "centered_cross" in c or "readout" in c], compiled
-    assert float(median) > 0 and abs(float(standardized)) < 0.1 and float(cross) > 0
+    assert not [c for c in compiled if "_states_readout" in c or "_cross_matrix" in c or "readout" in c], compiled
+    assert float(median[0]) > 0 and abs(float(standardized[0])) < 0.1 and float(cross[0, 1]) > 0

@@ -453,8 +453,8 @@ def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
         args = [(np.full(g, 50.0), rng.normal(size=(g, d)), rng.normal(size=(g, d)), pair, pair) for _ in range(s)]
         fz._read_states(lambda i: fz._whole_spectra(*args[i], per_group=True), s, on_cpu=False)
         eigs = fz._read_states(lambda i: fz._group_spectra(*args[i], np.float64(0.75)), s, on_cpu=False, top_ratios=True)
-        ratios = np.asarray(fz._batch_anisotropy(x.reshape(2, fz.BATCH, d)))
+        ratios = np.asarray(fz._states_readout((x,) * s, 2)[0][0])
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not [c for c in compiled if any(f in c for f in ("_spectra", "_bisect", "_tridiagonal_forms",
-                                                           "_top_ratios", "_batch_anisotropy"))], compiled
+                                                           "_top_ratios", "_states_readout"))], compiled
     assert len(eigs) == s and eigs[0][0].shape == (g, 2, d) and eigs[0][1].shape == (g, 2) and ratios.shape == (2, 2)

@@ -382,13 +382,12 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
                 if ratios == 2:  # the groups' read-out: _top_ratios of their other two matrices
                     _top_ratios.lower([f64_on(*per_state, d, d)] * k).compile()
             _bisect.lower([f64_on(*per_state, d)] * s, [f64_on(*per_state, d - 1)] * s).compile()
-        if sample_count >= BATCH:
-            x = jax.ShapeDtypeStruct((sample_count // BATCH, BATCH, d), np.float32, sharding=on)
-            _batch_anisotropy.lower(x).compile()
-        if sample_count:  # sample_metrics' median and standardized InterSim, sample_cka's products
+        if sample_count:  # sample_metrics' chunks of states, the measures, sample_cka's matrix
             x = jax.ShapeDtypeStruct((sample_count, d), np.float32, sharding=on)
-            _sample_geometry.lower(x).compile()
-            _centered_cross.lower(x, x).compile()
+            size = sample_chunk(sample_count, d, s)
+            for k in {size, s - size * (-(-s // size) - 1)}:
+                _states_readout.lower((x,) * k, sample_count // BATCH).compile()
+            _cross_matrix.lower((x,) * s).compile()
             measures.compile_sample(x)
 
 
@@ -594,28 +593,46 @@ def _batch_anisotropy(x_BxNxD):
     return jax.vmap(one)(x)  # the 2B Lanczos runs side by side: their steps are latency, not work
 
 
+SAMPLE_CHUNK_BYTES = 2 * 2**30  # float64 temporaries of one of sample_metrics' programs, at most about
+
+
+def sample_chunk(count: int, d: int, states: int) -> int:
+    """States per program of sample_metrics: each holds about three float64 copies of its
+    [count, d] points (the cast, |x| and its sort for the median; standardized InterSim's z)."""
+    return max(1, min(states, SAMPLE_CHUNK_BYTES // max(1, 3 * 8 * count * d)))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _states_readout(x_CxKxD: tuple, batches: int):
+    """A chunk of states' sample read-outs in one program (float64, x64 on): ([C, batches, 2]
+    _batch_anisotropy of each state's first batches x BATCH points, or None without a batch,
+    [C] median |x|, [C] InterSim of the standardized points). Every batch's Lanczos runs side by side."""
+    ratios = None
+    if batches:
+        x = jnp.concatenate([x[:batches * BATCH].reshape(batches, BATCH, -1) for x in x_CxKxD])
+        ratios = _batch_anisotropy(x).reshape(len(x_CxKxD), batches, 2)
+    return (ratios, jnp.stack([geometry.median_abs(x) for x in x_CxKxD]),
+            jnp.stack([geometry.inter_sim_standardized(x) for x in x_CxKxD]))
+
+
 @jax.jit
-def _sample_geometry(x_KxD):
-    """(median |x|, InterSim of the standardized points) of one state's sample, float64 (x64 on)."""
-    return geometry.median_abs(x_KxD), geometry.inter_sim_standardized(x_KxD)
-
-
-_centered_cross = jax.jit(geometry.centered_cross)
+def _cross_matrix(x_SxKxD: tuple):
+    """[S, S] geometry.centered_cross of every pair of states in one program (float64, x64 on):
+    the pairs i >= j one after another (a loop over the stacked float32 points: one pair's
+    float64 temporaries at a time), mirrored."""
+    x = jnp.stack(x_SxKxD)
+    num = len(x_SxKxD)
+    i_P, j_P = np.tril_indices(num)
+    cross_P = jax.lax.map(lambda ij: geometry.centered_cross(x[ij[0]], x[ij[1]]), (i_P, j_P))
+    return jnp.zeros((num, num), cross_P.dtype).at[i_P, j_P].set(cross_P).at[j_P, i_P].set(cross_P)
 
 
 def sample_cka(states, count: int, state_names: list[str]) -> dict:
     """cka.json: linear CKA (geometry.cka_matrix) between every pair of states on the sample,
-    {"layers": names, "matrix": [S][S], "tokens": K}. Each state is read once and kept (the
-    size of the sample again, where it lies); each pair's ||X^T Y||_F^2 in float64 there."""
-    num = len(state_names)
-    cross_SxS = np.zeros((num, num))
-    kept, pending = [], []
+    {"layers": names, "matrix": [S][S], "tokens": K}: every pair's ||X^T Y||_F^2 (centered) in
+    float64 in one program where the states lie (_cross_matrix), read once."""
     with jax.enable_x64(True):
-        for i in range(num):  # dispatched back to back, read once: no wait for the host between pairs
-            kept.append(states(i))
-            pending += [((i, j), _centered_cross(kept[i], kept[j])) for j in range(i + 1)]
-        for (i, j), cross in pending:
-            cross_SxS[i, j] = cross_SxS[j, i] = float(cross)
+        cross_SxS = np.asarray(_cross_matrix(tuple(states(i) for i in range(len(state_names)))), np.float64)
     matrix = geometry.cka_matrix(cross_SxS)
     if any(v is None for row in matrix for v in row):
         from isojax.log import log
@@ -628,6 +645,18 @@ def massive_max_over_sample_median(layer: dict) -> float | None:
     None without either. Not Sun et al.'s per-sequence ratio (stats/sentences.py); `massive_ratio` before."""
     top, median = layer.get("massive_max"), layer.get("sample_abs_median")
     return float(top / median) if top is not None and median else None
+
+
+def _chunks(states, count: int, num: int):
+    """states(0), ..., states(num - 1) in lists of sample_chunk states, each state asked for once."""
+    xs = [states(0)]
+    size = sample_chunk(count, xs[0].shape[-1], num)
+    for s in range(1, num):
+        if len(xs) == size:
+            yield xs
+            xs = []
+        xs.append(states(s))
+    yield xs
 
 
 PROGRESS_AFTER_S = 5.0  # sample_metrics logs a line per layer once it has run this long
@@ -655,24 +684,29 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
             f"{'' if batches == 1 else 'es'} of {BATCH:,} (two are needed; --sample-states {2 * BATCH:,} or more)"
             + ("" if batches else "; anisotropy_batch_mean is null too"))
     start = time.perf_counter()
-
-    def dispatch(s):
-        x = states(s)
+    num = len(state_names)
+    pending, previous = [], None  # every state dispatched before any is read: one wait, not one a state
+    for xs in _chunks(states, count, num):
         with jax.enable_x64(True):
-            return x, _batch_anisotropy(x[:batches * BATCH].reshape(batches, BATCH, -1)) if batches else None, \
-                _sample_geometry(x)
-
-    ahead, previous = dispatch(0), None
-    for s, _ in enumerate(state_names):  # one state ahead: the devices work while the host reads out
-        (x, ratios, (median, standardized)), ahead = ahead, dispatch(s + 1) if s + 1 < len(state_names) else None
+            pending.append(_states_readout(tuple(xs), batches))
+        for x in xs:
+            pending.append(measures.sample_dispatch(previous, x))  # isojax.stats.measures
+            previous = x
+    del xs, previous
+    read = jax.device_get(pending)
+    chunks = [r for r in read if isinstance(r, tuple)]
+    ratios_SxBx2 = np.concatenate([c[0] for c in chunks]) if batches else None
+    median_S, standardized_S = (np.concatenate([c[i] for c in chunks]) for i in (1, 2))
+    measured = [r for r in read if isinstance(r, dict)]
+    for s, _ in enumerate(state_names):
         m: dict = {"sample_tokens": count, "anisotropy_batches": batches,
-                   "sample_abs_median": float(median), "inter_sim_standardized": float(standardized)}
+                   "sample_abs_median": float(median_S[s]), "inter_sim_standardized": float(standardized_S[s])}
         if not np.isfinite(m["inter_sim_standardized"]):
             m["inter_sim_standardized"] = None
             log(f"inter_sim_standardized of {state_names[s]} is null: {count:,} sampled tokens "
                 + ("(two are needed)" if count < 2 else "with a token equal to the sample's mean"))
         if batches:
-            ratios = np.asarray(ratios)
+            ratios = ratios_SxBx2[s]
             for j, key in enumerate(("anisotropy_batch", "anisotropy_uncentered_batch")):
                 m[f"{key}_mean"] = float(ratios[:, j].mean())
                 m[f"{key}_std"] = float(ratios[:, j].std(ddof=1)) if batches > 1 else None
@@ -684,7 +718,7 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
             notes: list[tuple] = []
             try:
                 m["intrinsic_dimension"] = ids.intrinsic_dimensions(
-                    x, k=k, discard_fraction=discard_fraction, min_kept=ids.MIN_KEPT_SAMPLE, notes=notes)
+                    states(s), k=k, discard_fraction=discard_fraction, min_kept=ids.MIN_KEPT_SAMPLE, notes=notes)
             except UserError as e:  # e.g. the embedding layer: one row per token type
                 said.append(f"null ({e})")
                 m["intrinsic_dimension"] = {"twonn": None, "mle": None, "mom": None}
@@ -693,8 +727,7 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
                 drops.setdefault((dropped, of, why), []).append(name)
             said += [f"{' and '.join(names)} left out {d:,} of {of:,} points {why}"
                      for (d, of, why), names in drops.items()]
-        m.update(measures.sample_readout(previous, x, state_names[s]))  # isojax.stats.measures
-        previous = x
+        m.update(measures.sample_values(measured[s], state_names[s]))
         out.append(m)
         elapsed = time.perf_counter() - start
         progress = f" [{s + 1}/{len(state_names)} states, {elapsed:.0f} s]" if elapsed > PROGRESS_AFTER_S else ""

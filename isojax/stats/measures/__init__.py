@@ -16,7 +16,8 @@ import pkgutil
 
 from isojax.stats.measures.base import Measure, Metric, Spectra
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "compile_sample", "sample_readout"]
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "compile_sample", "sample_readout",
+           "sample_dispatch", "sample_values"]
 
 
 def _found() -> dict[str, Measure]:
@@ -73,11 +74,18 @@ def sample_readout(previous, x, what: str = "") -> dict:
     """Every sample and pairs measure's metrics of one state, from its sampled points x [K, D] and
     the previous state's (None for the first state: its pairs measures are null), in float64: numpy
     on the CPU, jitted where the points lie on accelerators (on_host); NaN written as null, with a
-    log line naming the state `what` (not for the first state's pairs measures)."""
+    log line naming the state `what` (not for the first state's pairs measures).
+    sample_dispatch then sample_values: the same, split so that every state's read-outs are
+    dispatched to the devices before any is read (stats.finalize.sample_metrics)."""
+    return sample_values(sample_dispatch(previous, x), what)
+
+
+def sample_dispatch(previous, x) -> dict:
+    """sample_readout's values of one state, not yet read: {name: 0-d array} (device arrays on
+    accelerators, computed in numpy on the host)."""
     import jax
     import numpy as np
-    host = on_host()
-    run = (lambda m, *a: m.readout(*map(np.asarray, a))) if host else (lambda m, *a: _jitted(m.readout)(*a))
+    run = (lambda m, *a: m.readout(*map(np.asarray, a))) if on_host() else (lambda m, *a: _jitted(m.readout)(*a))
     pending = {}
     with jax.enable_x64(True):
         for m in _on(("sample", "pairs")):
@@ -85,6 +93,12 @@ def sample_readout(previous, x, what: str = "") -> dict:
                 pending.update(run(m, x))
             elif previous is not None:
                 pending.update(run(m, previous, x))
+    return pending
+
+
+def sample_values(pending: dict, what: str = "") -> dict:
+    """sample_readout's result from sample_dispatch's values (read from the devices if not yet)."""
+    import numpy as np
     out = {name: None for name in names(("sample", "pairs"))}
     for name, value in pending.items():
         value = float(np.asarray(value))
