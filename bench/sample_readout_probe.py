@@ -1,7 +1,7 @@
 """The sample's float64 read-out of one checkpoint (issue 47): the per-state path it replaced (one
 _batch_anisotropy and one geometry program per state with a host read each, the registered measures
 read per state, one _centered_cross program per pair of sample_cka) against the batched one
-(finalize.sample_metrics and sample_cka as they are), on random float32 states already on the
+(sr.sample_metrics and sample_cka as they are), on random float32 states already on the
 device. Prints one table: phase, seconds of each (best of --repeat, after a warm-up call that
 compiles), and the largest relative difference of their numbers.
 
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from isojax.stats import finalize as fz
+from isojax.stats import sample_readout as sr
 from isojax.stats import geometry, measures
 
 _geometry = jax.jit(lambda x: (geometry.median_abs(x), geometry.inter_sim_standardized(x)))
@@ -27,12 +28,12 @@ _centered_cross = jax.jit(geometry.centered_cross)
 
 def old_sample_metrics(states, count: int, num: int) -> list[dict]:
     """The per-state path: the next state's programs dispatched one state ahead, each state read."""
-    batches = count // fz.BATCH
+    batches = count // sr.BATCH
 
     def dispatch(s):
         x = states(s)
         with jax.enable_x64(True):
-            ratios = fz._batch_anisotropy(x[:batches * fz.BATCH].reshape(batches, fz.BATCH, -1)) if batches else None
+            ratios = sr._batch_anisotropy(x[:batches * sr.BATCH].reshape(batches, sr.BATCH, -1)) if batches else None
             return x, ratios, _geometry(x)
 
     out, ahead, previous = [], dispatch(0), None
@@ -99,12 +100,12 @@ def main(argv=None) -> None:
     states = lambda s: data[s]
     names = [f"s{s}" for s in range(args.states)]
     print(f"{jax.devices()[0].device_kind}: {args.states} states x K {args.k:,} x D {args.d}, "
-          f"{fz.sample_chunk(args.k, args.d, args.states)} states a program, measures "
+          f"{sr.sample_chunk(args.k, args.d, args.states)} states a program, measures "
           f"{'on the host' if measures.on_host() else 'jitted'}")
     old_m_s, old_m = best(lambda: old_sample_metrics(states, args.k, args.states), args.repeat)
-    new_m_s, new_m = best(lambda: fz.sample_metrics(states, args.k, names, intrinsic=False), args.repeat)
+    new_m_s, new_m = best(lambda: sr.sample_metrics(states, args.k, names, intrinsic=False), args.repeat)
     old_c_s, old_c = best(lambda: old_sample_cka(states, args.states), args.repeat)
-    new_c_s, new_c = best(lambda: np.array(fz.sample_cka(states, args.k, names)["matrix"], np.float64), args.repeat)
+    new_c_s, new_c = best(lambda: np.array(sr.sample_cka(states, args.k, names)["matrix"], np.float64), args.repeat)
     cka_diff = float(np.nanmax(np.abs(old_c - new_c) / np.abs(old_c)))
     print(f"{'phase':<16}{'old s':>10}{'new s':>10}{'max rel diff':>14}")
     print(f"{'sample_metrics':<16}{old_m_s:>10.3f}{new_m_s:>10.3f}{largest_difference(old_m, new_m):>14.2e}")

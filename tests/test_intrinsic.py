@@ -175,7 +175,7 @@ def test_sample_metrics_logs_and_degenerate_layers(capsys):
     says why anisotropy_batch_std is null."""
     import jax.numpy as jnp
 
-    from isojax.stats.finalize import sample_metrics
+    from isojax.stats.sample_readout import sample_metrics
 
     rng = np.random.default_rng(5)
     n = 4096

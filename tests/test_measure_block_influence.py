@@ -8,6 +8,7 @@ import pytest
 from measure_cases import FAMILIES, hf_points
 
 from isojax.stats import finalize as fz
+from isojax.stats import sample_readout as sr
 from isojax.stats import measures
 
 
@@ -17,7 +18,7 @@ def sampled(x_SxKxD, keys=("block_influence", "linearity"), host: bool = True) -
     s, k, _ = x_SxKxD.shape
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(measures, "on_host", lambda: host)
-        out = fz.sample_metrics(lambda i: jnp.asarray(x_SxKxD[i]), k, [f"s{i}" for i in range(s)], intrinsic=False)
+        out = sr.sample_metrics(lambda i: jnp.asarray(x_SxKxD[i]), k, [f"s{i}" for i in range(s)], intrinsic=False)
     return [{key: m[key] for key in keys} for m in out]
 
 

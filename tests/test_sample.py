@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from isojax.stats import finalize as fz
+from isojax.stats import sample_readout as sr
 from isojax.stats import sample
 from isojax.stats import accumulators as stats
 
@@ -86,7 +87,7 @@ def test_batch_anisotropy_against_svd():
     for d, scale in ((48, np.logspace(0, -3, 48)), (700, np.ones(700)), (4500, np.logspace(0, -1, 4500))):
         x = (rng.normal(size=(2, 4096, d)) * scale + rng.normal(size=d)).astype(np.float32)
         with jax.enable_x64(True):
-            got = np.asarray(fz._batch_anisotropy(x))
+            got = np.asarray(sr._batch_anisotropy(x))
         for b in range(2):
             xb = x[b].astype(np.float64)
             for j, y in enumerate((xb - xb.mean(0), xb)):

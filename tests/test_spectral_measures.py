@@ -17,6 +17,7 @@ import pytest
 from conftest import TOKENIZER_JSON, build_hf_checkpoint, hf_states, need
 from isojax.stats import accumulators as stats
 from isojax.stats import finalize as fz
+from isojax.stats import sample_readout as sr
 from isojax.stats import measures
 from test_author_measures import reference as author_reference
 from test_extract import write_pile_jsonl
@@ -210,8 +211,8 @@ def test_sample_read_outs_compiled_ahead_are_not_compiled_again(caplog, monkeypa
     x = jax.device_put(np.random.default_rng(0).normal(size=(k, d)).astype(np.float32), device)
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True), jax.enable_x64(True):
-        _, median, standardized = fz._states_readout((x, x), 0)
-        cross = fz._cross_matrix((x, x))
+        _, median, standardized = sr._states_readout((x, x), 0)
+        cross = sr._cross_matrix((x, x))
         fz.measures.sample_readout(x, x)  # the registered sample measures' (isojax.stats.measures)
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not [c for c in compiled if "_states_readout" in c or "_cross_matrix" in c or "readout" in c], compiled

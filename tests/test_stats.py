@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from isojax.stats import finalize as fz
+from isojax.stats import sample_readout as sr
 from isojax.stats import accumulators as stats
 from isojax.stats.options import StatsOptions
 
@@ -442,18 +443,18 @@ def test_read_outs_compiled_ahead_are_not_compiled_again(caplog):
 
     g, h, s, d = 3, 3, 5, 24  # shapes no other test compiles
     device = jax.devices()[0]  # finalize's device arrays are committed to a device
-    fz.compile_ahead((h, s, d, d), g, 2 * fz.BATCH, device)
+    fz.compile_ahead((h, s, d, d), g, 2 * sr.BATCH, device)
     rng = np.random.default_rng(2)
     m = rng.normal(size=(h, d, d))
     pair = stats.DFPair(jax.device_put(np.stack([m @ m.transpose(0, 2, 1), np.zeros((h, d, d))], -1).astype(np.float32),
                                        device))
-    x = jax.device_put(rng.normal(size=(2 * fz.BATCH, d)).astype(np.float32), device)
+    x = jax.device_put(rng.normal(size=(2 * sr.BATCH, d)).astype(np.float32), device)
     caplog.set_level(logging.WARNING)
     with jax.log_compiles(True), jax.enable_x64(True):
         args = [(np.full(g, 50.0), rng.normal(size=(g, d)), rng.normal(size=(g, d)), pair, pair) for _ in range(s)]
         fz._read_states(lambda i: fz._whole_spectra(*args[i], per_group=True), s, on_cpu=False)
         eigs = fz._read_states(lambda i: fz._group_spectra(*args[i], np.float64(0.75)), s, on_cpu=False, top_ratios=True)
-        ratios = np.asarray(fz._states_readout((x,) * s, 2)[0][0])
+        ratios = np.asarray(sr._states_readout((x,) * s, 2)[0][0])
     compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert not [c for c in compiled if any(f in c for f in ("_spectra", "_bisect", "_tridiagonal_forms",
                                                            "_top_ratios", "_states_readout"))], compiled

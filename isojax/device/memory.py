@@ -141,7 +141,7 @@ SAMPLE_BYTES = 2e9  # the default sample (batch anisotropy) takes at most this m
 def default_sample_size(cfg, dtype: str) -> int:
     """16,384 tokens (4 batches of 4096), fewer for models whose states would take more than
     SAMPLE_BYTES per device; a multiple of 4096, at least 4096."""
-    from isojax.stats.finalize import BATCH
+    from isojax.stats.sample_readout import BATCH
     per_token = cfg.num_states * cfg.hidden_size * (2 if dtype == "bfloat16" else 4)
     return max(BATCH, min(4 * BATCH, int(SAMPLE_BYTES / per_token) // BATCH * BATCH))
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from isojax import faults, storage
 from isojax.errors import UserError
-from isojax.stats.finalize import massive_max_over_sample_median, sample_cka, sample_metrics
+from isojax.stats.sample_readout import massive_max_over_sample_median, sample_cka, sample_metrics
 from isojax.device.memory import check_fits, choose_mesh, defaults_platform
 from isojax.device.kernel_choice import CheckRecord, check_mlp_kernel, check_norm_kernel
 from isojax.log import log

@@ -3,7 +3,7 @@
 found here, in the order of the modules' names. Adding one is its file, its test and its row of
 the README's measures table (tests/test_measures_registry.py checks the table against MEASURES).
 
-Readers: stats.finalize (spectral), stats.finalize.sample_metrics (sample and pairs),
+Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample and pairs),
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
 (report/measures.py). The step's streamed measures are not here yet (issue 46's step side).
 """
@@ -76,7 +76,7 @@ def sample_readout(previous, x, what: str = "") -> dict:
     on the CPU, jitted where the points lie on accelerators (on_host); NaN written as null, with a
     log line naming the state `what` (not for the first state's pairs measures).
     sample_dispatch then sample_values: the same, split so that every state's read-outs are
-    dispatched to the devices before any is read (stats.finalize.sample_metrics)."""
+    dispatched to the devices before any is read (stats.sample_readout.sample_metrics)."""
     return sample_values(sample_dispatch(previous, x), what)
 
 
