@@ -92,7 +92,7 @@ def _bisect_states(reduced: list) -> list:
     return out
 
 
-READOUT_BYTES = 1 << 30  # the float64 matrices of one batched reduction (a chunk of states) at most
+READOUT_BYTES = 2 << 30  # the float64 matrices of one batched reduction (a chunk of states) at most (15c)
 
 
 def chunk_states(matrices_per_state: int, d: int, num_states: int) -> int:
