@@ -177,30 +177,17 @@ def abstract_params(cfg: ModelConfig, dtype: str, mesh) -> dict:
                         param_shardings(shapes, mesh))
 
 
-def place(params, dtype: str, mesh=None, cfg: ModelConfig | None = None) -> dict:
+def place(params, dtype: str, mesh=None, build=None) -> dict:
     """Parameters (numpy in any float dtype, or jax) copied as they are to the default device,
-    turned into the parameter tree there (cfg given: Hugging Face tensors stacked and transposed,
-    family.tensors_to_params), cast to `dtype` and put where parallel.param_shardings puts them on
-    the mesh. One jitted program per config, dtype, mesh and input shapes in a process: a sweep's
-    later checkpoints neither trace nor look it up in the compilation cache again."""
-    leaves, structure = jax.tree.flatten(jax.device_put(params))
-    avals = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
-    shapes = None if cfg is None else dataclasses.replace(cfg, name="")  # a sweep's revisions differ in name only
-    return _placer(shapes, dtype, mesh, structure, avals)(jax.tree.unflatten(structure, leaves))
-
-
-@functools.lru_cache(maxsize=8)
-def _placer(cfg: ModelConfig | None, dtype: str, mesh, structure, avals: tuple):
-    """place's jitted program for inputs of this tree structure and ((shape, dtype), ...) leaves."""
-    def finish(t):
-        t = tensors_to_params(t, cfg, jnp) if cfg is not None else t
-        return jax.tree.map(lambda a: a.astype(DTYPES[dtype]), t)
+    turned into the parameter tree there by `build` (e.g. Hugging Face tensors stacked and
+    transposed), cast to `dtype` and put where parallel.param_shardings puts them on the mesh."""
+    build = build or (lambda t: t)
+    finish = lambda t: jax.tree.map(lambda a: a.astype(DTYPES[dtype]), build(t))
     shardings = None
     if mesh is not None:
         from isojax.device.mesh import param_shardings
-        example = jax.tree.unflatten(structure, [jax.ShapeDtypeStruct(shape, dt) for shape, dt in avals])
-        shardings = param_shardings(jax.eval_shape(finish, example), mesh)
-    return jax.jit(finish, out_shardings=shardings)
+        shardings = param_shardings(jax.eval_shape(finish, params), mesh)
+    return jax.jit(finish, out_shardings=shardings)(jax.device_put(params))
 
 
 def load_model(name_or_path: str, revision: str | None = None, dtype: str = "float32",
@@ -248,7 +235,7 @@ def _load_dir(path: Path, name: str, revision, dtype: str, mesh=None) -> LoadedM
     else:
         cfg, tensors, checksum = read_hf_tensors(path, put=jax.device_put)  # each copied as it is read
         check_finite(tensors, path)
-        params = place(tensors, dtype, mesh, cfg=cfg)
+        params = place(tensors, dtype, mesh, build=lambda t: tensors_to_params(t, cfg, jnp))
         del tensors
         source = {"name": name, "revision": revision, "path": str(path), "checksum": checksum}
         weights = checkpoint_weights(revision, path)

@@ -8,7 +8,6 @@ GPT-NeoX-20B's tokenizer, which Pythia uses and isojax ships
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def load_tokenizer(directory: Path | None, cfg: ModelConfig, hub_repo: str | Non
               "using the GPT-NeoX-20B tokenizer shipped with isojax (Pythia's)")
         path = BUNDLED
     try:
-        tok, desc = _read_tokenizer(Path(path)), str(path) if path != BUNDLED else "gpt-neox-20b (bundled)"
+        tok, desc = Tokenizer.from_file(str(path)), str(path) if path != BUNDLED else "gpt-neox-20b (bundled)"
     except Exception as e:
         raise UserError(f"{path}: unreadable tokenizer ({e})") from None
     if path == BUNDLED and directory is None and tok.get_vocab_size() > cfg.vocab_size:
@@ -90,28 +89,6 @@ def load_tokenizer(directory: Path | None, cfg: ModelConfig, hub_repo: str | Non
             f"{cfg.vocab_size} ids")
         tok, desc = first_ids(path, cfg.vocab_size), f"gpt-neox-20b (bundled, first {cfg.vocab_size} ids)"
     return _checked(tok, cfg, desc, path == BUNDLED)
-
-
-_READ: dict = {}  # sha256 of a tokenizer.json -> its Tokenizer (never changed in place: users copy it)
-_LEADING: dict = {}  # the same key -> the id its post-processor puts first (tokenizer_bos)
-
-
-def _content_key(tok) -> str | None:
-    return next((k for k, t in _READ.items() if t is tok), None)
-
-
-def _read_tokenizer(path: Path) -> Tokenizer:
-    """Tokenizer of a tokenizer.json, read once per content in a process: a sweep's revisions ship the
-    same file (0.1-0.2 s a read, on the main thread before each loop). The last 4 are kept."""
-    data = path.read_bytes()
-    key = hashlib.sha256(data).hexdigest()
-    if key not in _READ:
-        tok = Tokenizer.from_str(data.decode("utf-8"))
-        while len(_READ) >= 4:
-            _LEADING.pop(old := next(iter(_READ)), None)
-            del _READ[old]
-        _READ[key] = tok
-    return _READ[key]
 
 
 def first_ids(path: Path, vocab_size: int) -> Tokenizer:
@@ -175,16 +152,11 @@ def tokenizer_bos(tok, directory: Path | None, description: str) -> Bos:
     config = config if isinstance(config, dict) else {}
     name = config.get("bos_token")
     name = name.get("content") if isinstance(name, dict) else name
-    key = _content_key(tok)
-    if key is None or key not in _LEADING:
-        backend = Tokenizer.from_str(getattr(tok, "backend_tokenizer", tok).to_str())  # a copy: truncation off
-        backend.no_truncation()
-        backend.no_padding()
-        enc = backend.encode("a", add_special_tokens=True)
-        leading = enc.ids[0] if enc.special_tokens_mask and enc.special_tokens_mask[0] else None
-        if key is not None:
-            _LEADING[key] = leading
-    leading = _LEADING[key] if key is not None else leading
+    backend = Tokenizer.from_str(getattr(tok, "backend_tokenizer", tok).to_str())  # a copy: truncation off
+    backend.no_truncation()
+    backend.no_padding()
+    enc = backend.encode("a", add_special_tokens=True)
+    leading = enc.ids[0] if enc.special_tokens_mask and enc.special_tokens_mask[0] else None
     named = tok.token_to_id(name) if isinstance(name, str) else None
     bundled = tok.token_to_id(BUNDLED_BOS) if description.startswith("gpt-neox-20b (bundled") else None
     bos = next((i for i in (leading, named, bundled) if i is not None), None)
