@@ -59,7 +59,12 @@ def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: in
     need = per_device_accumulator_bytes(cfg, n, num_groups=num_groups, token_stats=token_stats, model_axis=model_axis,
                                         group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
                                         sample_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
-    return need, (2 if dtype == "bfloat16" else 4) * cfg.param_count() // model_axis
+    return need, weight_bytes(cfg, dtype, model_axis)
+
+
+def weight_bytes(cfg, dtype: str, model_axis: int = 1) -> int:
+    """The parameters' bytes on each device, split model_axis ways."""
+    return (2 if dtype == "bfloat16" else 4) * cfg.param_count() // model_axis
 
 
 def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
@@ -79,6 +84,20 @@ def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens
                         f"{limit / 1e9:.1f} GB on {mesh.size} device(s); use more devices, a larger 'model' axis "
                         "(--mesh), fewer --batch-tokens, --no-token-stats (per-token IntraSim needs (L+2) x V x D x 8 "
                         "bytes, split over the devices) or a smaller model")
+
+
+def room_beside(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
+                sample_size: int = 0) -> int:
+    """Bytes of one device that a run's plan leaves free from its start to its read-out's end (what
+    a sweep's next checkpoint may take, loaded ahead: run/load_ahead.py): FIT of the device's memory
+    less the accumulators, the weights twice (the sentence probe's random initialization draws a
+    second copy) and the larger of the step's temporaries and a read-out's float64 matrices."""
+    from isojax.stats.finalize import READOUT_BYTES
+    limit = device_memory_bytes() or host_memory_bytes()
+    need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
+                                      sample_size)
+    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"])
+    return int(FIT * limit - need - 2 * weights - max(step, READOUT_BYTES))
 
 
 def choose_mesh(cfg, config, dtype: str, corpus, row_len: int):
@@ -191,3 +210,12 @@ def device_memory_bytes() -> int | None:
 
 def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_available_bytes() -> int:
+    """Host memory available to new allocations now (MemAvailable), else a quarter of the host's."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return host_memory_bytes() // 4

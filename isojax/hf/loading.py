@@ -191,9 +191,11 @@ def place(params, dtype: str, mesh=None, build=None) -> dict:
 
 
 def load_model(name_or_path: str, revision: str | None = None, dtype: str = "float32",
-               mesh=None) -> LoadedModel:
+               mesh=None, read: HostCheckpoint | None = None) -> LoadedModel:
     """Load a checkpoint of any supported family; see module docstring for the accepted names. With a mesh
-    the parameters are placed on it (replicated, or split over its "model" axis)."""
+    the parameters are placed on it (replicated, or split over its "model" axis). read: its Hugging
+    Face folder's tensors, read into host memory before (read_to_host; a sweep's next checkpoint,
+    run/load_ahead.py), placed as the files' would be."""
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     name = str(name_or_path)
@@ -206,7 +208,7 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
     if path.exists() or name.startswith((".", "/", "~")):
         if not path.is_dir():
             raise UserError(f"{path}: not a checkpoint directory")
-        return _load_dir(local_revision(path, revision), name, revision, dtype, mesh)
+        return _load_dir(local_revision(path, revision), name, revision, dtype, mesh, read)
     repo = hub_id(name) if base_preset(name) else name
     if shape_only(name):
         raise UserError(f"{name} is a preset of shapes with no hub model behind it: random:{name} runs it "
@@ -216,13 +218,16 @@ def load_model(name_or_path: str, revision: str | None = None, dtype: str = "flo
         raise UserError(f"unknown model {name!r}: not a directory, a hub id (org/name), or a preset "
                         f"({', '.join(preset_names())}, their -deduped variants, random:<preset>)")
     from isojax.hf.files import resolve_model
-    loaded = _load_dir(resolve_model(repo, revision), repo, revision, dtype, mesh)
+    loaded = _load_dir(read.path if read is not None else resolve_model(repo, revision), repo, revision, dtype,
+                       mesh, read)
     loaded.hub_repo, loaded.hub_revision = repo, revision  # a snapshot without tokenizer.json: the revision's
     return loaded
 
 
-def _load_dir(path: Path, name: str, revision, dtype: str, mesh=None) -> LoadedModel:
+def _load_dir(path: Path, name: str, revision, dtype: str, mesh=None, read: HostCheckpoint | None = None) -> LoadedModel:
     """A checkpoint folder; name and revision: as given (a stand-in repository's folder and revision)."""
+    if read is not None and read.path != path:
+        raise ValueError(f"tensors read from {read.path}, not {path}")
     if is_converted(path):
         cfg, params, meta = load_converted(path, DTYPES[dtype])
         check_finite(dict(zip(*_named_leaves(params))), path)
@@ -233,13 +238,33 @@ def _load_dir(path: Path, name: str, revision, dtype: str, mesh=None) -> LoadedM
                   "path": str(path), "checksum": meta["checksum"]}
         weights = checkpoint_weights(source["revision"], source["name"], path)
     else:
-        cfg, tensors, checksum = read_hf_tensors(path, put=jax.device_put)  # each copied as it is read
+        if read is None:
+            cfg, tensors, checksum = read_hf_tensors(path, put=jax.device_put)  # each copied as it is read
+        else:  # the same tensors, in the same order, from host memory
+            cfg, checksum = read.cfg, read.checksum
+            tensors = {n: jax.device_put(t) for n, t in read.tensors.items()}
         check_finite(tensors, path)
         params = place(tensors, dtype, mesh, build=lambda t: tensors_to_params(t, cfg, jnp))
         del tensors
         source = {"name": name, "revision": revision, "path": str(path), "checksum": checksum}
         weights = checkpoint_weights(revision, path)
     return LoadedModel(cfg, params, weights, source, dtype, tokenizer_dir=path)
+
+
+@dataclasses.dataclass
+class HostCheckpoint:
+    """A Hugging Face checkpoint folder read into host memory: its config, its tensors as stored
+    (copies, not views of the files) and its checksum, as read_hf_tensors gives them."""
+    path: Path
+    cfg: ModelConfig
+    tensors: dict
+    checksum: str
+
+
+def read_to_host(path: Path) -> HostCheckpoint:
+    """The checkpoint folder's tensors copied out of its memory-mapped files, for load_model(read=...)."""
+    cfg, tensors, checksum = read_hf_tensors(path, put=np.array)
+    return HostCheckpoint(path, cfg, tensors, checksum)
 
 
 @jax.jit

@@ -24,9 +24,10 @@ def peek_config(name: str):
     return None
 
 
-def load(model, revision, dtype: str, mesh):
+def load(model, revision, dtype: str, mesh, ahead=None):
     """The model's weights in `dtype` on `mesh`. A LoadedModel given is left as it is: the run
-    gets a copy of it (the tokenizer it loaded kept), its params placed anew."""
+    gets a copy of it (the tokenizer it loaded kept), its params placed anew. ahead: a sweep's
+    LoadAhead (run/load_ahead.py), which may hold them read already."""
     from isojax import faults
     from isojax.hf.loading import LoadedModel, load_model, place
     faults.reached("weights_read")
@@ -36,7 +37,10 @@ def load(model, revision, dtype: str, mesh):
         ours.dtype = dtype
         return ours
     if model is not None:
-        return load_model(model, revision=revision, dtype=dtype, mesh=mesh)
+        read = ahead.take(model, revision, dtype, mesh) if ahead is not None else None
+        if isinstance(read, LoadedModel):
+            return read
+        return load_model(model, revision=revision, dtype=dtype, mesh=mesh, read=read)
     try:
         return load_model(DEFAULT_MODEL, revision=revision, dtype=dtype, mesh=mesh)
     except UserError as e:  # offline and not cached: the demo runs on random weights, saying why

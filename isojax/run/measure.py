@@ -26,7 +26,7 @@ import numpy as np
 from isojax import faults, storage
 from isojax.errors import UserError
 from isojax.stats.sample_readout import massive_max_over_sample_median, sample_cka, sample_metrics
-from isojax.device.memory import check_fits, choose_mesh, defaults_platform
+from isojax.device.memory import check_fits, choose_mesh, defaults_platform, room_beside
 from isojax.device.kernel_choice import CheckRecord, check_mlp_kernel, check_norm_kernel
 from isojax.log import log
 from isojax.model.options import KernelChoice
@@ -131,10 +131,12 @@ def measure(model=None, data=None, **kwargs) -> Results:
     return results
 
 
-def start_measure(model=None, data=None, **kwargs) -> Results:
+def start_measure(model=None, data=None, *, ahead=None, **kwargs) -> Results:
     """measure()'s Results, the per-source metrics perhaps still being read out on a thread beside
     (Results.wait; Results.save draws and writes what does not need them meanwhile): the command
-    line's and the sweeps' way."""
+    line's and the sweeps' way. ahead: a sweep's LoadAhead (run/load_ahead.py), which may hold this
+    run's tokenizer and weights read already, and reads the sweep's next checkpoint once this run's
+    loop has begun."""
     import jax
 
     from isojax.data import TokenStream, load_corpus
@@ -170,7 +172,8 @@ def start_measure(model=None, data=None, **kwargs) -> Results:
         name = model if isinstance(model, str) or model is None else None
         early = peek_config(name or DEFAULT_MODEL) if name is not None or model is None else model.config
         mesh = choose_mesh(early, config, dtype, corpus, row_length(early, unit, seq_len) if early is not None else 0)
-        found = tokenizer_without_weights(model, early)
+        found = ahead.tokenizer(name, early) if ahead is not None and name is not None else None
+        found = found or tokenizer_without_weights(model, early)
     tokens, planned, opening = None, None, None
     plan_for = lambda cfg, row_len, tokens: plan_in_background(
         cfg, config, dtype=dtype, attention=attention, auto_attention=auto_attention, mesh=mesh, row_len=row_len,
@@ -188,7 +191,7 @@ def start_measure(model=None, data=None, **kwargs) -> Results:
             opening = in_background(lambda: open_beside(found[0], early, bos), daemon=True, name="isojax-tokens")
             planned = plan_for(early, row_length(early, unit, seq_len), opening)
         with timings("load"):
-            loaded = load(model, revision, dtype, mesh)  # a LoadedModel given is copied, not changed
+            loaded = load(model, revision, dtype, mesh, ahead)  # a LoadedModel given is copied, not changed
         if found is not None:
             loaded.source["tokenizer"] = found[1]
             with timings("tokenize"):  # what the load left of opening the token cache
@@ -207,7 +210,8 @@ def start_measure(model=None, data=None, **kwargs) -> Results:
             plan.seconds["waited"] = time.time() - waited
         # Results.config records the choice resolved: on or off, never auto
         config = config.replace(data={"bos": "off" if bos is None else "on"})
-        return _measure(loaded, corpus, tokens, timings, config, plan, row_len=row_len, mesh=mesh, bos=bos)
+        return _measure(loaded, corpus, tokens, timings, config, plan, row_len=row_len, mesh=mesh, bos=bos,
+                        ahead=ahead)
     finally:
         if isinstance(tokens, TokenStream):  # nothing once finished; after an error, stops the build
             tokens.cancel()
@@ -223,8 +227,9 @@ def _cancel_opened(opening) -> None:
 
 
 def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPlan, *, row_len, mesh,
-             bos: int | None) -> Results:
-    """measure() once the weights are loaded, the tokens cached or streaming and the step planned."""
+             bos: int | None, ahead=None) -> Results:
+    """measure() once the weights are loaded, the tokens cached or streaming and the step planned;
+    ahead (a sweep's LoadAhead) reads the next checkpoint once the loop has begun."""
     import jax
 
     from isojax.data import TokenStream, plan_stats
@@ -252,8 +257,13 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     # not in multi-process runs: each process holds only its share of the token cache (data/shares.py)
     probe = Probe(runner.module, runner.params, runner.mesh, row_len) \
         if config.stats.sentence_probe and jax.process_count() == 1 else None
+    read_ahead = None
+    if ahead is not None:  # the next checkpoint in the room this step's plan leaves on the devices
+        room = room_beside(loaded.config, config.stats.token_stats, loaded.dtype, len(step.labels), mesh,
+                           step.rows * row_len // mesh.size, step.sample_states)
+        read_ahead = lambda: ahead.start(loaded.dtype, mesh, room)
     done, loop_rate, local = _loop(runner, tokens, total, timings, config, step, row_len=row_len, settings=settings,
-                                   probe=lambda: probe and probe.compile_beside(finished))
+                                   probe=lambda: probe and probe.compile_beside(finished), read_ahead=read_ahead)
     with timings("tokenize"):
         if streamed and not tokens.done():
             log("finishing the token cache of the whole corpus")
@@ -349,10 +359,11 @@ def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPla
 
 
 def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan, *, row_len, settings,
-          probe=lambda: None):
+          probe=lambda: None, read_ahead=None):
     """Feed every batch to the devices (resumed from, and checkpointed into, the checkpoint
     directory): (done, the loop's tokens/s, this process's rows in a multi-process run or None).
-    probe(): starts the sentence probe's compile beside the loop (on accelerators)."""
+    probe(): starts the sentence probe's compile beside the loop (on accelerators); read_ahead():
+    a sweep's next checkpoint read beside the loop; both once the first batch is done."""
     import jax
 
     from isojax.data import pack_batches
@@ -377,13 +388,14 @@ def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan,
     compile_ahead = (lambda: (in_background(lambda: finalize_lib.compile_ahead(
         runner.gram_shape(), len(step.labels), step.sample_states, runner.readout_device())),
         probe())) if jax.default_backend() != "cpu" else None
+    after_first = [f for f in (compile_ahead, read_ahead) if f is not None]
     started = dict(done)
     with timings("loop"):
         try:
             done, first = consume(
                 runner, pack_batches(tokens, rows=step.rows, row_len=row_len, start_cursor=cursor, row_subset=local),
                 done, total, checkpoint_every=every, progress=config.progress,
-                after_first_step=compile_ahead, save_checkpoint=None if checkpointer is None else lambda d, c:
+                after_first_step=(lambda: [f() for f in after_first]) if after_first else None, save_checkpoint=None if checkpointer is None else lambda d, c:
                 checkpointer.save(d["batches"], runner.acc, {"settings": settings, "cursor": c, "done": d}))
         finally:
             if checkpointer is not None:

@@ -143,7 +143,8 @@ def finished(steps: list[Step], result: str) -> list[Step]:
 
 
 def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resume: bool, overwrite: bool,
-              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), step_names=(), shard=(0, 1)) -> None:
+              delete_downloads: bool, finish, inputs=(), names=("sweep.csv",), step_names=(), shard=(0, 1),
+              upcoming=None) -> None:
     """The loop of every sweep, extract's and weights': each unfinished step of this shard (every
     shard[1]-th from the shard[0]-th) is measured into its folder, locked, the next unfinished one
     downloading meanwhile (fetch(step), in a thread). measure(step) commits the step's results, or
@@ -156,7 +157,9 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
     delete_downloads, a measured step's downloads leave the Hugging Face cache. finish(ready) then
     writes the sweep's files at OUT's top from every finished step of the whole sweep, OUT locked
     (waiting for another job's rebuild), on process 0 only. `names`: those files; `step_names`: what
-    measure(step) writes in a step folder; both checked before any work."""
+    measure(step) writes in a step folder; both checked before any work. upcoming(step, fetching):
+    told before each step is measured which unfinished step follows it (None: none) and the thread
+    downloading that one (None: none), e.g. to read it ahead (run/load_ahead.py)."""
     main = parallel.is_main_process()
     sweep, steps = steps, steps[shard[0]::shard[1]]
     if shard[1] > 1:
@@ -187,6 +190,8 @@ def run_steps(steps: list[Step], out: Path, *, result: str, measure, fetch, resu
                 fetching.join()
             later = todo[todo.index(step) + 1:]
             fetching = _start_fetch(fetch, later[0]) if later else None
+            if upcoming is not None:
+                upcoming(later[0] if later else None, fetching)
             held = contextlib.ExitStack()  # the step folder's lock: closed once its results are committed
             try:
                 why = None
@@ -279,13 +284,15 @@ def _start_fetch(fetch, step: Step) -> threading.Thread | None:
 
 def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resume: bool, overwrite: bool,
               plots: bool, config: MeasureConfig, delete_downloads: bool = False, parquet: bool = False,
-              shard=(0, 1), overlap: bool = True) -> Path:
+              shard=(0, 1), overlap: bool = True, load_ahead: bool = True) -> Path:
     """extract's sweep: one isojax.measure per step into its folder, then OUT/sweep.csv (write_sweep_csv);
     `parquet`: layers.parquet in each step folder, sweep.parquet at the top. With `overlap` (single-process
     runs), a step's files are written on a thread while the next step loads and loops (run_steps), its
     figures drawn in a process of their own (FigureProcess): its read-out on the devices done first,
     the sample copied to the host (Results.detach), so the devices serve one step at a time; the files
-    are those of the sequential path, byte for byte but the timings. Not with --save-token-sums (the per-token sums stay on the devices until written)."""
+    are those of the sequential path, byte for byte but the timings. Not with --save-token-sums (the per-token sums stay on the devices until written).
+    With `load_ahead` (single-process runs), the next step's tokenizer and weights are read while a
+    step loops (run/load_ahead.py): the same parameters, bit for bit."""
     from isojax.device.memory import defaults_platform
     from isojax.hf.files import resolve_model
     from isojax.run.measure import start_measure
@@ -294,14 +301,19 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
     main = parallel.is_main_process()
     import jax
     overlap = overlap and jax.process_count() == 1
+    from isojax.run.load_ahead import LoadAhead
+    ahead = LoadAhead() if load_ahead and jax.process_count() == 1 else None
+
+    def model_of(step: Step) -> tuple[str, str | None]:  # what start_measure loads: a local folder, or hub and revision
+        local = step.local
+        return (str(local), None) if local is not None else (step.model, step.revision)
 
     def measure_step(step: Step):
-        local = step.local
         ckpt = step.folder / "checkpoint"
+        model, revision = model_of(step)
         results = start_measure(config.replace(
-            model={"model": str(local) if local is not None else step.model,
-                   "revision": None if local is not None else step.revision},
-            checkpoint={"directory": ckpt, "resume": resume and ckpt.exists()}))
+            model={"model": model, "revision": revision},
+            checkpoint={"directory": ckpt, "resume": resume and ckpt.exists()}), ahead=ahead)
         model, revision = step.name  # a stand-in repository's step is named as the hub's would be
         results.metrics.update(model=model, revision=revision)
         results.manifest.update(model=model, revision=revision)
@@ -328,8 +340,12 @@ def run_sweep(models: list[str], revisions: list[str | None], out: Path, *, resu
                   delete_downloads=delete_downloads, finish=lambda ready: write_sweep_csv(out, ready, parquet),
                   inputs=[*models, *(config.data.data or [])], names=SWEEP_FILES, shard=shard,
                   step_names=planned_result_names(config, plots=plots, parquet=parquet,
-                                                  on_accel=defaults_platform() != "cpu"))
+                                                  on_accel=defaults_platform() != "cpu"),
+                  upcoming=None if ahead is None else lambda s, fetching: ahead.expect(
+                      *(model_of(s) if s is not None else (None, None)), fetching))
     finally:
+        if ahead is not None:
+            ahead.close()
         if figures is not None:
             figures.close()
     return out
