@@ -22,10 +22,13 @@ in a background part of a run ends it with one `error:` line and no partial file
 - `sweep_saving`: a sweep's thread about to write and commit a measured step's results while the
   next step is measured (run/sweep.py): `sweep_saving:2` kills the sweep there at its second step,
   `sweep_saving:hold` keeps every step uncommitted while the next ones measure.
+- `weights_ahead`: a sweep's thread about to read the next checkpoint's weights while the current
+  one loops (run/load_ahead.py): `weights_ahead:1` kills the sweep there, `weights_ahead:raise`
+  fails the read ahead (the next step then reads them itself).
 Several faults at once: comma-separated (`sweep_saving:hold,checkpoint_written:3`).
 In-process tests order events with `hook(POINT, fn)`: fn() runs in every thread that reaches POINT
-(`weights_read`: the main thread about to read the weights; the two above; `sweep_saving`; `plots_drawing`: the
-figures' thread about to draw its first).
+(`weights_read`: the main thread about to read the weights, or take those read ahead; the two above; `sweep_saving`;
+`weights_ahead`; `plots_drawing`: the figures' thread about to draw its first).
 Unset (every real run), `reached` costs two dictionary lookups."""
 
 from __future__ import annotations

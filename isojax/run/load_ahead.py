@@ -98,10 +98,10 @@ class LoadAhead:
         return got
 
     def close(self) -> None:
-        """The sweep has ended: what is being read is dropped (its thread ends at its next stage)."""
-        if self._ahead is not None:
-            self._ahead.stop.set()
-        self._ahead = self._thread = self._next = None
+        """The sweep has ended: what is being read is dropped, its thread ended at its next stage
+        (none is left working on the devices when the interpreter exits: errors.exit_with)."""
+        self._drop()
+        self._next = None
 
     def _drop(self) -> None:
         """Wait for the thread reading ahead to end, and drop what it read."""
@@ -115,8 +115,8 @@ def _read(ahead: _Ahead, fetching, room: int) -> None:
     """The thread reading ahead: each Future gets its result or its error."""
     for future, read in ((ahead.tokenizer, _tokenizer), (ahead.weights, _weights)):
         try:
-            if fetching is not None:
-                fetching.join()
+            while fetching is not None and fetching.is_alive() and not ahead.stop.is_set():
+                fetching.join(1.0)  # its download first; a sweep that ends meanwhile does not wait for it
             future.set_result(None if ahead.stop.is_set() else read(ahead, room))
         except BaseException as e:  # noqa: BLE001 -- handed to the step that takes it
             future.set_exception(e)
