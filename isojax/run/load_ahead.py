@@ -1,7 +1,8 @@
 """A sweep's next checkpoint read while the current one is measured (issue 47).
 
 Once a step's loop has begun (its first batch done), a thread reads the checkpoint of the next
-unfinished step (its download waited for first, where it has one): its tokenizer, then its weights,
+unfinished step (its download waited for first, where it has one): its tokenizer (a local folder's
+own tokenizer.json; any other the step reads itself, its log lines in their place), then its weights,
 with the calls and arguments that step's own load makes (run/inputs.py tokenizer_without_weights,
 hf/loading.py load_model), so its parameters are the same bit for bit. The weights are placed on
 the devices where the current step's memory plan leaves room beside it (device/memory.py
@@ -123,8 +124,12 @@ def _read(ahead: _Ahead, fetching, room: int) -> None:
 
 
 def _tokenizer(ahead: _Ahead, room: int):
+    """A local folder's own tokenizer.json (one read otherwise, or one the step warns it has not,
+    is read by the step itself, its log lines in their place)."""
     from isojax.run.inputs import peek_config, tokenizer_without_weights
     early = peek_config(ahead.model)
+    if not (Path(ahead.model).expanduser() / "tokenizer.json").is_file():
+        return early, None
     return early, tokenizer_without_weights(ahead.model, early)
 
 
