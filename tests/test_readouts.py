@@ -36,7 +36,13 @@ def test_layer_count_and_means_against_float64_numpy():
 
 def test_runner_gives_the_merged_grams_shape_and_device_for_compile_ahead(tmp_path):
     """Runner.gram_shape and .readout_device: the shape and device of the second moments that
-    merged_layers hands finalize (per-source Grams: H = 2), which finalize.compile_ahead takes."""
+    merged_layers hands finalize (per-source Grams: H = 2), which finalize.compile_ahead takes; the
+    Grams and the sample's states are committed with that device's SingleDeviceSharding, the one the
+    read-outs are compiled ahead for (jit compiles again for any other: on a mesh of one device they
+    had come back with a NamedSharding, and a cached 410m run's first finalize compiled every read-out
+    twice)."""
+    from jax.sharding import SingleDeviceSharding
+
     from isojax.device import mesh as parallel
     from isojax.hf.loading import load_model
     from isojax.run.measure import make_runner
@@ -45,10 +51,12 @@ def test_runner_gives_the_merged_grams_shape_and_device_for_compile_ahead(tmp_pa
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, tokenizer=False)
     mesh = parallel.make_mesh({"data": 1, "model": 1})
     loaded = load_model(tmp_path / "ckpt", mesh=mesh)
-    runner = make_runner(loaded, mesh, token_stats=False, num_groups=2)
+    runner = make_runner(loaded, mesh, token_stats=False, num_groups=2, sample_size=16)
     gram = runner.merged_layers().m2_HxSxDxD.hl
     assert runner.gram_shape() == gram.shape[:-1] == (2, 3, 32, 32)
     assert {runner.readout_device()} == gram.devices()
+    on = SingleDeviceSharding(runner.readout_device())
+    assert gram.sharding == on and runner.sample()[1](0).sharding == on
     finalize.compile_ahead(runner.gram_shape(), 2, 0, runner.readout_device())
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
@@ -173,7 +173,7 @@ class Runner:
         if self.num_devices > 1:
             merged = _compiled_merge(self.mesh, self.specs, self.cfg.num_states, self.options.gram_shards > 1)(merged)
         m2 = [getattr(merged, f) for f in ("m2_HxSxDxD", "unit_m2_HxSxDxD")]
-        merged = _map_fields(merged, LAYER_FIELDS, lambda x: x.addressable_shards[0].data[0])
+        merged = _map_fields(merged, LAYER_FIELDS, lambda x: _on_its_device(x.addressable_shards[0].data[0]))
         if self.options.gram_shards > 1:
             merged = merged.replace(**dict(zip(("m2_HxSxDxD", "unit_m2_HxSxDxD"),
                                                [stats.DFPair(model_rows(self.mesh, x.hl)) for x in m2])))
@@ -232,7 +232,7 @@ class Runner:
         def states(s: int):
             x = _state_sample(self.acc.sample_SxKxD, jnp.int32(s))  # [n, K, D]
             if x.is_fully_addressable:  # stays on the devices, where the batch anisotropy reads it
-                return _take_sample(x, part, slot)
+                return _on_its_device(_take_sample(x, part, slot))
             return _gather(x)[part, slot].astype(np.float32)
 
         return len(part), states
@@ -299,6 +299,16 @@ def _layer_part(acc: stats.Accumulators) -> stats.Accumulators:
     return acc.replace(tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
         lambda x: x[:, :0], acc.tok_sum_SxVxD), sample_keys_Kx2=acc.sample_keys_Kx2[:, :0],
         sample_SxKxD=acc.sample_SxKxD[:, :, :0])
+
+
+def _on_its_device(x: jax.Array) -> jax.Array:
+    """x, held by one device, with that device's SingleDeviceSharding (the same buffer, no copy): the
+    sharding finalize.compile_ahead compiles the read-outs for. On a mesh of one device, jit and
+    indexing hand back a NamedSharding, for which jit would compile every read-out again."""
+    if isinstance(x.sharding, SingleDeviceSharding) or len(x.sharding.device_set) != 1:
+        return x
+    (device,) = x.sharding.device_set
+    return jax.make_array_from_single_device_arrays(x.shape, SingleDeviceSharding(device), [x])
 
 
 def _device_view(acc):

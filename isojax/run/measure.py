@@ -383,12 +383,13 @@ def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan,
         checkpointer.reserve(runner.acc)
     # matplotlib loads while the devices work (0.3-0.9 s of the demo's after-loop time otherwise)
     in_background(lambda: importlib.import_module("isojax.plots"))
-    # and, on accelerators, the float64 read-outs and the sentence probe compile once the step has (a
-    # first run's finalize took ~3 s longer than a cached run's, compiling them after the loop)
-    compile_ahead = (lambda: (in_background(lambda: finalize_lib.compile_ahead(
-        runner.gram_shape(), len(step.labels), step.sample_states, runner.readout_device())),
-        probe())) if jax.default_backend() != "cpu" else None
-    after_first = [f for f in (compile_ahead, read_ahead) if f is not None]
+    # and, on accelerators, the float64 read-outs compile beside the loop from its start, the sentence
+    # probe once the first batch is done (compiled after the loop, a first run's read-outs took seconds)
+    on_accel = jax.default_backend() != "cpu"
+    if on_accel:
+        in_background(lambda: finalize_lib.compile_ahead(runner.gram_shape(), len(step.labels), step.sample_states,
+                                                         runner.readout_device()))
+    after_first = [f for f in (probe if on_accel else None, read_ahead) if f is not None]
     started = dict(done)
     with timings("loop"):
         try:

@@ -12,6 +12,7 @@ the CPU the eigenvalues come from LAPACK's eigvalsh through numpy instead: XLA's
 compile are slower there (the same eigenvalues to ~1e-14 of the largest; tests/test_stats.py
 compares with numpy's eigvalsh)."""
 
+import concurrent.futures
 import functools
 
 import jax
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from isojax.stats import accumulators as stats
 from isojax.stats import geometry, measures, tridiagonal
 from isojax.stats.accumulators import _COUNT_BITS, Accumulators, chan_term
-from isojax.stats.sample_readout import _top_eigenvalue, compile_sample_ahead
+from isojax.stats.sample_readout import _top_eigenvalue, sample_programs
 from isojax.stats.streamed import streamed_measures
 
 
@@ -93,6 +94,7 @@ def _bisect_states(reduced: list) -> list:
 
 
 READOUT_BYTES = 2 << 30  # the float64 matrices of one batched reduction (a chunk of states) at most (15c)
+COMPILE_THREADS = 4  # compile_ahead's programs compiling side by side
 
 
 def chunk_states(matrices_per_state: int, d: int, num_states: int) -> int:
@@ -359,31 +361,43 @@ def _gather_state(mesh):
 @functools.cache  # once per shape in a process: a sweep's later checkpoints find them in jit's own cache
 def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, device) -> None:
     """Compile the float64 read-outs that finalize and sample_metrics run on accelerators, for
-    second moments of [H, S, D, D] and num_groups groups read out on `device`, from shapes alone:
-    run in a background thread while the devices measure, so that a first run's read-outs do not
-    compile after the loop (jit reuses these executables; their compile takes seconds)."""
+    second moments of [H, S, D, D] and num_groups groups read out on `device` (committed there with
+    its SingleDeviceSharding: runner.Runner.merged_layers, .sample), from shapes alone: run in a
+    background thread while the devices measure, so that a first run's read-outs do not compile
+    after the loop (jit reuses these executables). The programs compile side by side on
+    COMPILE_THREADS threads: each traces holding the GIL, then compiles, or loads from the
+    persistent cache, without it (one after another, a cached 410m run's took ~9 s)."""
     h, s, _, d = m2_HxSxDxD_shape
     per_group = h == num_groups and num_groups > 1
     on = jax.sharding.SingleDeviceSharding(device)  # the arrays finalize passes are committed there
     f64 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float64)  # numpy, on the host
     f64_on = lambda *shape: jax.ShapeDtypeStruct(shape, np.float64, sharding=on)
     pair = stats.DFPair(jax.ShapeDtypeStruct((h, d, d, 2), np.float32, sharding=on))
-    with jax.enable_x64(True):
-        args = (f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair)
-        _whole_spectra.lower(*args, per_group=per_group).compile()
-        if per_group:
-            _group_spectra.lower(*args, f64()).compile()
-        # _read_states' calls: the chunks' batched reductions, then one bisection of every state's
-        # whole population, then of every state's groups
-        for per_state, ratios in [((3,), 1)] + ([((num_groups, 2), 2)] if per_group else []):
-            size = chunk_states(int(np.prod(per_state)) * ratios, d, s)
-            for k in {size, s - size * (-(-s // size) - 1)}:
-                _tridiagonal_forms.lower([f64_on(*per_state, d, d)] * k).compile()
-                if ratios == 2:  # the groups' read-out: _top_ratios of their other two matrices
-                    _top_ratios.lower([f64_on(*per_state, d, d)] * k).compile()
-            _bisect.lower([f64_on(*per_state, d)] * s, [f64_on(*per_state, d - 1)] * s).compile()
-        if sample_count:
-            compile_sample_ahead(sample_count, d, s, on)
+    args = (f64(num_groups), f64(num_groups, d), f64(num_groups, d), pair, pair)
+    programs = [lambda: _whole_spectra.lower(*args, per_group=per_group)]
+    if per_group:
+        programs.append(lambda: _group_spectra.lower(*args, f64()))
+    # _read_states' calls: the chunks' batched reductions, then one bisection of every state's
+    # whole population, then of every state's groups
+    for per_state, ratios in [((3,), 1)] + ([((num_groups, 2), 2)] if per_group else []):
+        size = chunk_states(int(np.prod(per_state)) * ratios, d, s)
+        for k in {size, s - size * (-(-s // size) - 1)}:
+            chunk = [f64_on(*per_state, d, d)] * k
+            programs.append(lambda chunk=chunk: _tridiagonal_forms.lower(chunk))
+            if ratios == 2:  # the groups' read-out: _top_ratios of their other two matrices
+                programs.append(lambda chunk=chunk: _top_ratios.lower(chunk))
+        diagonals = ([f64_on(*per_state, d)] * s, [f64_on(*per_state, d - 1)] * s)
+        programs.append(lambda diagonals=diagonals: _bisect.lower(*diagonals))
+    if sample_count:
+        programs += sample_programs(sample_count, d, s, on)
+
+    def compile_one(lower):
+        with jax.enable_x64(True):  # a thread's own setting
+            lower().compile()
+
+    with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="isojax-compile") as pool:
+        for done in [pool.submit(compile_one, lower) for lower in programs]:
+            done.result()
 
 
 def finalize(acc: Accumulators, state_names: list[str],

@@ -213,12 +213,12 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
     return out
 
 
-def compile_sample_ahead(sample_count: int, d: int, num_states: int, on) -> None:
-    """Compile sample_metrics' chunks of states, the measures and sample_cka's matrix for samples of
-    [sample_count, d] committed with sharding `on` (stats.finalize.compile_ahead; x64 on)."""
+def sample_programs(sample_count: int, d: int, num_states: int, on) -> list:
+    """Lowerings (thunks: call, then .compile()) of sample_metrics' chunks of states, the measures'
+    and sample_cka's matrix for samples of [sample_count, d] committed with sharding `on`
+    (stats.finalize.compile_ahead compiles them; x64 on)."""
     x = jax.ShapeDtypeStruct((sample_count, d), np.float32, sharding=on)
     size = sample_chunk(sample_count, d, num_states)
-    for k in {size, num_states - size * (-(-num_states // size) - 1)}:
-        _states_readout.lower((x,) * k, sample_count // BATCH).compile()
-    _cross_matrix.lower((x,) * num_states).compile()
-    measures.compile_sample(x)
+    programs = [lambda k=k: _states_readout.lower((x,) * k, sample_count // BATCH)
+                for k in {size, num_states - size * (-(-num_states // size) - 1)}]
+    return programs + [lambda: _cross_matrix.lower((x,) * num_states), *measures.sample_programs(x)]

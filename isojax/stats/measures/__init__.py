@@ -16,7 +16,7 @@ import pkgutil
 
 from isojax.stats.measures.base import Measure, Metric, Spectra
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "compile_sample", "sample_readout",
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "sample_programs", "sample_readout",
            "sample_dispatch", "sample_values"]
 
 
@@ -56,11 +56,11 @@ def _jitted(readout):
     return jax.jit(readout)
 
 
-def compile_sample(x) -> None:
-    """Compile sample_readout's read-outs for sampled points of x's shape and sharding (a
-    jax.ShapeDtypeStruct) ahead (stats.finalize.compile_ahead; call under jax.enable_x64)."""
-    for m in _on(("sample", "pairs")):
-        _jitted(m.readout).lower(*([x] if m.reads == "sample" else [x, x])).compile()
+def sample_programs(x) -> list:
+    """Lowerings (thunks: call, then .compile()) of sample_readout's read-outs for sampled points
+    of x's shape and sharding (a jax.ShapeDtypeStruct), for stats.finalize.compile_ahead (x64 on)."""
+    return [lambda m=m: _jitted(m.readout).lower(*([x] if m.reads == "sample" else [x, x]))
+            for m in _on(("sample", "pairs"))]
 
 
 def on_host() -> bool:
