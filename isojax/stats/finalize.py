@@ -12,7 +12,6 @@ the CPU the eigenvalues come from LAPACK's eigvalsh through numpy instead: XLA's
 compile are slower there (the same eigenvalues to ~1e-14 of the largest; tests/test_stats.py
 compares with numpy's eigvalsh)."""
 
-import concurrent.futures
 import functools
 
 import jax
@@ -94,7 +93,6 @@ def _bisect_states(reduced: list) -> list:
 
 
 READOUT_BYTES = 2 << 30  # the float64 matrices of one batched reduction (a chunk of states) at most (15c)
-COMPILE_THREADS = 4  # compile_ahead's programs compiling side by side
 
 
 def chunk_states(matrices_per_state: int, d: int, num_states: int) -> int:
@@ -364,9 +362,7 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
     second moments of [H, S, D, D] and num_groups groups read out on `device` (committed there with
     its SingleDeviceSharding: runner.Runner.merged_layers, .sample), from shapes alone: run in a
     background thread while the devices measure, so that a first run's read-outs do not compile
-    after the loop (jit reuses these executables). The programs compile side by side on
-    COMPILE_THREADS threads: each traces holding the GIL, then compiles, or loads from the
-    persistent cache, without it (one after another, a cached 410m run's took ~9 s)."""
+    after the loop (jit reuses these executables)."""
     h, s, _, d = m2_HxSxDxD_shape
     per_group = h == num_groups and num_groups > 1
     on = jax.sharding.SingleDeviceSharding(device)  # the arrays finalize passes are committed there
@@ -391,13 +387,9 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
     if sample_count:
         programs += sample_programs(sample_count, d, s, on)
 
-    def compile_one(lower):
-        with jax.enable_x64(True):  # a thread's own setting
+    with jax.enable_x64(True):  # one after another: on 2 or 4 threads a cached 410m run's first loop was slower
+        for lower in programs:  # (7.7-8.1 s against 7.0-7.5; bench/RESULTS.md 15d), its finalize no faster
             lower().compile()
-
-    with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="isojax-compile") as pool:
-        for done in [pool.submit(compile_one, lower) for lower in programs]:
-            done.result()
 
 
 def finalize(acc: Accumulators, state_names: list[str],
