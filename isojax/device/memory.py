@@ -41,12 +41,18 @@ def layer_params(cfg) -> int:
     return -(-cfg.non_embedding_params() // cfg.num_layers)  # the final norm's few parameters rounded in
 
 
-def step_bytes(cfg, dtype: str, tokens_per_device: int, model_axis: int) -> int:
+def step_bytes(cfg, dtype: str, tokens_per_device: int, model_axis: int, logit_lens_every: int = 0) -> int:
     """The step's temporaries per device, estimated: activations (STEP_BYTES_PER_TOKEN_WIDTH per
-    token and width; peaks of 410m, 1.4b and 20b on H100s, bench/RESULTS.md 7c) and, with split
-    parameters, three gathered layers."""
-    layer = layer_params(cfg) * (2 if dtype == "bfloat16" else 4)
-    return STEP_BYTES_PER_TOKEN_WIDTH * tokens_per_device * cfg.hidden_size + (3 * layer if model_axis > 1 else 0)
+    token and width; peaks of 410m, 1.4b and 20b on H100s, bench/RESULTS.md 7c), with split
+    parameters three gathered layers, and the logit lens's buffer, logits and sums where it is on
+    (stats/measures/logit_lens.py step_bytes; with split parameters, its unembedding gathered)."""
+    from isojax.stats.measures import logit_lens
+    width = 2 if dtype == "bfloat16" else 4
+    layer = layer_params(cfg) * width
+    lens = logit_lens.step_bytes(cfg, dtype, tokens_per_device, logit_lens_every)
+    if lens and model_axis > 1:
+        lens += cfg.hidden_size * cfg.vocab_size * width
+    return STEP_BYTES_PER_TOKEN_WIDTH * tokens_per_device * cfg.hidden_size + (3 * layer if model_axis > 1 else 0) + lens
 
 
 def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int,
@@ -68,12 +74,12 @@ def weight_bytes(cfg, dtype: str, model_axis: int = 1) -> int:
 
 
 def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
-               verbose: bool = False, sample_size: int = 0) -> None:
+               verbose: bool = False, sample_size: int = 0, logit_lens_every: int = 0) -> None:
     """Refuse (a short message) what cannot fit the devices; log the per-device figure."""
     limit = device_memory_bytes() or host_memory_bytes()
     need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
                                       sample_size)
-    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"])
+    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"], logit_lens_every)
     if verbose:
         log(f"accumulators need {need / 1e9:.2f} GB per device, weights {weights / 1e9:.2f} GB, the step ~"
             f"{step / 1e9:.1f} GB (device memory {limit / 1e9:.1f} GB; mesh data={mesh.shape['data']},"
@@ -116,7 +122,8 @@ def choose_mesh(cfg, config, dtype: str, corpus, row_len: int):
         rows = run_batch(cfg, config, dtype, corpus, mesh.size, row_len, mesh.shape["model"])[1]
         check_fits(cfg, config.stats.token_stats, dtype, groups(corpus, config.data.sources), mesh,
                    rows * row_len // mesh.size,
-                   sample_size=sample_size(cfg, dtype, config.stats.sample_states, defaults_platform() != "cpu"))
+                   sample_size=sample_size(cfg, dtype, config.stats.sample_states, defaults_platform() != "cpu"),
+                   logit_lens_every=config.stats.logit_lens_every)
     return mesh
 
 
@@ -129,7 +136,8 @@ def run_batch(cfg, config, dtype: str, corpus, n: int, row_len: int, model_axis:
     limit = device_memory_bytes() or host_memory_bytes()
     m, rows = fit_batch(cfg, config.stats.token_stats, dtype, n, limit, row_len, batch_tokens=config.data.batch_tokens,
                         model_axis=model_axis, on_accel=on_accel, num_groups=groups(corpus, config.data.sources),
-                        sample_size=sample_size(cfg, dtype, config.stats.sample_states, on_accel))
+                        sample_size=sample_size(cfg, dtype, config.stats.sample_states, on_accel),
+                        logit_lens_every=config.stats.logit_lens_every)
     if say and m is not None and not config.data.batch_tokens:
         log_shrink(cfg, batch_rows(n * device_batch_tokens(cfg, on_accel), n, row_len) // n * row_len,
                    rows // n * row_len, limit)
@@ -173,14 +181,14 @@ def batch_rows(batch_tokens: int, n: int, row_len: int) -> int:
 
 def fit_batch(cfg, token_stats: bool, dtype: str, n: int, limit: int, row_len: int, *, batch_tokens: int | None = None,
               model_axis: int | None = None, on_accel: bool = True, num_groups: int = 1,
-              sample_size: int = 0) -> tuple[int | None, int]:
+              sample_size: int = 0, logit_lens_every: int = 0) -> tuple[int | None, int]:
     """(model axis, rows per batch) that make parameters, accumulators (num_groups, sample_size) and the
     step fit n devices of `limit` bytes: model_axis (--mesh), else the smallest that fits. batch_tokens
     is kept as given; without it, the default tokens per device (device_batch_tokens) are halved, down to
     one row each, until a model axis fits. The model axis is None where nothing fits (rows: the fewest tried)."""
     axes = [model_axis] if model_axis else [m for m in range(1, n + 1) if n % m == 0]
     fits = lambda m, rows: sum(memory_per_device(cfg, token_stats, dtype, num_groups, n, m, sample_size)) + step_bytes(
-        cfg, dtype, rows // n * row_len, m) <= FIT * limit
+        cfg, dtype, rows // n * row_len, m, logit_lens_every) <= FIT * limit
     if batch_tokens:
         tried = [batch_rows(batch_tokens, n, row_len)]
     else:

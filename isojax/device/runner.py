@@ -17,6 +17,8 @@ Global layout of the accumulators (a stats.Accumulators of global arrays):
               of n; global row k * V'/n + j holds token id j * n + k (device/mesh.py).
   sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (stats/sample.py),
               merged on the host at the end (`sample`).
+  lens        with the logit lens on (StatsOptions.logit_lens_every), its sums [n, G, S] per device,
+              added on the host at the end (`logit_lens`; stats/measures/logit_lens.py); None when off.
 `merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
 over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the
 devices, in float64.
@@ -36,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
 from isojax.stats import sample as sample_lib
+from isojax.stats.measures import logit_lens
 from isojax.model.decoder import Decoder
 from isojax.stats.options import StatsOptions
 from isojax.device.mesh import ALL
@@ -98,6 +101,9 @@ class Layout:
     def init_global(self) -> stats.Accumulators:
         cfg, n = self.module.cfg, self.mesh.size
         acc = stats.init_accumulators(cfg.num_states, cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
+        if self.options.logit_lens_every:
+            acc = acc.replace(lens=logit_lens.init(self.init_kwargs["num_groups"], cfg.num_states))
+        acc = acc.replace(lens=jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n, *x.shape)), acc.lens))
         return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (n, *x.shape)))
 
     def step(self):
@@ -156,8 +162,8 @@ class Runner:
         ready when the devices have finished the step."""
         total = len(tokens_BxT) * self.num_devices // len(self.mesh.local_devices)
         if sequences_BxT is None:
-            if self.init_kwargs["sample_size"]:
-                raise ValueError("a Runner that keeps a sample needs the batch's sequence indices")
+            if self.init_kwargs["sample_size"] or self.options.logit_lens_every > 1:
+                raise ValueError("a Runner that keeps a sample or --logit-lens-every needs the batch's sequence indices")
             sequences_BxT = np.zeros_like(tokens_BxT)
         rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
                 for a in (tokens_BxT, segment_ids_BxT, positions_BxT, sequences_BxT)]
@@ -178,8 +184,15 @@ class Runner:
             merged = merged.replace(**dict(zip(("m2_HxSxDxD", "unit_m2_HxSxDxD"),
                                                [stats.DFPair(model_rows(self.mesh, x.hl)) for x in m2])))
         merged = _map_fields(merged, [f for f in LAYER_FIELDS if "m2" not in f], np.asarray)
-        return merged.replace(tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
+        return merged.replace(lens=None, tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
             *(np.zeros((self.cfg.num_states, 0, self.cfg.hidden_size), np.float32),) * 2))
+
+    def logit_lens(self) -> dict | None:
+        """The logit lens's sums added over every device and process in float64
+        (logit_lens.merged); None when off."""
+        if self.acc.lens is None:
+            return None
+        return logit_lens.merged(jax.tree.map(_gather, self.acc.lens))
 
     def token_readout(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(count_V int64, intra_sim_SxV float64) from the per-token sums, computed on the devices
@@ -218,7 +231,7 @@ class Runner:
         """A Runner of the same module, placed params, mesh and statistics' options for a second
         pass centered on centers_SxD [S, D]: no token stats, no sample."""
         return Runner(self.module, self.params, self.mesh, token_stats=False, num_groups=num_groups,
-                      centers_SxD=centers_SxD, options=self.options)
+                      centers_SxD=centers_SxD, options=dataclasses.replace(self.options, logit_lens_every=0))
 
     def sample(self):
         """(number of sampled tokens K', states(s) -> [K', D] float32 in key order: shuffled)
@@ -257,7 +270,8 @@ def gram_rows(d: int, model_axis: int) -> int | None:
 def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, model_axis: int = 1, **kw) -> int:
     """Bytes on each of n devices: one layer part (its Grams split over model_axis: gram_rows)
     and sample, plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators'
-    num_groups, centered, group_spectra, sample_*."""
+    num_groups, centered, group_spectra, sample_*. (The logit lens's few bytes of sums are counted
+    with its buffer in the step's: device/memory.py step_bytes.)"""
     rows = vocab_rows(cfg.vocab_size, n) // n if token_stats else 0
     return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, token_stats=token_stats,
                                    gram_rows=gram_rows(cfg.hidden_size, model_axis), **kw)
@@ -356,7 +370,11 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
                                in_specs=(specs, P(), *[P(ALL)] * 8, P(), P()), out_specs=specs, check_vma=False)
         observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, kept_BxT, pos_BxT, seq_BxT, index,
                                                  exchange, plan, group, centers_SxD)
-        acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
+        if options.logit_lens_every:  # every state kept for the logit lens, read after the forward
+            acc = _logit_lens_step(module, mesh, specs, options.logit_lens_every, params, acc, observe, tokens_BxT,
+                                   seg_BxT, kept_BxT, pos_BxT, seq_BxT, group)
+        else:
+            acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
         if not acc.tok_count_SxV.size:  # empty fields out of shard_map come back "manual": fresh ones
             acc = acc.replace(**{f: jax.tree.map(jnp.zeros_like, getattr(acc, f)) for f in TOKEN_FIELDS})
         return acc, acc.count_lo_GxS[:, 0, 0]  # one number per device, ready when its step is
@@ -365,6 +383,30 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
     # not centered) elsewhere on 2+ devices, and the next call would compile the step again
     out = (jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs), NamedSharding(mesh, P(ALL)))
     return jax.jit(step, donate_argnums=(1,), out_shardings=out)
+
+
+def _logit_lens_step(module: Decoder, mesh, specs, every_k: int, params, acc, observe, tokens_BxT, seg_BxT, kept_BxT,
+                     pos_BxT, seq_BxT, group):
+    """The forward with the logit lens: the states go into a buffer [S, B, T, D] (split by rows
+    like the batch) beside the statistics' observer; then each device's rows through
+    logit_lens.update (stats/measures/logit_lens.py)."""
+    b, t = tokens_BxT.shape
+    buf = lax.with_sharding_constraint(jnp.zeros((module.cfg.num_states, b, t, module.cfg.hidden_size), module.dtype),
+                                       NamedSharding(mesh, P(None, ALL)))
+    keep = lambda obs, s, x_BxTxD: (observe(obs[0], s, x_BxTxD),
+                                    lax.dynamic_update_index_in_dim(obs[1], x_BxTxD.astype(obs[1].dtype), s, 0))
+    acc, buf = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, (acc, buf), keep)
+    norm, unembed, weights = logit_lens.head(module, params)
+
+    def local(sums, buf, tokens, seg, kept, pos, seq, group, weights):
+        sums = logit_lens.update(jax.tree.map(lambda x: x[0], sums), buf, tokens, seg, kept, pos, seq, group,
+                                 weights, norm=norm, unembed=unembed, every_k=every_k)
+        return jax.tree.map(lambda x: x[None], sums)
+
+    lens = jax.shard_map(local, mesh=mesh, in_specs=(specs.lens, P(None, ALL), *[P(ALL)] * 5, P(), P()),
+                         out_specs=specs.lens, check_vma=False)(acc.lens, buf, tokens_BxT, seg_BxT, kept_BxT,
+                                                                pos_BxT, seq_BxT, group, weights)
+    return acc.replace(lens=lens)
 
 
 @functools.cache

@@ -49,7 +49,9 @@ class StatsConfig:
     platform's default, 0: none); intrinsic_k: neighbours of the intrinsic-dimension estimators;
     isoscore_zeta: IsoScore*'s covariance shrinkage, 0 to 1 (stats.geometry.isoscore_star).
     skip_positions: the first K positions of every sequence are left out of every statistic.
-    sentence_probe: the per-sentence measures of the papers on a fixed subset (stats/sentences.py)."""
+    sentence_probe: the per-sentence measures of the papers on a fixed subset (stats/sentences.py).
+    logit_lens_every: the logit lens on every K-th token of each sequence (1: every token; 0: off;
+    stats/measures/logit_lens.py)."""
     token_stats: bool = True
     centered: bool = False
     save_token_sums: bool = False
@@ -58,6 +60,7 @@ class StatsConfig:
     isoscore_zeta: float = 0.75  # stats.geometry.ISOSCORE_ZETA: Rudman & Eickhoff (2024)
     skip_positions: int = 0
     sentence_probe: bool = False
+    logit_lens_every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +104,13 @@ class MeasureConfig:
               norm_kernel: str = "auto", mesh=None, checkpoint_dir=None, checkpoint_every_tokens=None,
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
               intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.75,
-              skip_positions: int = 0, bos: str = "auto", sentence_probe: bool = False) -> MeasureConfig:
+              skip_positions: int = 0, bos: str = "auto", sentence_probe: bool = False,
+              logit_lens_every: int = 0) -> MeasureConfig:
         """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
         return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source, bos),
                    model=ModelConfig(model, revision, dtype),
                    stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k,
-                                     isoscore_zeta, skip_positions, sentence_probe),
+                                     isoscore_zeta, skip_positions, sentence_probe, logit_lens_every),
                    kernels=KernelConfig(attention, mlp_kernel, norm_kernel),
                    devices=DeviceConfig(mesh),
                    checkpoint=CheckpointConfig(checkpoint_dir, checkpoint_every_tokens, resume_run),
@@ -126,6 +130,7 @@ def cli_options(args) -> dict:
     """MeasureConfig.build's keyword arguments from extract's command line (extract.build_parser),
     but the model's, revision's and checkpoints': a run's and a dry run's plans read them one way."""
     from isojax.device.mesh import parse_mesh
+    from isojax.stats.measures import logit_lens
     return dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
                 batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
                 max_tokens_per_source=args.max_tokens_per_source, token_stats=not args.no_token_stats,
@@ -134,4 +139,4 @@ def cli_options(args) -> dict:
                 checkpoint_every_tokens=args.checkpoint_every_tokens,
                 sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
                 isoscore_zeta=args.isoscore_zeta, skip_positions=args.skip_positions, bos=args.bos,
-                sentence_probe=args.sentence_probe)
+                sentence_probe=args.sentence_probe, logit_lens_every=logit_lens.every(args))

@@ -127,7 +127,7 @@ def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
         try:
             meta, _ = checkpointing.read_meta(ckpt_dir, step)
             if meta["settings"] != settings:
-                diff = [k for k in settings if meta["settings"].get(k) != settings[k]]
+                diff = [k for k in {**meta["settings"], **settings} if meta["settings"].get(k) != settings.get(k)]
                 raise UserError(f"the checkpoint was made with other settings ({', '.join(diff)}); rerun with the "
                                 "same arguments (and device and process counts) or start over with --overwrite")
             acc = checkpointing.load(ckpt_dir, step, runner.abstract)

@@ -60,14 +60,14 @@ def use_compilation_cache() -> None:
 
 
 def make_runner(model, mesh, *, token_stats: bool, num_groups: int, sample_size: int = 0, skip_positions: int = 0,
-                kernels: KernelChoice = KernelChoice()):
+                kernels: KernelChoice = KernelChoice(), logit_lens_every: int = 0):
     """A Runner of a LoadedModel with these kernels, its activations split by rows over every device."""
     from isojax.device.runner import Runner
     from isojax.hf.loading import build_module
     from isojax.stats.options import StatsOptions
     return Runner(step_module(build_module(model.config, model.dtype, kernels), mesh), model.params, mesh,
                   token_stats=token_stats, num_groups=num_groups, sample_size=sample_size,
-                  options=StatsOptions(skip_positions=skip_positions))
+                  options=StatsOptions(skip_positions=skip_positions, logit_lens_every=int(logit_lens_every)))
 
 
 def check_skip_positions(tokens, skip: int) -> None:
@@ -107,6 +107,9 @@ def check_options(config: MeasureConfig) -> None:
     skip = stats.skip_positions
     if not isinstance(skip, (int, np.integer)) or skip < 0:
         raise UserError(f"skip_positions must be a non-negative integer, not {skip!r}")
+    lens = stats.logit_lens_every
+    if not isinstance(lens, (int, np.integer)) or isinstance(lens, bool) or lens < 0:
+        raise UserError(f"logit_lens_every must be a non-negative integer (0: off), not {lens!r}")
     if data.bos not in ("auto", "on", "off"):
         raise UserError(f"bos must be auto, on or off, not {data.bos!r}")
 
@@ -247,6 +250,8 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
                 "max_tokens": step.max_tokens, "devices": mesh.size, "processes": jax.process_count(),
                 "mesh": dict(mesh.shape), "sample_states": step.sample_states,
                 "skip_positions": int(config.stats.skip_positions), "bos": config.data.bos, "bos_id": bos}
+    if config.stats.logit_lens_every:  # only when on: a checkpoint written without it resumes as before
+        settings["logit_lens_every"] = int(config.stats.logit_lens_every)
 
     def total():  # None while tokenizing: the bar shows count and rate
         if streamed and not tokens.done():
@@ -344,10 +349,11 @@ def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPla
     skip = int(config.stats.skip_positions)
     check_skip_positions(tokens, skip)
     check_fits(cfg, config.stats.token_stats, dtype, len(step.labels), mesh, step.rows * row_len // mesh.size,
-               verbose=True, sample_size=step.sample_states)
+               verbose=True, sample_size=step.sample_states, logit_lens_every=config.stats.logit_lens_every)
     with timings("compile"):  # the step's setup: parameters placed, accumulators allocated (their init compiles)
         runner = make_runner(loaded, mesh, token_stats=config.stats.token_stats, num_groups=len(step.labels),
-                             sample_size=step.sample_states, skip_positions=skip, kernels=step.kernels)
+                             sample_size=step.sample_states, skip_positions=skip, kernels=step.kernels,
+                             logit_lens_every=config.stats.logit_lens_every)
     if ahead.matches(ahead.runner_signature(runner, step.rows, row_len), step.signature):
         runner.use_compiled(step.executable)
     else:  # e.g. a checkpoint whose parameter tree is not its config's: the step compiles at its first batch
@@ -429,6 +435,12 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
         # the per-source reductions on the devices, while the host goes on (Results.save draws and writes)
         pending = None if finish_groups is None else in_background(
             lambda: _timed_beside(timings, "finalize", finish_groups), daemon=True, name="isojax-sources")
+        lens = runner.logit_lens()
+        if lens is not None:  # stats/measures/logit_lens.py: its sums added over the devices, in float64
+            from isojax.stats.measures import logit_lens
+            for layer, extra in zip(final["layers"], logit_lens.readout(lens)):
+                layer.update(extra)
+            final["logit_lens"] = logit_lens.info(lens, config.stats.logit_lens_every, int(acc.layer_count()[0]))
         if sampled is not None:
             count, states = sampled
             for layer, extra in zip(final["layers"], sample_metrics(states, count, state_names, intrinsic,

@@ -5,7 +5,8 @@ the README's measures table (tests/test_measures_registry.py checks the table ag
 
 Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample and pairs),
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
-(report/measures.py). The step's streamed measures are not here yet (issue 46's step side).
+(report/measures.py). A "step" measure (logit_lens.py) is accumulated by the step behind its flag and
+read out by run.measure; the step's older streamed measures are not here yet (issue 46's step side).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _on(reads: tuple[str, ...]) -> list[Measure]:
     return [m for m in MEASURES.values() if m.reads in reads and m.on_by_default]
 
 
-def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs")) -> list[str]:
+def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
     """Every registered metric name (of the measures reading `reads`)."""
     return [metric.name for m in MEASURES.values() if m.reads in reads for metric in m.metrics]
 

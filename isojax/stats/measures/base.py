@@ -6,7 +6,9 @@ A measure reads one of:
 - "sample": one state's sampled points x [K, D] (stats/sample.py: the same K uniformly sampled
   tokens at every state, in the same order);
 - "pairs": the sampled points of two consecutive states, (x [K, D] of state s - 1, y [K, D] of
-  state s), its value that of state s (null for `embed`, which has no predecessor).
+  state s), its value that of state s (null for `embed`, which has no predecessor);
+- "step": sums of its own, accumulated by the jitted step behind a flag (its module declares its
+  flags, accumulators, update, merge and memory: logit_lens.py); read out by run.measure, not here.
 Sample read-outs are written with the array API (numpy, or jax.numpy under jax.jit where the
 sample lies on the devices, as stats.geometry's sample functions): float64 0-d arrays, NaN where
 undefined (the registry writes null).
@@ -30,14 +32,14 @@ class Metric:
 @dataclasses.dataclass(frozen=True)
 class Measure:
     metrics: tuple[Metric, ...]
-    reads: str  # "spectra", "sample" or "pairs" (above)
+    reads: str  # "spectra", "sample", "pairs" or "step" (above)
     readout: Callable  # spectra: Spectra -> {name: float | None}; sample, pairs: arrays -> {name: 0-d array}
     paper: str  # its reference
     readme_row: str  # its row of the README's measures table, exactly
-    on_by_default: bool = True  # off: not read out (no flag turns one on yet: the step side of issue 46)
+    on_by_default: bool = True  # off: not read out unless its flag turns it on (a "step" measure)
 
     def __post_init__(self):
-        assert self.reads in ("spectra", "sample", "pairs"), self.reads
+        assert self.reads in ("spectra", "sample", "pairs", "step"), self.reads
 
 
 @dataclasses.dataclass(frozen=True)

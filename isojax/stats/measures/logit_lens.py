@@ -1,0 +1,224 @@
+"""Logit lens per layer (nostalgebraist 2020): every state through the final norm and the
+unembedding, against the model's own next-token distribution. The first measure of the step side
+of issue 46: its flags, accumulators, per-batch update, merge, float64 read-out, metrics and
+memory are all here; the step (device/runner.py), the planner (device/memory.py), the run
+(run/measure.py) and the CLI (extract.py) call it through small hooks.
+
+Definitions, per state s (embed, block_1 .. block_L, final_ln), over the measured tokens t:
+  p_s(t) = softmax(unembed(final_norm(x_s(t)))) (+ the unembedding's bias where the family has one;
+  tied families unembed with the embedding), p_final(t) the model's own output distribution: the
+  final_ln state unembedded (no second norm; so p_final_ln = p_final).
+  logit_lens_kl = mean KL(p_final || p_s), logit_lens_entropy = mean H(p_s) (nats),
+  logit_lens_top1_agreement = fraction with argmax p_s = argmax p_final,
+  logit_lens_xent = mean -log p_s[next token], over the measured tokens whose next token is in the
+  same segment (the same sequence window).
+Measured tokens: with --logit-lens every token the statistics count; with --logit-lens-every K the
+tokens with (sequence index + position) % K == 0: every K-th token of each sequence window, its
+offset shifting with the sequence, so the same tokens on any device count, batch or packing, and
+an unbiased estimate of the means over positions.
+
+The step: the states of the device's rows are kept in a buffer [S, B, T, D] (the forward's dtype)
+while the layer scan observes them; after the forward, per device (shard_map), the measured tokens
+are taken C at a time (a while loop over their number: K cuts the products, not the buffer), their
+logits [C, V] computed in float32 (the product in the forward's dtype with float32 accumulation,
+float32's at HIGHEST), log-softmax in float32 (max subtracted), and each chunk's float32 sums added
+into double-float sums per group (G) and state (S) with TwoSum; counts are int32 limbs. Merge
+across devices, processes and checkpoints: the per-device sums are kept per device (a leading
+device axis, like the layer part), checkpointed with the accumulators and added on the host in
+float64 at the read-out.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from isojax.stats.accumulators import DF, _COUNT_BITS, _add_count, _df_add
+from isojax.stats.measures.base import Measure, Metric
+
+LOGITS_BYTES = 32 << 20  # one [C, V] float32 block of logits; the update holds about five of them
+COUNTS = ("tokens", "next")  # measured tokens, and those of them with a next token in their segment
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+
+def add_arguments(ap, positive_int) -> None:
+    ap.add_argument("--logit-lens", action="store_true",
+                    help="the logit lens per layer on every token: KL to the model's output distribution, "
+                         "entropy, top-1 agreement and next-token cross-entropy of each state through the final "
+                         "norm and unembedding (off by default: a D x V product per state and token)")
+    ap.add_argument("--logit-lens-every", type=positive_int, default=0, metavar="K",
+                    help="the logit lens on every K-th token of each sequence ((sequence + position) %% K == 0)")
+
+
+def every(args) -> int:
+    """The run's K: 0 (off), 1 (--logit-lens) or --logit-lens-every's."""
+    return int(args.logit_lens_every or (1 if args.logit_lens else 0))
+
+
+# ---- accumulators --------------------------------------------------------------------------------
+
+@struct.dataclass
+class Sums:
+    kl_GxS: DF  # Sum KL(p_final || p_s)
+    entropy_GxS: DF  # Sum H(p_s)
+    xent_GxS: DF  # Sum -log p_s[next token] (tokens with a next token)
+    top1_lo_GxS: jax.Array  # int32 limbs: tokens with argmax p_s = argmax p_final
+    top1_hi_GxS: jax.Array
+    count_lo_Gx2: jax.Array  # int32 limbs of COUNTS
+    count_hi_Gx2: jax.Array
+
+
+def init(num_groups: int, num_states: int) -> Sums:
+    z = lambda *shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
+    g, s = num_groups, num_states
+    return Sums(*(DF(z(g, s), z(g, s)) for _ in range(3)), z(g, s, dtype=jnp.int32), z(g, s, dtype=jnp.int32),
+                z(g, 2, dtype=jnp.int32), z(g, 2, dtype=jnp.int32))
+
+
+def chunk_tokens(vocab_size: int, tokens: int) -> int:
+    """C: measured tokens per block of logits (a power of two, at least 8, at most the batch's)."""
+    c = 1 << max(3, (LOGITS_BYTES // (4 * vocab_size)).bit_length() - 1)
+    return max(1, min(c, 1 << max(0, tokens - 1).bit_length()))
+
+
+def step_bytes(cfg, dtype: str, tokens_per_device: int, every_k: int) -> int:
+    """Device bytes the step adds with the logit lens on: the buffer of every state of the device's
+    tokens, about five [C, V] float32 blocks, and the sums (4 bytes x 10 per group and state: counted
+    with one group per state, a few KB)."""
+    if not every_k:
+        return 0
+    width = 2 if dtype == "bfloat16" else 4
+    c = chunk_tokens(cfg.vocab_size, tokens_per_device)
+    return (cfg.num_states * tokens_per_device * cfg.hidden_size * width + 5 * c * cfg.vocab_size * 4
+            + c * cfg.num_states * cfg.hidden_size * 4 + 40 * cfg.num_states)
+
+
+# ---- the per-batch update (inside the jitted step) ------------------------------------------------
+
+def head(module, params):
+    """(norm, unembed) of the model's params: norm(x [C, D]) the final norm in the forward's dtype,
+    unembed(h [C, D]) -> float32 logits [C, V] (+ bias)."""
+    from isojax.model.layers import make_norm
+    cfg, dtype = module.cfg, module.dtype
+    norm = make_norm(cfg, dtype, module.param_dtype, "final_layer_norm")
+    norm_params = params["final_layer_norm"]
+    w_DxV = params["embed_in"].T if cfg.tie_word_embeddings else params["embed_out"]
+    bias_V = params["embed_out_bias"] if cfg.unembed_bias else None
+    precision = lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+    def unembed(h_CxD, w_DxV, bias_V):
+        logits = jnp.dot(h_CxD.astype(dtype), w_DxV.astype(dtype), precision=precision,
+                         preferred_element_type=jnp.float32)
+        return logits if bias_V is None else logits + bias_V.astype(jnp.float32)
+
+    return (lambda p, x: norm.apply({"params": p}, x)), unembed, (norm_params, w_DxV, bias_V)
+
+
+def update(sums: Sums, states_SxBxTxD, tokens_BxT, seg_BxT, kept_BxT, pos_BxT, seq_BxT, group, weights, *,
+           norm, unembed, every_k: int) -> Sums:
+    """One device's batch: the measured tokens among its rows (kept_BxT: the statistics' segments,
+    seg_BxT: the forward's), C at a time."""
+    s_count, b, t, d = states_SxBxTxD.shape
+    n = b * t
+    x_SxNxD = states_SxBxTxD.reshape(s_count, n, d)
+    kept_N = kept_BxT.reshape(-1) != 0
+    if every_k > 1:
+        kept_N &= (seq_BxT.reshape(-1) + pos_BxT.reshape(-1)) % every_k == 0
+    has_next_BxT = jnp.pad((seg_BxT[:, 1:] == seg_BxT[:, :-1]) & (seg_BxT[:, 1:] != 0), ((0, 0), (0, 1)))
+    next_N = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1))).reshape(-1)
+    has_next_N = has_next_BxT.reshape(-1) & kept_N
+    c = chunk_tokens(weights[1].shape[1], n)
+    chunks = -(-n // c)
+    idx = jnp.pad(jnp.nonzero(kept_N, size=n, fill_value=n)[0], (0, chunks * c - n), constant_values=n)
+    measured = jnp.sum(kept_N, dtype=jnp.int32)
+    norm_params, w_DxV, bias_V = weights
+    last = s_count - 1
+
+    def chunk(carry):
+        i, sums = carry
+        ids_C = lax.dynamic_slice_in_dim(idx, i * c, c)
+        ok_C = ids_C < n
+        x_SxCxD = x_SxNxD.at[:, ids_C].get(mode="fill", fill_value=0)
+        next_C = next_N.at[ids_C].get(mode="fill", fill_value=0)
+        nxt_C = has_next_N.at[ids_C].get(mode="fill", fill_value=False)
+        final_CxV = jax.nn.log_softmax(unembed(x_SxCxD[last], w_DxV, bias_V), axis=-1)
+        p_final_CxV = jnp.exp(final_CxV)
+        top_final_C = jnp.argmax(final_CxV, axis=-1)
+
+        def state(s, sums):
+            x_CxD = lax.dynamic_index_in_dim(x_SxCxD, s, 0, keepdims=False)
+            h_CxD = jnp.where(s == last, x_CxD, norm(norm_params, x_CxD).astype(x_CxD.dtype))
+            lp_CxV = jax.nn.log_softmax(unembed(h_CxD, w_DxV, bias_V), axis=-1)
+            kl_C = jnp.sum(p_final_CxV * (final_CxV - lp_CxV), axis=-1)
+            ent_C = -jnp.sum(jnp.exp(lp_CxV) * lp_CxV, axis=-1)
+            xent_C = -jnp.take_along_axis(lp_CxV, next_C[:, None], axis=-1)[:, 0]
+            top1 = jnp.sum(ok_C & (jnp.argmax(lp_CxV, axis=-1) == top_final_C), dtype=jnp.int32)
+            add = lambda df, v: DF(*(a.at[group, s].set(b) for a, b in zip(
+                (df.hi, df.lo), _df_add(df.hi[group, s], df.lo[group, s], v))))
+            lo, hi = _add_count(sums.top1_lo_GxS[group, s], sums.top1_hi_GxS[group, s], top1)
+            return sums.replace(
+                kl_GxS=add(sums.kl_GxS, jnp.sum(jnp.where(ok_C, kl_C, 0.0))),
+                entropy_GxS=add(sums.entropy_GxS, jnp.sum(jnp.where(ok_C, ent_C, 0.0))),
+                xent_GxS=add(sums.xent_GxS, jnp.sum(jnp.where(nxt_C, xent_C, 0.0))),
+                top1_lo_GxS=sums.top1_lo_GxS.at[group, s].set(lo), top1_hi_GxS=sums.top1_hi_GxS.at[group, s].set(hi))
+
+        return i + 1, lax.fori_loop(0, s_count, state, sums)
+
+    _, sums = lax.while_loop(lambda carry: carry[0] * c < measured, chunk, (jnp.int32(0), sums))
+    lo, hi = _add_count(sums.count_lo_Gx2[group], sums.count_hi_Gx2[group],
+                        jnp.stack([measured, jnp.sum(has_next_N, dtype=jnp.int32)]))
+    return sums.replace(count_lo_Gx2=sums.count_lo_Gx2.at[group].set(lo),
+                        count_hi_Gx2=sums.count_hi_Gx2.at[group].set(hi))
+
+
+# ---- merge and float64 read-out (host) ------------------------------------------------------------
+
+def merged(per_device: Sums) -> dict:
+    """The per-device sums (numpy, a leading device axis) added in float64 over the devices:
+    {"kl", "entropy", "xent", "top1": [G, S], "tokens", "next": [G]}."""
+    df = lambda x: (np.asarray(x.hi, np.float64) + np.asarray(x.lo, np.float64)).sum(0)
+    limbs = lambda lo, hi: ((np.asarray(hi, np.int64) << _COUNT_BITS) + np.asarray(lo, np.int64)).sum(0)
+    counts = limbs(per_device.count_lo_Gx2, per_device.count_hi_Gx2)
+    return dict(kl=df(per_device.kl_GxS), entropy=df(per_device.entropy_GxS), xent=df(per_device.xent_GxS),
+                top1=limbs(per_device.top1_lo_GxS, per_device.top1_hi_GxS).astype(np.float64),
+                tokens=counts[:, 0], next=counts[:, 1])
+
+
+def readout(sums: dict, groups=None) -> list[dict]:
+    """Per state, the four metrics of the groups `groups` (None: all) of merged(...)'s sums; null
+    where no token was measured (xent: no measured token had a next token)."""
+    pick = (lambda x: x.sum(0)) if groups is None else (lambda x: x[list(groups)].sum(0))
+    n, n_next = int(pick(sums["tokens"])), int(pick(sums["next"]))
+    mean = lambda key, count: [float(v) / count if count else None for v in pick(sums[key])]
+    rows = zip(mean("kl", n), mean("entropy", n), mean("top1", n), mean("xent", n_next))
+    return [dict(zip(NAMES, r)) for r in rows]
+
+
+def info(sums: dict, every_k: int, counted_tokens: int) -> dict:
+    """metrics.json's "logit_lens": K, the tokens measured, and their fraction of the tokens counted."""
+    n = int(sums["tokens"].sum())
+    return {"every": every_k, "tokens": n, "tokens_with_next": int(sums["next"].sum()),
+            "fraction": n / counted_tokens if counted_tokens else None}
+
+
+MEASURE = Measure(
+    metrics=(Metric("logit_lens_kl", "nats", "logit lens KL(p_final ‖ p_layer)"),
+             Metric("logit_lens_entropy", "nats", "logit lens entropy of p_layer"),
+             Metric("logit_lens_top1_agreement", "fraction of tokens", "logit lens top-1 agreement with the output"),
+             Metric("logit_lens_xent", "nats", "logit lens next-token cross-entropy")),
+    reads="step", readout=readout, paper="nostalgebraist 2020 (interpreting GPT: the logit lens)",
+    on_by_default=False,
+    readme_row="| `logit_lens_kl`, `logit_lens_entropy`, `logit_lens_top1_agreement`, `logit_lens_xent` | with "
+               "`--logit-lens` (every token) or `--logit-lens-every K` (tokens with (sequence + position) mod K = 0): "
+               "each state through the final norm and the unembedding (its bias where the family has one; tied "
+               "families the embedding), p_s = softmax of those logits, p_final the model's output distribution (the "
+               "`final_ln` state unembedded); the means over the measured tokens of KL(p_final ‖ p_s) and of the "
+               "entropy of p_s (nats), the fraction whose argmax of p_s is p_final's, and −log p_s[next token] over "
+               "those whose next token is in their sequence window; logits in float32, sums in double-float; "
+               "metrics.json's `logit_lens` records K, the tokens measured and their fraction; null where off. Its "
+               "cost is not measured on a GPU yet | nostalgebraist 2020 (interpreting GPT: the logit lens) |")
+NAMES = tuple(m.name for m in MEASURE.metrics)
