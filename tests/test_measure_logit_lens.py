@@ -94,7 +94,7 @@ def _check(layers, want, tol, top1_slack, what):
     assert layers[-1]["logit_lens_kl"] == 0.0 and layers[-1]["logit_lens_top1_agreement"] == 1.0
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "gpt2"])
+@pytest.mark.parametrize("family", ["gpt_neox", pytest.param("gpt2", marks=pytest.mark.slow)])  # gpt2: ~45 s
 def test_logit_lens_equals_float64_hugging_face_on_1_and_2_devices(tmp_path, family):
     """Every token and every 3rd, 1 and 2 devices (GPT-NeoX) against the float64 reference; off: null
     fields and the other metrics as with it on."""

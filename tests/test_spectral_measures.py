@@ -153,6 +153,9 @@ def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.n
     import importlib
     sample = sample_SxKxD.astype(np.float64)
     for name, m in measures.MEASURES.items():
+        if m.reads == "step":  # behind its flag, off here: tests/test_measure_<name>.py runs it end to end
+            assert all(layer[metric.name] is None for layer in layers for metric in m.metrics), name
+            continue
         reference = importlib.import_module(f"test_measure_{name}").reference
         for i, layer in enumerate(layers):
             got = [layer[metric.name] for metric in m.metrics]

@@ -219,6 +219,7 @@ MEASURE = Measure(
                "`final_ln` state unembedded); the means over the measured tokens of KL(p_final ‖ p_s) and of the "
                "entropy of p_s (nats), the fraction whose argmax of p_s is p_final's, and −log p_s[next token] over "
                "those whose next token is in their sequence window; logits in float32, sums in double-float; "
-               "metrics.json's `logit_lens` records K, the tokens measured and their fraction; null where off. Its "
-               "cost is not measured on a GPU yet | nostalgebraist 2020 (interpreting GPT: the logit lens) |")
+               "metrics.json's `logit_lens` records K, the tokens measured and their fraction; of the tokens the "
+               "statistics count (`--skip-positions` applies); over all sources (not per source yet); null where off. "
+               "Its cost is not measured on a GPU yet | nostalgebraist 2020 (interpreting GPT: the logit lens) |")
 NAMES = tuple(m.name for m in MEASURE.metrics)
