@@ -37,6 +37,18 @@ def _documents(path: Path, n_docs: int, seed: int) -> None:
             at += k
 
 
+def _built(tmp: Path, family: str):
+    """The random checkpoint of test_streamed_measures._build with its unembedding (tied: the
+    embedding too) times 30, saved again: peaked next-token distributions (random weights give
+    nearly uniform ones over 50k tokens, whose KL and top-1 would test little)."""
+    torch = need("torch")
+    model = _build(tmp / "ckpt", family)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30.0)
+    model.save_pretrained(tmp / "ckpt")
+    return model
+
+
 def _measure(tmp: Path, runs: list[dict], accelerator: bool = False) -> list[dict]:
     """metrics.json's document of isojax.measure for each run's keywords, in one process of 2 CPU devices."""
     script = textwrap.dedent(f"""
@@ -89,7 +101,7 @@ def _reference(model, tmp: Path, every: int) -> list[dict]:
 def _check(layers, want, tol, top1_slack, what):
     for s, (layer, w) in enumerate(zip(layers, want, strict=True)):
         for key in ("logit_lens_kl", "logit_lens_entropy", "logit_lens_xent"):
-            assert abs(layer[key] - w[key]) <= tol * max(1.0, abs(w[key])), (what, s, key, layer[key], w[key])
+            assert abs(layer[key] - w[key]) <= tol * max(0.1, abs(w[key])), (what, s, key, layer[key], w[key])
         assert abs(layer["logit_lens_top1_agreement"] - w["logit_lens_top1_agreement"]) <= top1_slack, (what, s)
     assert layers[-1]["logit_lens_kl"] == 0.0 and layers[-1]["logit_lens_top1_agreement"] == 1.0
 
@@ -98,7 +110,7 @@ def _check(layers, want, tol, top1_slack, what):
 def test_logit_lens_equals_float64_hugging_face_on_1_and_2_devices(tmp_path, family):
     """Every token and every 3rd, 1 and 2 devices (GPT-NeoX) against the float64 reference; off: null
     fields and the other metrics as with it on."""
-    model = _build(tmp_path / "ckpt", family)
+    model = _built(tmp_path, family)
     _documents(tmp_path / "docs.jsonl", 10, seed=1)
     one, two = {"data": 1, "model": 1}, {"data": 2, "model": 1}
     runs = [dict(mesh=one, logit_lens_every=1), dict(mesh=two, logit_lens_every=3)]
@@ -119,20 +131,21 @@ def test_logit_lens_equals_float64_hugging_face_on_1_and_2_devices(tmp_path, fam
 
 @pytest.mark.slow  # ~40 s on 2 shared cores
 def test_logit_lens_in_bf16_with_an_unembedding_bias(tmp_path):
-    """Phi (the lm_head's bias) in float32 against the reference, and the accelerator configuration
+    """Phi (the lm_head's bias) in float32, its parameters split over a "model" axis of 2, against the
+    reference, and the accelerator configuration
     (bf16, the default sample) on 1 and 2 devices within bf16's error of it, the same tokens."""
-    model = _build(tmp_path / "ckpt", "phi")
+    model = _built(tmp_path, "phi")
     _documents(tmp_path / "docs.jsonl", 8, seed=2)
     want1, n1 = _reference(model, tmp_path, 1)
     want3, n3 = _reference(model, tmp_path, 3)
-    f32 = _measure(tmp_path, [dict(mesh={"data": 2, "model": 1}, logit_lens_every=1)])[0]
+    f32 = _measure(tmp_path, [dict(mesh={"data": 1, "model": 2}, logit_lens_every=1)])[0]  # params split over "model"
     _check(f32["layers"], want1, 1e-5, 0.0, "phi float32")
     runs = [dict(mesh={"data": n, "model": 1}, logit_lens_every=3) for n in (1, 2)]
     one, two = _measure(tmp_path, runs, accelerator=True)
     assert one["dtype"] == "bfloat16"
     for metrics in (one, two):
         assert metrics["logit_lens"]["tokens"] == n3
-        _check(metrics["layers"], want3, 0.1, 0.2, "phi bf16")  # bf16 states: ~1e-2 relative per state
+        _check(metrics["layers"], want3, 3e-2, 0.05, "phi bf16")  # bf16 states: measured <= 1e-2 relative
     for a, b in zip(one["layers"], two["layers"]):  # 1 and 2 devices: the same tokens, the same bf16 states
         for k in KEYS:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["name"], k)
