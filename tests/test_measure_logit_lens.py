@@ -220,3 +220,27 @@ def test_a_checkpoint_resumes_only_into_its_own_logit_lens_setting(tmp_path):
     assert plain.acc.lens is None and resume(plain, tmp_path / "without", {}, {})[0] == 1
     with pytest.raises(UserError, match="logit_lens_every"):
         resume(runner(1), tmp_path / "without", {"logit_lens_every": 1}, {})
+
+
+def test_the_planner_counts_what_the_logit_lens_adds_to_the_step():
+    """device/memory.py step_bytes with the lens on adds logit_lens.step_bytes: at least the step's
+    temporary bytes that the compiled lens adds (XLA's memory analysis, CPU), at most twice them."""
+    from isojax.device import mesh as parallel
+    from isojax.device.ahead import compile_step
+    from isojax.device.memory import step_bytes
+    from isojax.device.runner import Layout
+    from isojax.hf.loading import abstract_params
+    from isojax.model.config import ModelConfig
+    from isojax.model.decoder import Decoder
+    from isojax.stats.measures import logit_lens
+    from isojax.stats.options import StatsOptions
+
+    mesh = parallel.make_mesh({"data": 1, "model": 1})
+    cfg = ModelConfig(vocab_size=4096, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256)
+    temp = {}
+    for k in (0, 1):
+        layout = Layout(Decoder(cfg), mesh, token_stats=False, num_groups=1, options=StatsOptions(logit_lens_every=k))
+        temp[k] = compile_step(layout, abstract_params(cfg, "float32", mesh), 4, 64)[0].memory_analysis().temp_size_in_bytes
+    added = step_bytes(cfg, "float32", 256, 1, 1) - step_bytes(cfg, "float32", 256, 1)
+    assert added == logit_lens.step_bytes(cfg, "float32", 256, 1)
+    assert temp[1] - temp[0] <= added <= 2 * (temp[1] - temp[0]), (temp, added)
