@@ -153,7 +153,7 @@ def update(sums: Sums, states_SxBxTxD, tokens_BxT, seg_BxT, kept_BxT, pos_BxT, s
             x_CxD = lax.dynamic_index_in_dim(x_SxCxD, s, 0, keepdims=False)
             h_CxD = jnp.where(s == last, x_CxD, norm(norm_params, x_CxD).astype(x_CxD.dtype))
             lp_CxV = jax.nn.log_softmax(unembed(h_CxD, w_DxV, bias_V), axis=-1)
-            kl_C = jnp.sum(p_final_CxV * (final_CxV - lp_CxV), axis=-1)
+            kl_C = jnp.maximum(jnp.sum(p_final_CxV * (final_CxV - lp_CxV), axis=-1), 0.0)  # >= 0 but for rounding
             ent_C = -jnp.sum(jnp.exp(lp_CxV) * lp_CxV, axis=-1)
             xent_C = -jnp.take_along_axis(lp_CxV, next_C[:, None], axis=-1)[:, 0]
             top1 = jnp.sum(ok_C & (jnp.argmax(lp_CxV, axis=-1) == top_final_C), dtype=jnp.int32)
