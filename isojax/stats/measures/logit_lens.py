@@ -30,14 +30,15 @@ float64 at the read-out.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import struct
-from jax import lax
+from typing import Any, NamedTuple
 
-from isojax.stats.accumulators import DF, _COUNT_BITS, _add_count, _df_add
+import numpy as np
+
 from isojax.stats.measures.base import Measure, Metric
+
+# jax is imported inside the step's functions: the registry (read by isojax.load, the report)
+# stays free of it. accumulators._COUNT_BITS: the counts' int32 limbs.
+COUNT_BITS = 30
 
 LOGITS_BYTES = 32 << 20  # one [C, V] float32 block of logits; the update holds about five of them
 COUNTS = ("tokens", "next")  # measured tokens, and those of them with a next token in their segment
@@ -61,22 +62,27 @@ def every(args) -> int:
 
 # ---- accumulators --------------------------------------------------------------------------------
 
-@struct.dataclass
-class Sums:
-    kl_GxS: DF  # Sum KL(p_final || p_s)
-    entropy_GxS: DF  # Sum H(p_s)
-    xent_GxS: DF  # Sum -log p_s[next token] (tokens with a next token)
-    top1_lo_GxS: jax.Array  # int32 limbs: tokens with argmax p_s = argmax p_final
-    top1_hi_GxS: jax.Array
-    count_lo_Gx2: jax.Array  # int32 limbs of COUNTS
-    count_hi_Gx2: jax.Array
+class Sums(NamedTuple):
+    """One device's sums (a pytree of arrays; the step's global ones lead with a device axis).
+    Double-float sums (hi, lo: float32, the value hi + lo, accumulators.DF's arithmetic); counts in
+    int32 limbs (n = hi * 2**30 + lo)."""
+    kl_hi_GxS: Any  # Sum KL(p_final || p_s)
+    kl_lo_GxS: Any
+    entropy_hi_GxS: Any  # Sum H(p_s)
+    entropy_lo_GxS: Any
+    xent_hi_GxS: Any  # Sum -log p_s[next token] (tokens with a next token)
+    xent_lo_GxS: Any
+    top1_lo_GxS: Any  # tokens with argmax p_s = argmax p_final
+    top1_hi_GxS: Any
+    count_lo_Gx2: Any  # COUNTS
+    count_hi_Gx2: Any
 
 
 def init(num_groups: int, num_states: int) -> Sums:
-    z = lambda *shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
+    import jax.numpy as jnp
     g, s = num_groups, num_states
-    return Sums(*(DF(z(g, s), z(g, s)) for _ in range(3)), z(g, s, dtype=jnp.int32), z(g, s, dtype=jnp.int32),
-                z(g, 2, dtype=jnp.int32), z(g, 2, dtype=jnp.int32))
+    return Sums(*(jnp.zeros((g, s), jnp.float32) for _ in range(6)), *(jnp.zeros((g, s), jnp.int32) for _ in range(2)),
+                *(jnp.zeros((g, 2), jnp.int32) for _ in range(2)))
 
 
 def chunk_tokens(vocab_size: int, tokens: int) -> int:
@@ -102,6 +108,9 @@ def step_bytes(cfg, dtype: str, tokens_per_device: int, every_k: int) -> int:
 def head(module, params):
     """(norm, unembed) of the model's params: norm(x [C, D]) the final norm in the forward's dtype,
     unembed(h [C, D]) -> float32 logits [C, V] (+ bias)."""
+    import jax.numpy as jnp
+    from jax import lax
+
     from isojax.model.layers import make_norm
     cfg, dtype = module.cfg, module.dtype
     norm = make_norm(cfg, dtype, module.param_dtype, "final_layer_norm")
@@ -122,6 +131,12 @@ def update(sums: Sums, states_SxBxTxD, tokens_BxT, seg_BxT, kept_BxT, pos_BxT, s
            norm, unembed, every_k: int) -> Sums:
     """One device's batch: the measured tokens among its rows (kept_BxT: the statistics' segments,
     seg_BxT: the forward's), C at a time."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from isojax.stats.accumulators import _COUNT_BITS, _add_count, _df_add
+    assert _COUNT_BITS == COUNT_BITS
     s_count, b, t, d = states_SxBxTxD.shape
     n = b * t
     x_SxNxD = states_SxBxTxD.reshape(s_count, n, d)
@@ -157,21 +172,22 @@ def update(sums: Sums, states_SxBxTxD, tokens_BxT, seg_BxT, kept_BxT, pos_BxT, s
             ent_C = -jnp.sum(jnp.exp(lp_CxV) * lp_CxV, axis=-1)
             xent_C = -jnp.take_along_axis(lp_CxV, next_C[:, None], axis=-1)[:, 0]
             top1 = jnp.sum(ok_C & (jnp.argmax(lp_CxV, axis=-1) == top_final_C), dtype=jnp.int32)
-            add = lambda df, v: DF(*(a.at[group, s].set(b) for a, b in zip(
-                (df.hi, df.lo), _df_add(df.hi[group, s], df.lo[group, s], v))))
+            out = {}
+            for name, v in (("kl", jnp.where(ok_C, kl_C, 0.0)), ("entropy", jnp.where(ok_C, ent_C, 0.0)),
+                            ("xent", jnp.where(nxt_C, xent_C, 0.0))):
+                hi, lo = getattr(sums, f"{name}_hi_GxS"), getattr(sums, f"{name}_lo_GxS")
+                new_hi, new_lo = _df_add(hi[group, s], lo[group, s], jnp.sum(v))
+                out.update({f"{name}_hi_GxS": hi.at[group, s].set(new_hi), f"{name}_lo_GxS": lo.at[group, s].set(new_lo)})
             lo, hi = _add_count(sums.top1_lo_GxS[group, s], sums.top1_hi_GxS[group, s], top1)
-            return sums.replace(
-                kl_GxS=add(sums.kl_GxS, jnp.sum(jnp.where(ok_C, kl_C, 0.0))),
-                entropy_GxS=add(sums.entropy_GxS, jnp.sum(jnp.where(ok_C, ent_C, 0.0))),
-                xent_GxS=add(sums.xent_GxS, jnp.sum(jnp.where(nxt_C, xent_C, 0.0))),
-                top1_lo_GxS=sums.top1_lo_GxS.at[group, s].set(lo), top1_hi_GxS=sums.top1_hi_GxS.at[group, s].set(hi))
+            return sums._replace(**out, top1_lo_GxS=sums.top1_lo_GxS.at[group, s].set(lo),
+                                 top1_hi_GxS=sums.top1_hi_GxS.at[group, s].set(hi))
 
         return i + 1, lax.fori_loop(0, s_count, state, sums)
 
     _, sums = lax.while_loop(lambda carry: carry[0] * c < measured, chunk, (jnp.int32(0), sums))
     lo, hi = _add_count(sums.count_lo_Gx2[group], sums.count_hi_Gx2[group],
                         jnp.stack([measured, jnp.sum(has_next_N, dtype=jnp.int32)]))
-    return sums.replace(count_lo_Gx2=sums.count_lo_Gx2.at[group].set(lo),
+    return sums._replace(count_lo_Gx2=sums.count_lo_Gx2.at[group].set(lo),
                         count_hi_Gx2=sums.count_hi_Gx2.at[group].set(hi))
 
 
@@ -180,10 +196,10 @@ def update(sums: Sums, states_SxBxTxD, tokens_BxT, seg_BxT, kept_BxT, pos_BxT, s
 def merged(per_device: Sums) -> dict:
     """The per-device sums (numpy, a leading device axis) added in float64 over the devices:
     {"kl", "entropy", "xent", "top1": [G, S], "tokens", "next": [G]}."""
-    df = lambda x: (np.asarray(x.hi, np.float64) + np.asarray(x.lo, np.float64)).sum(0)
-    limbs = lambda lo, hi: ((np.asarray(hi, np.int64) << _COUNT_BITS) + np.asarray(lo, np.int64)).sum(0)
+    df = lambda name: sum(np.asarray(getattr(per_device, f"{name}_{part}_GxS"), np.float64) for part in ("hi", "lo")).sum(0)
+    limbs = lambda lo, hi: ((np.asarray(hi, np.int64) << COUNT_BITS) + np.asarray(lo, np.int64)).sum(0)
     counts = limbs(per_device.count_lo_Gx2, per_device.count_hi_Gx2)
-    return dict(kl=df(per_device.kl_GxS), entropy=df(per_device.entropy_GxS), xent=df(per_device.xent_GxS),
+    return dict(kl=df("kl"), entropy=df("entropy"), xent=df("xent"),
                 top1=limbs(per_device.top1_lo_GxS, per_device.top1_hi_GxS).astype(np.float64),
                 tokens=counts[:, 0], next=counts[:, 1])
 
