@@ -27,13 +27,14 @@ KEYS = ("logit_lens_kl", "logit_lens_entropy", "logit_lens_top1_agreement", "log
 
 
 def _documents(path: Path, n_docs: int, seed: int) -> None:
-    """Moby-Dick cut into documents of 3 to 40 words (one window each at ROW tokens)."""
+    """Moby-Dick cut into documents of 3 to 40 words (one window each at ROW tokens), of the sources
+    "A" (even documents) and "B" (odd ones)."""
     words = (REPO / "tests" / "data" / "moby-dick.txt").read_text().split()
     rng, at = np.random.default_rng(seed), 0
     with open(path, "w") as f:
-        for _ in range(n_docs):
+        for i in range(n_docs):
             k = int(rng.integers(3, 40))
-            f.write(json.dumps({"text": " ".join(words[at:at + k])}) + "\n")
+            f.write(json.dumps({"text": " ".join(words[at:at + k]), "meta": {"pile_set_name": "AB"[i % 2]}}) + "\n")
             at += k
 
 
@@ -65,10 +66,11 @@ def _measure(tmp: Path, runs: list[dict], accelerator: bool = False) -> list[dic
     return json.loads(proc.stdout)
 
 
-def _reference(model, tmp: Path, every: int) -> list[dict]:
+def _reference(model, tmp: Path, every: int, source: int | None = None) -> list[dict]:
     """Per state, the four means in float64 from Hugging Face: states (test_families.hf_states),
     the model's final norm and lm_head in float64, on the tokens of sequence i, position p with
-    (i + p) % every == 0 (the documents in order: sequence i is document i)."""
+    (i + p) % every == 0 (the documents in order: sequence i is document i); of one source's
+    documents (0: "A", 1: "B") or all."""
     torch = need("torch")
     from test_families import hf_states
     from tokenizers import Tokenizer
@@ -82,6 +84,8 @@ def _reference(model, tmp: Path, every: int) -> list[dict]:
     for i, text in enumerate(texts):
         ids = np.array(tok.encode(text, add_special_tokens=False).ids)
         assert 0 < len(ids) <= ROW
+        if source is not None and i % 2 != source:
+            continue
         x = hf_states(model, ids)  # [S, T, D]
         sel = np.flatnonzero((i + np.arange(len(ids))) % every == 0)
         with torch.no_grad():
@@ -122,9 +126,12 @@ def test_logit_lens_equals_float64_hugging_face_on_1_and_2_devices(tmp_path, fam
         assert metrics["logit_lens"]["every"] == k and metrics["logit_lens"]["tokens"] == n, (run, metrics["logit_lens"])
         assert metrics["logit_lens"]["fraction"] == pytest.approx(n / metrics["tokens"])
         _check(metrics["layers"], want, 1e-5, 0.0, run)
+        for g, name in enumerate("AB"):  # each source's own
+            _check(metrics["sources"][name]["layers"], _reference(model, tmp_path, k, g)[0], 1e-5, 0.0, (run, name))
     if family == "gpt_neox":  # off: null, no record, the rest of the metrics as with it on
         off = got[2]
         assert "logit_lens" not in off and all(layer[k] is None for layer in off["layers"] for k in KEYS)
+        assert all(layer.get(k) is None for layer in off["sources"]["A"]["layers"] for k in KEYS)
         for a, b in zip(off["layers"], got[0]["layers"], strict=True):
             assert {k: v for k, v in a.items() if k not in KEYS} == {k: v for k, v in b.items() if k not in KEYS}
 

@@ -432,15 +432,16 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
         final, finish_groups = finalize_whole(acc, state_names, cache.source_names if has_sources else None,
                                               token=token, isoscore_zeta=config.stats.isoscore_zeta,
                                               bf16=config.model.dtype == "bfloat16")
-        # the per-source reductions on the devices, while the host goes on (Results.save draws and writes)
-        pending = None if finish_groups is None else in_background(
-            lambda: _timed_beside(timings, "finalize", finish_groups), daemon=True, name="isojax-sources")
         lens = runner.logit_lens()
         if lens is not None:  # stats/measures/logit_lens.py: its sums added over the devices, in float64
             from isojax.stats.measures import logit_lens
             for layer, extra in zip(final["layers"], logit_lens.readout(lens)):
                 layer.update(extra)
             final["logit_lens"] = logit_lens.info(lens, config.stats.logit_lens_every, int(acc.layer_count()[0]))
+            finish_groups = _with_lens_by_source(final, finish_groups, lens, cache.source_names if has_sources else ())
+        # the per-source reductions on the devices, while the host goes on (Results.save draws and writes)
+        pending = None if finish_groups is None else in_background(
+            lambda: _timed_beside(timings, "finalize", finish_groups), daemon=True, name="isojax-sources")
         if sampled is not None:
             count, states = sampled
             for layer, extra in zip(final["layers"], sample_metrics(states, count, state_names, intrinsic,
@@ -454,6 +455,22 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
     if config.stats.centered:
         final = centered_pass(final, acc, runner, state_names, cache, rows, row_len, local, timings, config.progress)
     return final, pending
+
+
+def _with_lens_by_source(final: dict, finish_groups, lens: dict, source_names):
+    """finish_groups, then each source's logit lens into its layers (now where the sources are read out
+    already: finish_groups None)."""
+    from isojax.stats.measures import logit_lens
+
+    def by_source():
+        for g, name in enumerate(source_names):
+            for layer, extra in zip(final["groups"][name]["layers"], logit_lens.readout(lens, groups=[g])):
+                layer.update(extra)
+
+    if finish_groups is None:
+        by_source()
+        return None
+    return lambda: (finish_groups(), by_source())
 
 
 def _sample_identity(keys, cache):

@@ -236,6 +236,6 @@ MEASURE = Measure(
                "entropy of p_s (nats), the fraction whose argmax of p_s is p_final's, and −log p_s[next token] over "
                "those whose next token is in their sequence window; logits in float32, sums in double-float; "
                "metrics.json's `logit_lens` records K, the tokens measured and their fraction; of the tokens the "
-               "statistics count (`--skip-positions` applies); over all sources (not per source yet); null where off. "
+               "statistics count (`--skip-positions` applies); per layer and per source; null where off. "
                "Its cost is not measured on a GPU yet | nostalgebraist 2020 (interpreting GPT: the logit lens) |")
 NAMES = tuple(m.name for m in MEASURE.metrics)
