@@ -48,7 +48,8 @@ def test_every_module_of_the_package_with_a_measure_is_registered():
 
 
 def test_results_without_the_registered_measures_read_them_as_null(tmp_path):
-    """metrics.json of an older isojax: layers.csv, isojax.load and the report read n/a, never a number."""
+    """metrics.json of an older isojax: layers.csv, isojax.load and the report read n/a, never a number
+    (a dict-valued measure, gride: each of its columns, gride_2 ... gride_64)."""
     import isojax
     from isojax.report.collect import _extract_run
     from isojax.run.results import write_layers_csv
@@ -57,16 +58,16 @@ def test_results_without_the_registered_measures_read_them_as_null(tmp_path):
     layers = [{"name": n, "count": 10, "inter_sim": 0.1, "null_eigenvalues": 0} for n in ("embed", "block_1")]
     (folder / "metrics.json").write_text(json.dumps({"model": "m", "tokens": 10, "layers": layers}))
     df = isojax.load(folder)
-    for key in measures.names():
+    for key in measures.columns():
         assert df[key].isna().all(), key
     assert df["inter_sim"].tolist() == [0.1, 0.1]
     write_layers_csv(tmp_path / "layers.csv", layers)
     head, *rows = (tmp_path / "layers.csv").read_text().splitlines()
     cols = head.split(",")
-    for key in measures.names():
+    for key in measures.columns():
         assert all(row.split(",")[cols.index(key)] == "" for row in rows), key
     got = _extract_run(folder).data["layers"]
-    assert all(layer[key] is None for layer in got for key in measures.names())
+    assert all(layer[key] is None for layer in got for key in measures.columns())
 
 
 def test_the_first_state_has_no_pairs_measure_and_an_off_measure_is_null(monkeypatch):
