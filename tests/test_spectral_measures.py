@@ -186,7 +186,7 @@ def test_run_measures_equal_float64_hugging_face_references_on_1_and_2_devices(t
         assert f"devices: {devices} x cpu" in proc.stderr or devices == 1, proc.stderr[-2000:]
         check_run(out, x_SxNxD, refs)
         header = (out / "layers.csv").read_text().splitlines()[0].split(",")
-        assert set(measures.names()) <= set(header) and measures.names()
+        assert set(measures.columns()) <= set(header) and measures.columns()
 
 
 def test_isoscore_zeta_outside_0_1_is_an_argparse_error(tmp_path, capsys):
