@@ -81,3 +81,20 @@ def test_the_first_state_has_no_pairs_measure_and_an_off_measure_is_null(monkeyp
     off = {k: dataclasses.replace(m, on_by_default=k != "block_influence") for k, m in measures.MEASURES.items()}
     monkeypatch.setattr(measures, "MEASURES", off)
     assert measures.sample_readout(x, x + 1.0)["block_influence"] is None
+
+
+def test_a_dict_valued_measure_is_a_column_per_key_in_layers_csv(tmp_path):
+    """gride = {"2": id, ..., "64": id} in metrics.json: gride_2 ... gride_64 in layers.csv, null where it is
+    null or absent (no sample), and its metrics.json value without a sample is {key: null}."""
+    from isojax.run.results import flat_layer, write_layers_csv
+    keys = measures.MEASURES["gride"].metrics[0].keys
+    assert keys == ("2", "4", "8", "16", "32", "64") and measures.nulls()["gride"] == dict.fromkeys(keys)
+    layers = [{"name": "block_1", "gride": {k: float(i) for i, k in enumerate(keys)}},
+              {"name": "block_2", "gride": None}, {"name": "block_3", "gride": dict.fromkeys(keys)}, {"name": "x"}]
+    write_layers_csv(tmp_path / "layers.csv", layers)
+    head, *rows = (tmp_path / "layers.csv").read_text().splitlines()
+    cols = head.split(",")
+    assert "gride" not in cols
+    assert [rows[0].split(",")[cols.index(f"gride_{k}")] for k in keys] == [str(float(i)) for i in range(6)]
+    assert all(row.split(",")[cols.index(f"gride_{k}")] == "" for row in rows[1:] for k in keys)
+    assert all("gride" not in flat_layer(layer) for layer in layers)
