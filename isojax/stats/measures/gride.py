@@ -2,12 +2,14 @@
 Data.remove_identical_points() then Data.return_id_scaling_gride() (range_max = 64, d0 = 0.001,
 d1 = 1000, eps = 1e-7: its defaults) compute it."""
 
+import math
+
 from isojax.stats.measures.base import Measure, Metric
 from isojax.stats.measures.neighbourhood_overlap import MIN_KEPT, ROW_BLOCKS, TOKENS
 
 RANKS = (2, 4, 8, 16, 32, 64)  # n2 = 2 n1, n1 = 1, 2, ..., 32: dadapy's scales up to range_max = 64
 D0, D1, EPS = 0.001, 1000.0, 1e-7  # dadapy's bisection: its bounds and precision
-BISECTIONS = 34  # dadapy halves [D0, D1] while it is wider than EPS: 34 times
+BISECTIONS = math.ceil(math.log2((D1 - D0) / EPS))  # dadapy halves [D0, D1] while wider than EPS: 34 times
 FLOAT64_EPS = 2.0 ** -52
 
 
