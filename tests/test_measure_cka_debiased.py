@@ -49,3 +49,14 @@ def test_cka_debiased_of_a_rotated_copy_unrelated_points_and_few_or_constant_poi
     assert reference(x[:3], other[:3]) is None and reference(x, np.full_like(x, 0.5)) is None
     assert sampled(np.stack([x, np.full_like(x, 0.5)]), ("cka_debiased",), host=host)[1]["cka_debiased"] is None
     assert "cka_debiased" in [line for line in capsys.readouterr().err.splitlines() if "of s1: null" in line][0]
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_cka_debiased_of_bfloat16_points_is_that_of_the_rounded_points(host):
+    """A bf16 run keeps its sample in bf16: read out in float64 from the rounded points."""
+    import ml_dtypes
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(300, 6)).astype(ml_dtypes.bfloat16)
+    y = (x.astype(np.float32) + rng.normal(size=(300, 6))).astype(ml_dtypes.bfloat16)
+    want = reference(x.astype(np.float64), y.astype(np.float64))
+    assert alone("cka_debiased", x, y, host=host) == pytest.approx(want, rel=1e-8, abs=1e-10)

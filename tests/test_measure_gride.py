@@ -116,3 +116,11 @@ def test_gride_is_null_at_scales_past_the_kept_points_and_takes_the_first_2048_t
     few = gride_of(x[0, :20], host)
     assert [few[str(k)] is None for k in RANKS] == [False] * 4 + [True] * 2  # 19 other points: n2 <= 16 only
     assert list(few.values())[:4] == pytest.approx(reference(x[0, :20])[:4], abs=2e-7)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_gride_of_bfloat16_points_is_that_of_the_rounded_points(host):
+    """A bf16 run keeps its sample in bf16: read out in float64 from the rounded points."""
+    import ml_dtypes
+    x = points().astype(ml_dtypes.bfloat16)
+    assert list(gride_of(x, host).values()) == pytest.approx(reference(x.astype(np.float64)), abs=2e-7)

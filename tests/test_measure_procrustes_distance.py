@@ -52,3 +52,14 @@ def test_procrustes_distance_takes_the_first_2048_sampled_tokens():
     got = alone("procrustes_distance", *x)
     x[1, 2048:] = rng.normal(size=(52, 3))
     assert alone("procrustes_distance", *x) == got == pytest.approx(reference(*x), rel=1e-8)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_procrustes_distance_of_bfloat16_points_is_that_of_the_rounded_points(host):
+    """A bf16 run keeps its sample in bf16: read out in float64 from the rounded points."""
+    import ml_dtypes
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(300, 6)).astype(ml_dtypes.bfloat16)
+    y = (x.astype(np.float32) + rng.normal(size=(300, 6))).astype(ml_dtypes.bfloat16)
+    want = reference(x.astype(np.float64), y.astype(np.float64))
+    assert alone("procrustes_distance", x, y, host=host) == pytest.approx(want, rel=1e-8, abs=1e-10)
