@@ -16,8 +16,8 @@ import pkgutil
 
 from isojax.stats.measures.base import Measure, Metric, Spectra
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "columns", "nulls", "labels", "spectral",
-           "compile_sample", "sample_readout", "sample_dispatch", "sample_values"]
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "columns", "nulls", "dict_valued", "labels",
+           "spectral", "compile_sample", "sample_readout", "sample_dispatch", "sample_values"]
 
 
 def _found() -> dict[str, Measure]:
@@ -52,6 +52,7 @@ def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs")) -> dict:
 
 
 def dict_valued() -> dict[str, Metric]:
+    """The registered metrics whose value is a dict (Metric.keys), by name."""
     return {metric.name: metric for m in MEASURES.values() for metric in m.metrics if metric.keys}
 
 
@@ -121,8 +122,8 @@ def sample_values(pending: dict, what: str = "") -> dict:
         values = [float(v) for v in np.ravel(np.asarray(value))]
         values = [v if np.isfinite(v) else None for v in values]
         out[name] = dict(zip(keyed[name].keys, values)) if name in keyed else values[0]
-    undefined = [name for name in pending if out[name] is None
-              or isinstance(out[name], dict) and None in out[name].values()]
+    undefined = [name for name in pending if out[name] is None  # a dict-valued one: at any key
+                 or isinstance(out[name], dict) and None in out[name].values()]
     if undefined and what:
         from isojax.log import log
         log(f"{', '.join(undefined)} of {what}: null (undefined on these sampled points: README \"Geometry measures\")")
