@@ -65,3 +65,15 @@ def check_spectral(key: str, reference, sources: bool = True) -> None:
                 for i, layer in enumerate(groups[g]["layers"]):
                     want = reference(x[i, part], bf16)
                     assert layer[key] == (None if want is None else pytest.approx(want, rel=tol)), (family, g, i)
+
+
+def alone(name: str, *points, host: bool = True):
+    """The registered measure `name` alone on one state's points (a "sample" measure) or two consecutive
+    states' (a "pairs" one), as the registry writes it (null where undefined): in numpy on the host, or
+    jitted (the accelerators' way, x64)."""
+    import jax
+    from isojax.stats import measures
+    m = measures.MEASURES[name]
+    with jax.enable_x64(True):
+        pending = m.readout(*points) if host else jax.jit(m.readout)(*map(jax.numpy.asarray, points))
+    return measures.sample_values(pending)[m.metrics[0].name]

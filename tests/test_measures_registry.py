@@ -48,7 +48,8 @@ def test_every_module_of_the_package_with_a_measure_is_registered():
 
 
 def test_results_without_the_registered_measures_read_them_as_null(tmp_path):
-    """metrics.json of an older isojax: layers.csv, isojax.load and the report read n/a, never a number."""
+    """metrics.json of an older isojax: layers.csv, isojax.load and the report read n/a, never a number
+    (a dict-valued measure, gride: each of its columns, gride_2 ... gride_64)."""
     import isojax
     from isojax.report.collect import _extract_run
     from isojax.run.results import write_layers_csv
@@ -57,16 +58,16 @@ def test_results_without_the_registered_measures_read_them_as_null(tmp_path):
     layers = [{"name": n, "count": 10, "inter_sim": 0.1, "null_eigenvalues": 0} for n in ("embed", "block_1")]
     (folder / "metrics.json").write_text(json.dumps({"model": "m", "tokens": 10, "layers": layers}))
     df = isojax.load(folder)
-    for key in measures.names():
+    for key in measures.columns():
         assert df[key].isna().all(), key
     assert df["inter_sim"].tolist() == [0.1, 0.1]
     write_layers_csv(tmp_path / "layers.csv", layers)
     head, *rows = (tmp_path / "layers.csv").read_text().splitlines()
     cols = head.split(",")
-    for key in measures.names():
+    for key in measures.columns():
         assert all(row.split(",")[cols.index(key)] == "" for row in rows), key
     got = _extract_run(folder).data["layers"]
-    assert all(layer[key] is None for layer in got for key in measures.names())
+    assert all(layer[key] is None for layer in got for key in measures.columns())
 
 
 def test_the_first_state_has_no_pairs_measure_and_an_off_measure_is_null(monkeypatch):
@@ -80,3 +81,20 @@ def test_the_first_state_has_no_pairs_measure_and_an_off_measure_is_null(monkeyp
     off = {k: dataclasses.replace(m, on_by_default=k != "block_influence") for k, m in measures.MEASURES.items()}
     monkeypatch.setattr(measures, "MEASURES", off)
     assert measures.sample_readout(x, x + 1.0)["block_influence"] is None
+
+
+def test_a_dict_valued_measure_is_a_column_per_key_in_layers_csv(tmp_path):
+    """gride = {"2": id, ..., "64": id} in metrics.json: gride_2 ... gride_64 in layers.csv, null where it is
+    null or absent (no sample), and its metrics.json value without a sample is {key: null}."""
+    from isojax.run.results import flat_layer, write_layers_csv
+    keys = measures.MEASURES["gride"].metrics[0].keys
+    assert keys == ("2", "4", "8", "16", "32", "64") and measures.nulls()["gride"] == dict.fromkeys(keys)
+    layers = [{"name": "block_1", "gride": {k: float(i) for i, k in enumerate(keys)}},
+              {"name": "block_2", "gride": None}, {"name": "block_3", "gride": dict.fromkeys(keys)}, {"name": "x"}]
+    write_layers_csv(tmp_path / "layers.csv", layers)
+    head, *rows = (tmp_path / "layers.csv").read_text().splitlines()
+    cols = head.split(",")
+    assert "gride" not in cols
+    assert [rows[0].split(",")[cols.index(f"gride_{k}")] for k in keys] == [str(float(i)) for i in range(6)]
+    assert all(row.split(",")[cols.index(f"gride_{k}")] == "" for row in rows[1:] for k in keys)
+    assert all("gride" not in flat_layer(layer) for layer in layers)

@@ -19,7 +19,7 @@ from isojax.stats.geometry import linear_cka
 
 NEW_SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
                "massive_max_over_sample_median", "feature_kurtosis", "alpha_req", "effective_rank", "erank_pooled",
-               "erank", "massive_count", "massive_top1", *measures.names()]
+               "erank", "massive_count", "massive_top1", *measures.columns()]
 BANDS = [(0, 1), (1, 16), (16, 128), (128, None)]
 POS_COLUMNS = ["inter_sim_pos_0", "inter_sim_pos_1_16", "inter_sim_pos_16_128", "inter_sim_pos_128_"]
 
@@ -63,7 +63,7 @@ def test_flat_layer_flattens_rogue_dims_and_position_bands():
     assert "rogue_dims" not in row and "inter_sim_by_position" not in row
     assert row["massive_dims"] == "3:5 1:2"
     renamed = results.flat_layer({"massive_ratio": 7.0})  # read under its new name, registered measures null
-    assert renamed == {"massive_max_over_sample_median": 7.0, **{k: None for k in measures.names()}}
+    assert renamed == {"massive_max_over_sample_median": 7.0, **{k: None for k in measures.columns()}}
     assert row["intrinsic_dimension_twonn"] == 3.0
 
 
@@ -254,10 +254,12 @@ def test_report_draws_every_measure_and_skips_absent_ones(swept, tmp_path):
     (old / "metrics.json").write_text(json.dumps(doc))
     build.build([out, tmp_path / "old"], tmp_path / "rep")
     figs = {p.stem for p in (tmp_path / "rep" / "figures").glob("*.png")}
+    keyed = [c for m in measures.dict_valued().values() for c in m.columns()]  # gride_2 ...: one figure, a line each
     for key in NEW_SCALARS:
-        assert f"{key}_by_layer" in figs and f"{key}_last_layer_training" in figs, key
+        assert key in keyed or f"{key}_by_layer" in figs and f"{key}_last_layer_training" in figs, key
     for stem in ("diff_erank_pooled_last_layer_training", "diff_erank_last_layer_training", "inter_sim_by_position",
-                 "inter_sim_by_position_training", "cka_layers", "cka_training"):
+                 "inter_sim_by_position_training", "cka_layers", "cka_training", "gride", "gride_training",
+                 "similarity_consecutive", "similarity_consecutive_training"):
         assert stem in figs, stem
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "top 3 rogue dimensions of each layer" in md and "largest |activation| of each layer" in md

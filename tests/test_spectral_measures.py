@@ -147,7 +147,8 @@ def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
 def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.ndarray) -> None:
     """Every registered measure (isojax.stats.measures) of a run whose sample holds every token, against
     the float64 reference of its own test (tests/test_measure_<name>.py: reference(x, bf16) of a state's
-    points for the spectral ones, reference(x, y) of consecutive states' for the pairs ones): on Hugging
+    points for the spectral ones, reference(x) for the sample ones, reference(x, y) of consecutive
+    states' for the pairs ones): on Hugging
     Face's states (float32 forward and Grams: 1e-5; a pairs measure to 3e-4, a few of 10^4 shared
     neighbours that a rounding can change) and, for the pairs ones, on the sample the run wrote, exactly."""
     import importlib
@@ -161,6 +162,12 @@ def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.n
             got = [layer[metric.name] for metric in m.metrics]
             if m.reads == "spectra":
                 near, exact = reference(x_SxNxD[i], False), None
+            elif m.reads == "sample":  # gride: a value per scale (its bisection ends within 1e-7 of the root)
+                got, near, exact = list(got[0].values()), reference(x_SxNxD[i]), reference(sample[i])
+                assert [g is None for g in got] == [w is None for w in near] == [e is None for e in exact], name
+                for g, w, e in zip(got, near, exact):
+                    assert g is None or abs(g - w) < 1e-3 * max(1.0, abs(w)) and abs(g - e) < 2e-7, (name, i, g, w, e)
+                continue
             elif not i:  # embed: no state before it
                 assert got == [None] * len(got), (name, got)
                 continue
@@ -189,7 +196,7 @@ def test_run_measures_equal_float64_hugging_face_references_on_1_and_2_devices(t
         assert f"devices: {devices} x cpu" in proc.stderr or devices == 1, proc.stderr[-2000:]
         check_run(out, x_SxNxD, refs)
         header = (out / "layers.csv").read_text().splitlines()[0].split(",")
-        assert set(measures.names()) <= set(header) and measures.names()
+        assert set(measures.columns()) <= set(header) and measures.columns()
 
 
 def test_isoscore_zeta_outside_0_1_is_an_argparse_error(tmp_path, capsys):

@@ -22,30 +22,33 @@ from isojax.report.states import _band_layers, _by_layer, _has, _training, run_l
 # every scalar measure drawn over layers and over checkpoints (its label: states._LABELS)
 SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
            "massive_max_over_sample_median", "massive_count", "massive_top1", "feature_kurtosis", "alpha_req",
-           "effective_rank", "erank", "erank_pooled", *registered.names()]
+           "effective_rank", "erank", "erank_pooled",
+           *(n for n in registered.names() if n not in registered.dict_valued())]  # those: _registered_keyed
 BANDS = [("inter_sim_pos_0", "position 0"), ("inter_sim_pos_1_16", "positions 1–15"),
          ("inter_sim_pos_16_128", "positions 16–127"), ("inter_sim_pos_128_", "positions 128+")]
 
 
-def _position_bands(figs: Figures, runs: list[Run], by_layer: bool, series=None):
-    """InterSim by position band: over layers (one panel per final run) or, with `series`, at the
-    last block across training (one panel per model)."""
+def _keyed(figs: Figures, runs: list[Run], keys: list[tuple[str, str]], ylabel: str, what: str, name: str,
+           caption: str, heads: tuple[str, str], by_layer: bool, series=None):
+    """Several keys of a layer, a line each: over layers (one panel per final run) or, with `series`,
+    at the last block across training (one panel per model). keys: (column, its line's label);
+    heads: the table's columns of the line and of the value."""
     panels, rows, drawn = [], [], []
     groups = series.values() if series is not None else [[r] for r in runs]
     for rs in groups:
         lines = []
-        for i, (key, what) in enumerate(BANDS):
+        for i, (key, label) in enumerate(keys):
             if by_layer:
                 run = rs[0]
                 ys = [number(layer.get(key)) for layer in run.data["layers"]]
                 xs = range(len(ys))
-                rows += [[run_label(run), n, what, y] for n, y in zip(layer_names(run), ys)]
+                rows += [[run_label(run), n, label, y] for n, y in zip(layer_names(run), ys)]
             else:
                 from isojax.report.collect import layer_value
                 xs, ys = [r.step for r in rs], [layer_value(r, key, "block_L") for r in rs]
-                rows += [[r.label, r.revision, r.step, what, y] for r, y in zip(rs, ys)]
+                rows += [[r.label, r.revision, r.step, label, y] for r, y in zip(rs, ys)]
             if any(math.isfinite(y) for y in ys):
-                lines.append(paper.Line(what, xs, ys, {"color": f"C{i}"}))
+                lines.append(paper.Line(label, xs, ys, {"color": f"C{i}"}))
         if lines:
             panels.append(paper.Panel(run_label(rs[0]) if by_layer else rs[0].label, lines,
                                       layer_names(rs[0]) if by_layer else None))
@@ -53,14 +56,40 @@ def _position_bands(figs: Figures, runs: list[Run], by_layer: bool, series=None)
     if not panels:
         return None
     where = "per layer" if by_layer else "of the last block during training"
-    fig = paper.lines(panels, "layer" if by_layer else "training step", "InterSim",
-                      titled(f"InterSim by position in the sequence, {where}", drawn, final=by_layer),
-                      ncols=2, width=6.0)
-    head = ["model", "layer", "positions", "inter_sim"] if by_layer else \
-        ["model", "revision", "step", "positions", "inter_sim (block_L)"]
-    name = "inter_sim_by_position" + ("" if by_layer else "_training")
-    return figs.add(fig, name, f"InterSim of the states at positions 0, 1–15, 16–127 and 128+ of their sequence "
-                    f"(`inter_sim_by_position`), {where}.", Table(head, rows))
+    fig = paper.lines(panels, "layer" if by_layer else "training step", ylabel,
+                      titled(f"{what}, {where}", drawn, final=by_layer), ncols=2, width=6.0)
+    head = ["model", "layer", *heads] if by_layer else ["model", "revision", "step", heads[0], f"{heads[1]} (block_L)"]
+    return figs.add(fig, name + ("" if by_layer else "_training"), f"{caption}, {where}.", Table(head, rows))
+
+
+def _position_bands(figs: Figures, runs: list[Run], by_layer: bool, series=None):
+    """InterSim by position band: over layers (one panel per final run) or, with `series`, at the
+    last block across training (one panel per model)."""
+    return _keyed(figs, runs, BANDS, "InterSim", "InterSim by position in the sequence", "inter_sim_by_position",
+                  "InterSim of the states at positions 0, 1–15, 16–127 and 128+ of their sequence "
+                  "(`inter_sim_by_position`)", ("positions", "inter_sim"), by_layer, series)
+
+
+# the similarity of each layer with the one before it, on the sample, drawn together
+SIMILARITIES = [("cka_debiased", "debiased linear CKA"), ("svcca", "SVCCA (99% of the variance)"),
+                ("procrustes_distance", "Procrustes distance (0 to 2)")]
+
+
+def _registered_keyed(figs: Figures, runs: list[Run], series: dict[str, list[Run]]) -> list:
+    """Each dict-valued registered measure (gride: a line per scale) and the similarities of consecutive
+    layers (SIMILARITIES: a line each), per layer and across training."""
+    items = []
+    for name, metric in registered.dict_valued().items():
+        keys = [(f"{name}_{key}", f"{name} {key}") for key in metric.keys]
+        items += [_keyed(figs, runs, keys, metric.unit, metric.label, name, f"{metric.label} (`{name}`) at each "
+                         "of its keys", ("key", name), by_layer, None if by_layer else series)
+                  for by_layer in (True, False)]
+    items += [_keyed(figs, runs, SIMILARITIES, "similarity / distance", "Similarity with the previous layer",
+                     "similarity_consecutive", "Debiased linear CKA, SVCCA and the Procrustes distance of each layer "
+                     "with the one before it, on the sampled tokens", ("measure", "value"), by_layer,
+                     None if by_layer else series)
+              for by_layer in (True, False)]
+    return [i for i in items if i]
 
 
 def _with_diff_erank(series: dict[str, list[Run]]) -> dict[str, list[Run]]:
@@ -192,6 +221,7 @@ def section(res: Results, figs: Figures) -> Section:
                               _position_bands(figs, runs, True),
                               _position_bands(figs, runs, False, series) if series else None,
                               _cka_runs(figs, runs), _cka_training(figs, series)) if i]
+    sec.items += _registered_keyed(figs, runs, series)
     sec.items += _tables(runs)
     if not sec.items:
         sec.note = "No extract results with these measures (results of an older isojax): section left out."

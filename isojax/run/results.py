@@ -187,7 +187,8 @@ def flat_layer(layer: dict) -> dict:
     changed definition since (BEFORE_FLOOR) as null: n/a, not the older quantity under the new name;
     a renamed measure (RENAMED) is read under its new name. massive_dims (the sentence probe's) as one
     string "dim:count dim:count ..." (most massive activations first). Every registered measure
-    (isojax.stats.measures) the layer lacks (results of an older isojax) is null."""
+    (isojax.stats.measures) the layer lacks (results of an older isojax) is null (a dict-valued one:
+    each of its columns, gride_2, ...)."""
     row = {}
     if "null_eigenvalues" not in layer:
         layer = {**layer, **{k: None for k in BEFORE_FLOOR if k in layer}}
@@ -204,7 +205,10 @@ def flat_layer(layer: dict) -> dict:
             row.update({_band_column("inter_sim_pos", b): b.get("inter_sim") for b in v if isinstance(b, dict)})
         elif not isinstance(v, list):
             row[k] = v
-    return {**row, **{k: None for k in measures.names() if k not in row}}
+    for k in measures.dict_valued():  # a dict-valued one read as null (older results): its columns
+        if k in row and row[k] is None:
+            del row[k]
+    return {**row, **{k: None for k in measures.columns() if k not in row}}
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -484,9 +484,10 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         layer.update(streamed)
     for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
-                    "sample_abs_median", "massive_max_over_sample_median", *GEOMETRY_KEYS, *SPECTRAL_KEYS,
-                    *measures.names()):
+                    "sample_abs_median", "massive_max_over_sample_median", *GEOMETRY_KEYS, *SPECTRAL_KEYS):
             layer.setdefault(key, None)
+        for key, null in measures.nulls().items():  # a dict-valued one: {key: null}
+            layer.setdefault(key, null)
     result = {"layers": layers}
     if all(e is not None for e in spectra["centered_SxD"]):
         result["spectra"] = {k: np.stack(v) for k, v in spectra.items()}

@@ -17,8 +17,8 @@ import pkgutil
 
 from isojax.stats.measures.base import Measure, Metric, Spectra
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "labels", "spectral", "sample_programs", "sample_readout",
-           "sample_dispatch", "sample_values"]
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "columns", "nulls", "dict_valued", "labels",
+           "spectral", "sample_programs", "sample_readout", "sample_dispatch", "sample_values"]
 
 
 def _found() -> dict[str, Measure]:
@@ -42,8 +42,25 @@ def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> li
     return [metric.name for m in MEASURES.values() if m.reads in reads for metric in m.metrics]
 
 
+def columns(reads: tuple[str, ...] = ("spectra", "sample", "pairs")) -> list[str]:
+    """Every registered metric's columns in layers.csv / sweep.csv (a dict-valued one's: name_key)."""
+    return [c for m in MEASURES.values() if m.reads in reads for metric in m.metrics for c in metric.columns()]
+
+
+def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs")) -> dict:
+    """Every registered metric's value where it is not measured: null ({key: null} for a dict-valued one)."""
+    return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in m.metrics}
+
+
+def dict_valued() -> dict[str, Metric]:
+    """The registered metrics whose value is a dict (Metric.keys), by name."""
+    return {metric.name: metric for m in MEASURES.values() for metric in m.metrics if metric.keys}
+
+
 def labels() -> dict[str, str]:
-    return {metric.name: metric.label for m in MEASURES.values() for metric in m.metrics}
+    """Each registered column's axis label (a dict-valued metric's: its label at key)."""
+    return {c: metric.label + (f" ({c[len(metric.name) + 1:]})" if metric.keys else "")
+            for m in MEASURES.values() for metric in m.metrics for c in metric.columns()}
 
 
 def spectral(spectra: Spectra) -> dict:
@@ -100,12 +117,15 @@ def sample_dispatch(previous, x) -> dict:
 def sample_values(pending: dict, what: str = "") -> dict:
     """sample_readout's result from sample_dispatch's values (read from the devices if not yet)."""
     import numpy as np
-    out = {name: None for name in names(("sample", "pairs"))}
+    out = nulls(("sample", "pairs"))
+    keyed = dict_valued()
     for name, value in pending.items():
-        value = float(np.asarray(value))
-        out[name] = value if np.isfinite(value) else None
-    nulls = [name for name in pending if out[name] is None]
-    if nulls and what:
+        values = [float(v) for v in np.ravel(np.asarray(value))]
+        values = [v if np.isfinite(v) else None for v in values]
+        out[name] = dict(zip(keyed[name].keys, values)) if name in keyed else values[0]
+    undefined = [name for name in pending if out[name] is None  # a dict-valued one: at any key
+                 or isinstance(out[name], dict) and None in out[name].values()]
+    if undefined and what:
         from isojax.log import log
-        log(f"{', '.join(nulls)} of {what}: null (undefined on these sampled points: README \"Geometry measures\")")
+        log(f"{', '.join(undefined)} of {what}: null (undefined on these sampled points: README \"Geometry measures\")")
     return out

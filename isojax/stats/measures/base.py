@@ -11,7 +11,9 @@ A measure reads one of:
   flags, accumulators, update, merge and memory: logit_lens.py); read out by run.measure, not here.
 Sample read-outs are written with the array API (numpy, or jax.numpy under jax.jit where the
 sample lies on the devices, as stats.geometry's sample functions): float64 0-d arrays, NaN where
-undefined (the registry writes null).
+undefined (the registry writes null). A metric with `keys` is a dict {key: value} in metrics.json
+(its read-out: a float64 1-D array, one value a key), flattened to the columns `name_key` in
+layers.csv / sweep.csv (run.results.flat_layer).
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ class Metric:
     name: str  # its key in metrics.json's layers (and its column in layers.csv / sweep.csv)
     unit: str  # what its number counts
     label: str  # its axis label in the report's figures
+    keys: tuple[str, ...] = ()  # a dict-valued metric's keys (above); () for a number
+
+    def columns(self) -> list[str]:
+        """Its columns in layers.csv / sweep.csv."""
+        return [f"{self.name}_{key}" for key in self.keys] or [self.name]
+
+    def null(self):
+        """Its value where it is not measured or undefined."""
+        return {key: None for key in self.keys} if self.keys else None
 
 
 @dataclasses.dataclass(frozen=True)
