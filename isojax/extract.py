@@ -132,8 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip-positions", type=non_negative_int, default=0, metavar="K",
                     help="leave the first K positions of every sequence (window) out of every statistic; the model "
                          "still reads them (default: 0); with a BOS token (--bos), it is position 0")
-    from isojax.stats.measures import logit_lens
+    from isojax.stats.measures import logit_lens, optional
     logit_lens.add_arguments(ap, positive_int)
+    ap.add_argument("--measure", action="append", default=[], metavar="NAME",
+                    help=f"also read out a registered measure that is off by default ({', '.join(optional())}; "
+                         "repeat or comma-separate; README \"Geometry measures\")")
     ap.add_argument("--bos", default="auto", choices=["auto", "on", "off"],
                     help="put the tokenizer's BOS token before every sentence (document): auto (default) = as the "
                          "model's tokenizer does in Hugging Face with add_special_tokens=True (Llama-family "

@@ -14,11 +14,13 @@ from isojax.stats import measures
 
 def sampled(x_SxKxD, keys=("block_influence", "linearity"), host: bool = True) -> list[dict]:
     """sample_metrics' values of `keys` per state, the sample being x (float32, where a run keeps it),
-    read out in numpy on the host (the CPU's way) or, host=False, jitted (the accelerators')."""
+    read out in numpy on the host (the CPU's way) or, host=False, jitted (the accelerators'); the keys'
+    measures that are off by default turned on."""
     s, k, _ = x_SxKxD.shape
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(measures, "on_host", lambda: host)
-        out = sr.sample_metrics(lambda i: jnp.asarray(x_SxKxD[i]), k, [f"s{i}" for i in range(s)], intrinsic=False)
+        out = sr.sample_metrics(lambda i: jnp.asarray(x_SxKxD[i]), k, [f"s{i}" for i in range(s)], intrinsic=False,
+                                extra=tuple(key for key in keys if key in measures.optional()))  # --measure's
     return [{key: m[key] for key in keys} for m in out]
 
 

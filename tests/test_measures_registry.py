@@ -98,3 +98,31 @@ def test_a_dict_valued_measure_is_a_column_per_key_in_layers_csv(tmp_path):
     assert [rows[0].split(",")[cols.index(f"gride_{k}")] for k in keys] == [str(float(i)) for i in range(6)]
     assert all(row.split(",")[cols.index(f"gride_{k}")] == "" for row in rows[1:] for k in keys)
     assert all("gride" not in flat_layer(layer) for layer in layers)
+
+
+def test_measure_flag_takes_only_the_measures_off_by_default(tmp_path):
+    """--measure NAME turns on a registered read-out measure that is off by default (the 1- and 2-device
+    run of test_spectral_measures checks their values with and without it); any other name, a measure
+    on by default or a step measure (which has a flag of its own), is one `error:` line and exit 2
+    before anything is written; isojax.measure(measures=...) refuses them with a UserError."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    import isojax
+    from isojax.errors import UserError
+    off = measures.optional()
+    assert off and all(not measures.MEASURES[n].on_by_default and measures.MEASURES[n].reads != "step" for n in off)
+    assert measures.check_optional([off[0], off[0]]) == (off[0],)
+    on_by_default = next(n for n, m in measures.MEASURES.items() if m.on_by_default)
+    for wrong in ("no_such_measure", on_by_default, "logit_lens", f"{off[0]},nope"):
+        out = tmp_path / wrong.replace(",", "_")
+        proc = subprocess.run([sys.executable, "-m", "isojax.extract", "--measure", wrong, "--out", str(out)],
+                              capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: unknown measure"), proc.stderr
+        assert ", ".join(off) in lines[0] and not out.exists()
+    with pytest.raises(UserError, match="unknown measure"):
+        isojax.measure(measures=["no_such_measure"], max_tokens=64)

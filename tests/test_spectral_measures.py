@@ -119,7 +119,7 @@ def hf_reference(tmp: Path, model, docs) -> tuple[np.ndarray, list[dict]]:
     return x_SxNxD, [reference(x) for x in x_SxNxD]
 
 
-def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
+def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict], on=()) -> None:
     metrics = json.loads((out / "metrics.json").read_text())
     spectra = np.load(out / "spectra.npz")["centered_SxD"]
     n = x_SxNxD.shape[1]
@@ -141,20 +141,21 @@ def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict]) -> None:
             assert abs(cka["matrix"][i][j] - hsic_cka(a, b)) < 1e-5, (i, j)
     assert "rogue_share_top3" in (out / "layers.csv").read_text().splitlines()[0]
     from isojax.run.sweep_files import read_sample
-    check_registered(metrics["layers"], x_SxNxD, read_sample(out))
+    check_registered(metrics["layers"], x_SxNxD, read_sample(out), on)
 
 
-def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.ndarray) -> None:
+def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.ndarray, on=()) -> None:
     """Every registered measure (isojax.stats.measures) of a run whose sample holds every token, against
     the float64 reference of its own test (tests/test_measure_<name>.py: reference(x, bf16) of a state's
     points for the spectral ones, reference(x) for the sample ones, reference(x, y) of consecutive
     states' for the pairs ones): on Hugging
     Face's states (float32 forward and Grams: 1e-5; a pairs measure to 3e-4, a few of 10^4 shared
-    neighbours that a rounding can change) and, for the pairs ones, on the sample the run wrote, exactly."""
+    neighbours that a rounding can change) and, for the pairs ones, on the sample the run wrote, exactly.
+    on: the measures off by default that the run turned on (--measure); the others off are null."""
     import importlib
     sample = sample_SxKxD.astype(np.float64)
     for name, m in measures.MEASURES.items():
-        if m.reads == "step":  # behind its flag, off here: tests/test_measure_<name>.py runs it end to end
+        if m.reads == "step" or not (m.on_by_default or name in on):  # off (the step's: its own test runs it)
             assert all(layer[metric.name] is None for layer in layers for metric in m.metrics), name
             continue
         reference = importlib.import_module(f"test_measure_{name}").reference
@@ -186,15 +187,16 @@ def test_run_measures_equal_float64_hugging_face_references_on_1_and_2_devices(t
     x_SxNxD, refs = hf_reference(tmp_path, model, docs)
     common = ["--model", tmp_path / "ckpt", "--data", tmp_path / "pile.jsonl", "--unit", "document", "--seq-len", "64",
               "--batch-tokens", "512", "--no-plots", "--no-token-stats", "--sample-states", x_SxNxD.shape[1]]
-    for devices in (1, 2):
+    for devices in (1, 2):  # the measures off by default: off on 1 device, on (--measure) on 2
         env = {**os.environ, "ISOJAX_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-        out = tmp_path / f"out{devices}"
-        proc = subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, common), "--out", str(out)],
+        out, on = tmp_path / f"out{devices}", measures.optional() if devices == 2 else []
+        turn_on = [a for name in on for a in ("--measure", name)]
+        proc = subprocess.run([sys.executable, "-m", "isojax.extract", *map(str, common), *turn_on, "--out", str(out)],
                               cwd=REPO, env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"devices: {devices} x cpu" in proc.stderr or devices == 1, proc.stderr[-2000:]
-        check_run(out, x_SxNxD, refs)
+        check_run(out, x_SxNxD, refs, on)
         header = (out / "layers.csv").read_text().splitlines()[0].split(",")
         assert set(measures.columns()) <= set(header) and measures.columns()
 

@@ -61,6 +61,7 @@ class StatsConfig:
     skip_positions: int = 0
     sentence_probe: bool = False
     logit_lens_every: int = 0
+    measures: tuple[str, ...] = ()  # registered read-out measures off by default, turned on (--measure)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +106,13 @@ class MeasureConfig:
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
               intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.75,
               skip_positions: int = 0, bos: str = "auto", sentence_probe: bool = False,
-              logit_lens_every: int = 0) -> MeasureConfig:
+              logit_lens_every: int = 0, measures=()) -> MeasureConfig:
         """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
         return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source, bos),
                    model=ModelConfig(model, revision, dtype),
                    stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k,
-                                     isoscore_zeta, skip_positions, sentence_probe, logit_lens_every),
+                                     isoscore_zeta, skip_positions, sentence_probe, logit_lens_every,
+                                     (measures,) if isinstance(measures, str) else measures),
                    kernels=KernelConfig(attention, mlp_kernel, norm_kernel),
                    devices=DeviceConfig(mesh),
                    checkpoint=CheckpointConfig(checkpoint_dir, checkpoint_every_tokens, resume_run),
@@ -139,4 +141,5 @@ def cli_options(args) -> dict:
                 checkpoint_every_tokens=args.checkpoint_every_tokens,
                 sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
                 isoscore_zeta=args.isoscore_zeta, skip_positions=args.skip_positions, bos=args.bos,
-                sentence_probe=args.sentence_probe, logit_lens_every=logit_lens.every(args))
+                sentence_probe=args.sentence_probe, logit_lens_every=logit_lens.every(args),
+                measures=tuple(name for names in args.measure for name in names.split(",") if name))

@@ -110,6 +110,11 @@ def check_options(config: MeasureConfig) -> None:
     lens = stats.logit_lens_every
     if not isinstance(lens, (int, np.integer)) or isinstance(lens, bool) or lens < 0:
         raise UserError(f"logit_lens_every must be a non-negative integer (0: off), not {lens!r}")
+    from isojax.stats.measures import check_optional
+    try:
+        check_optional(stats.measures)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
     if data.bos not in ("auto", "on", "off"):
         raise UserError(f"bos must be auto, on or off, not {data.bos!r}")
 
@@ -394,7 +399,7 @@ def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan,
     on_accel = jax.default_backend() != "cpu"
     if on_accel:
         in_background(lambda: finalize_lib.compile_ahead(runner.gram_shape(), len(step.labels), step.sample_states,
-                                                         runner.readout_device()))
+                                                         runner.readout_device(), config.stats.measures))
     after_first = [f for f in (probe if on_accel else None, read_ahead) if f is not None]
     started = dict(done)
     with timings("loop"):
@@ -445,7 +450,8 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
         if sampled is not None:
             count, states = sampled
             for layer, extra in zip(final["layers"], sample_metrics(states, count, state_names, intrinsic,
-                                                                    k=config.stats.intrinsic_k)):
+                                                                    k=config.stats.intrinsic_k,
+                                                                    extra=config.stats.measures)):
                 layer.update(extra)
                 layer["massive_max_over_sample_median"] = massive_max_over_sample_median(layer)
             final["cka"] = sample_cka(states, count, state_names)

@@ -357,7 +357,8 @@ def _gather_state(mesh):
 
 
 @functools.cache  # once per shape in a process: a sweep's later checkpoints find them in jit's own cache
-def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, device) -> None:
+def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, device,
+                  extra: tuple[str, ...] = ()) -> None:
     """Compile the float64 read-outs that finalize and sample_metrics run on accelerators, for
     second moments of [H, S, D, D] and num_groups groups read out on `device` (committed there with
     its SingleDeviceSharding: runner.Runner.merged_layers, .sample), from shapes alone: run in a
@@ -385,7 +386,7 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
         diagonals = ([f64_on(*per_state, d)] * s, [f64_on(*per_state, d - 1)] * s)
         programs.append(lambda diagonals=diagonals: _bisect.lower(*diagonals))
     if sample_count:
-        programs += sample_programs(sample_count, d, s, on)
+        programs += sample_programs(sample_count, d, s, on, extra)  # extra: --measure's
 
     with jax.enable_x64(True):  # one after another: on 2 or 4 threads a cached 410m run's first loop was slower
         for lower in programs:  # (7.7-8.1 s against 7.0-7.5; bench/RESULTS.md 15d), its finalize no faster

@@ -138,7 +138,7 @@ PROGRESS_AFTER_S = 5.0  # sample_metrics logs a line per layer once it has run t
 
 
 def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, k: int = 20,
-                   discard_fraction: float = 0.1) -> list[dict]:
+                   discard_fraction: float = 0.1, extra: tuple[str, ...] = ()) -> list[dict]:
     """Per state, from the uniform sample (stats/sample.py): anisotropy over batches of BATCH sampled
     tokens (mean and std, ddof=1, of sigma_1^2 / sum sigma^2, centered and uncentered; The Shape
     of Learning section 2.2: shuffled, then batched) and, if `intrinsic`, the intrinsic dimension
@@ -147,7 +147,8 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
     for massive_max_over_sample_median) and inter_sim_standardized (geometry), on the devices where
     the sample lies. states(s) -> [count, D] in key order (random).
     What is left out or dropped is logged per layer; once the phase has taken PROGRESS_AFTER_S
-    (the neighbour searches on CPU: a minute for 4,096 tokens), a line per layer shows progress."""
+    (the neighbour searches on CPU: a minute for 4,096 tokens), a line per layer shows progress.
+    extra: the registered measures off by default that the run turns on (--measure)."""
     import time
 
     from isojax.stats import intrinsic as ids
@@ -165,7 +166,7 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
         with jax.enable_x64(True):
             pending.append(_states_readout(tuple(xs), batches))
         for x in xs:
-            pending.append(measures.sample_dispatch(previous, x))  # isojax.stats.measures
+            pending.append(measures.sample_dispatch(previous, x, extra))  # isojax.stats.measures
             previous = x
     del xs, previous
     read = jax.device_get(pending)
@@ -213,7 +214,7 @@ def sample_metrics(states, count: int, state_names: list[str], intrinsic: bool, 
     return out
 
 
-def sample_programs(sample_count: int, d: int, num_states: int, on) -> list:
+def sample_programs(sample_count: int, d: int, num_states: int, on, extra: tuple[str, ...] = ()) -> list:
     """Lowerings (thunks: call, then .compile()) of sample_metrics' chunks of states, the measures'
     and sample_cka's matrix for samples of [sample_count, d] committed with sharding `on`
     (stats.finalize.compile_ahead compiles them; x64 on)."""
@@ -221,4 +222,4 @@ def sample_programs(sample_count: int, d: int, num_states: int, on) -> list:
     size = sample_chunk(sample_count, d, num_states)
     programs = [lambda k=k: _states_readout.lower((x,) * k, sample_count // BATCH)
                 for k in {size, num_states - size * (-(-num_states // size) - 1)}]
-    return programs + [lambda: _cross_matrix.lower((x,) * num_states), *measures.sample_programs(x)]
+    return programs + [lambda: _cross_matrix.lower((x,) * num_states), *measures.sample_programs(x, extra)]

@@ -18,7 +18,8 @@ import pkgutil
 from isojax.stats.measures.base import Measure, Metric, Spectra
 
 __all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "columns", "nulls", "dict_valued", "labels",
-           "spectral", "sample_programs", "sample_readout", "sample_dispatch", "sample_values"]
+           "spectral", "optional", "check_optional", "sample_programs", "sample_readout", "sample_dispatch",
+           "sample_values"]
 
 
 def _found() -> dict[str, Measure]:
@@ -33,8 +34,29 @@ def _found() -> dict[str, Measure]:
 MEASURES: dict[str, Measure] = _found()  # module name -> its Measure
 
 
-def _on(reads: tuple[str, ...]) -> list[Measure]:
-    return [m for m in MEASURES.values() if m.reads in reads and m.on_by_default]
+def _on(reads: tuple[str, ...], extra: tuple[str, ...] = ()) -> list[Measure]:
+    """The measures reading `reads` that are read out: on by default, or named in `extra` (--measure)."""
+    return [m for name, m in MEASURES.items() if m.reads in reads and (m.on_by_default or name in extra)]
+
+
+def optional() -> list[str]:
+    """The read-out measures off by default, which `--measure NAME` turns on (a step measure has a
+    flag of its own)."""
+    return [name for name, m in MEASURES.items() if not m.on_by_default and m.reads != "step"]
+
+
+def check_optional(extra) -> tuple[str, ...]:
+    """extra (names from --measure, or `measures=` of isojax.measure) as a tuple, each checked to be
+    an off-by-default read-out measure; ValueError saying which are not."""
+    try:
+        extra = tuple(extra)
+    except TypeError:
+        raise ValueError(f"measures must be a list of measure names, not {extra!r}") from None
+    wrong = [name for name in extra if name not in optional()]
+    if wrong or not all(isinstance(name, str) for name in extra):
+        raise ValueError(f"unknown measure {', '.join(map(str, wrong or extra))}: --measure takes "
+                         f"{', '.join(optional()) or 'none'} (the others are on by default)")
+    return tuple(dict.fromkeys(extra))
 
 
 def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
@@ -42,12 +64,12 @@ def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> li
     return [metric.name for m in MEASURES.values() if m.reads in reads for metric in m.metrics]
 
 
-def columns(reads: tuple[str, ...] = ("spectra", "sample", "pairs")) -> list[str]:
+def columns(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
     """Every registered metric's columns in layers.csv / sweep.csv (a dict-valued one's: name_key)."""
     return [c for m in MEASURES.values() if m.reads in reads for metric in m.metrics for c in metric.columns()]
 
 
-def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs")) -> dict:
+def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> dict:
     """Every registered metric's value where it is not measured: null ({key: null} for a dict-valued one)."""
     return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in m.metrics}
 
@@ -74,11 +96,11 @@ def _jitted(readout):
     return jax.jit(readout)
 
 
-def sample_programs(x) -> list:
+def sample_programs(x, extra: tuple[str, ...] = ()) -> list:
     """Lowerings (thunks: call, then .compile()) of sample_readout's read-outs for sampled points
     of x's shape and sharding (a jax.ShapeDtypeStruct), for stats.finalize.compile_ahead (x64 on)."""
     return [lambda m=m: _jitted(m.readout).lower(*([x] if m.reads == "sample" else [x, x]))
-            for m in _on(("sample", "pairs"))]
+            for m in _on(("sample", "pairs"), extra)]
 
 
 def on_host() -> bool:
@@ -88,25 +110,25 @@ def on_host() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def sample_readout(previous, x, what: str = "") -> dict:
+def sample_readout(previous, x, what: str = "", extra: tuple[str, ...] = ()) -> dict:
     """Every sample and pairs measure's metrics of one state, from its sampled points x [K, D] and
     the previous state's (None for the first state: its pairs measures are null), in float64: numpy
     on the CPU, jitted where the points lie on accelerators (on_host); NaN written as null, with a
     log line naming the state `what` (not for the first state's pairs measures).
     sample_dispatch then sample_values: the same, split so that every state's read-outs are
     dispatched to the devices before any is read (stats.sample_readout.sample_metrics)."""
-    return sample_values(sample_dispatch(previous, x), what)
+    return sample_values(sample_dispatch(previous, x, extra), what)
 
 
-def sample_dispatch(previous, x) -> dict:
+def sample_dispatch(previous, x, extra: tuple[str, ...] = ()) -> dict:
     """sample_readout's values of one state, not yet read: {name: 0-d array} (device arrays on
-    accelerators, computed in numpy on the host)."""
+    accelerators, computed in numpy on the host); extra: the off-by-default measures turned on."""
     import jax
     import numpy as np
     run = (lambda m, *a: m.readout(*map(np.asarray, a))) if on_host() else (lambda m, *a: _jitted(m.readout)(*a))
     pending = {}
     with jax.enable_x64(True):
-        for m in _on(("sample", "pairs")):
+        for m in _on(("sample", "pairs"), extra):
             if m.reads == "sample":
                 pending.update(run(m, x))
             elif previous is not None:
