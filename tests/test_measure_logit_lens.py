@@ -251,3 +251,21 @@ def test_the_planner_counts_what_the_logit_lens_adds_to_the_step():
     added = step_bytes(cfg, "float32", 256, 1, 1) - step_bytes(cfg, "float32", 256, 1)
     assert added == logit_lens.step_bytes(cfg, "float32", 256, 1)
     assert temp[1] - temp[0] <= added <= 2 * (temp[1] - temp[0]), (temp, added)
+
+
+def test_a_sweep_reads_ahead_only_into_the_room_the_lens_leaves():
+    """device/memory.py room_beside (a sweep's next checkpoint read onto the devices beside this one)
+    leaves out the lens's step bytes too: with the lens on, the room shrinks by what the step grows
+    beyond the read-out's matrices."""
+    from isojax.device import mesh as parallel
+    from isojax.device.memory import room_beside, step_bytes
+    from isojax.model.config import ModelConfig
+    from isojax.stats.finalize import READOUT_BYTES
+
+    mesh = parallel.make_mesh({"data": 1, "model": 1})
+    cfg = ModelConfig(vocab_size=50304, hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096)
+    tokens = 65536
+    off, on = (room_beside(cfg, True, "bfloat16", 1, mesh, tokens, 0, k) for k in (0, 1))
+    grown = max(step_bytes(cfg, "bfloat16", tokens, 1, 1), READOUT_BYTES) - max(step_bytes(cfg, "bfloat16", tokens, 1),
+                                                                                READOUT_BYTES)
+    assert grown > 1 << 30 and off - on == grown

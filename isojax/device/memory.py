@@ -93,7 +93,7 @@ def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens
 
 
 def room_beside(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
-                sample_size: int = 0) -> int:
+                sample_size: int = 0, logit_lens_every: int = 0) -> int:
     """Bytes of one device that a run's plan leaves free from its start to its read-out's end (what
     a sweep's next checkpoint may take, loaded ahead: run/load_ahead.py): FIT of the device's memory
     less the accumulators, the weights twice (the sentence probe's random initialization draws a
@@ -102,7 +102,7 @@ def room_beside(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, token
     limit = device_memory_bytes() or host_memory_bytes()
     need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
                                       sample_size)
-    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"])
+    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"], logit_lens_every)
     return int(FIT * limit - need - 2 * weights - max(step, READOUT_BYTES))
 
 

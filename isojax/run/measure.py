@@ -270,7 +270,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     read_ahead = None
     if ahead is not None:  # the next checkpoint in the room this step's plan leaves on the devices
         room = room_beside(loaded.config, config.stats.token_stats, loaded.dtype, len(step.labels), mesh,
-                           step.rows * row_len // mesh.size, step.sample_states)
+                           step.rows * row_len // mesh.size, step.sample_states, config.stats.logit_lens_every)
         read_ahead = lambda: ahead.start(loaded.dtype, mesh, room)
     done, loop_rate, local = _loop(runner, tokens, total, timings, config, step, row_len=row_len, settings=settings,
                                    probe=lambda: probe and probe.compile_beside(finished), read_ahead=read_ahead)
