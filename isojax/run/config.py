@@ -112,7 +112,8 @@ class MeasureConfig:
                    model=ModelConfig(model, revision, dtype),
                    stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k,
                                      isoscore_zeta, skip_positions, sentence_probe, logit_lens_every,
-                                     (measures,) if isinstance(measures, str) else measures),
+                                     (measures,) if isinstance(measures, str)
+                                     else tuple(measures) if isinstance(measures, (list, tuple)) else measures),
                    kernels=KernelConfig(attention, mlp_kernel, norm_kernel),
                    devices=DeviceConfig(mesh),
                    checkpoint=CheckpointConfig(checkpoint_dir, checkpoint_every_tokens, resume_run),
