@@ -8,18 +8,14 @@ refused with one error line; a checkpoint resumes only into a run of its own set
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ACCELERATOR_ENV, need
+from conftest import need
 from test_extract import run_cli
-from test_streamed_measures import _build
+from test_streamed_measures import _build, _measure_in_subprocess
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = 64
@@ -52,18 +48,7 @@ def _built(tmp: Path, family: str):
 
 def _measure(tmp: Path, runs: list[dict], accelerator: bool = False) -> list[dict]:
     """metrics.json's document of isojax.measure for each run's keywords, in one process of 2 CPU devices."""
-    script = textwrap.dedent(f"""
-        import json, sys
-        import isojax
-        out = [isojax.measure({str(tmp / "ckpt")!r}, [{str(tmp / "docs.jsonl")!r}], unit="document", seq_len={ROW},
-                              batch_tokens=4 * {ROW}, progress=False, **kw).metrics for kw in {runs!r}]
-        json.dump(out, sys.stdout)
-    """)
-    env = {**os.environ, "ISOJAX_CACHE": str(tmp / "cache"), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **(ACCELERATOR_ENV if accelerator else {})}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return _measure_in_subprocess(tmp, runs, accelerator, row=ROW)
 
 
 def _reference(model, tmp: Path, every: int, source: int | None = None) -> list[dict]:
