@@ -82,7 +82,7 @@ def test_sample_metrics_dispatches_every_state_before_reading_and_chunks_change_
         events.append(f"state {i}")
         return jnp.asarray(x[i])
 
-    got = sr.sample_metrics(states, k, [f"s{i}" for i in range(s)], intrinsic=False)
+    got = sr.sample_metrics(states, k, [f"s{i}" for i in range(s)], intrinsic=False, extra=("linearity",))
     assert events[:events.index("read")] == [f"state {i}" for i in range(s)]
     assert events.count("read") == s
     for i, m in enumerate(got):

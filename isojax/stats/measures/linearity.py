@@ -34,7 +34,9 @@ def readout(x_KxD, y_KxD) -> dict:
 MEASURE = Measure(
     metrics=(Metric("linearity", "fraction of variance", "linearity score with the previous state"),),
     reads="pairs", readout=readout, paper="Razzhigaev et al. 2024 (Your Transformer is Secretly Linear)",
-    readme_row="| `linearity` | the linearity score of state i from state i − 1 on the K sampled tokens: "
+    on_by_default=False,  # one float64 eigh of D x D per pair: 12.6 ms at D = 1024 on an H200 (bench/RESULTS.md 17)
+    readme_row="| `linearity` | **off by default** (`--measure linearity`; 0.3 s a 410m checkpoint on an H200, 10% of a "
+               "2M-token loop); the linearity score of state i from state i − 1 on the K sampled tokens: "
                "1 − min_A ‖X̃A − Ỹ‖²_F with X̃, Ỹ the two states' sampled points centered and divided by their "
                "Frobenius norm (the paper's Procrustes normalization) = ‖PỸ‖²_F, P the projection onto X̃'s principal "
                "directions above the float32 spectral floor (64·2⁻²⁴·λ₁: a null direction holds only rounding), in "

@@ -61,7 +61,8 @@ MEASURE = Measure(
     metrics=(Metric("neighbourhood_overlap", "fraction of neighbours", "neighbourhood overlap with the previous state "
                     f"(k = {K_NEIGHBOURS})"),),
     reads="pairs", readout=readout, paper="Doimo et al. 2020",
-    readme_row="| `neighbourhood_overlap` | χ = meanᵢ \\|Nₖ(i) ∩ N′ₖ(i)\\|/k over the first min(K, 2048) sampled tokens "
+    on_by_default=False,  # 1.6 ms a pair at 16,384 x 1,024 on an H200: 1.3% of a 410m 2M-token loop (bench/RESULTS.md 17)
+    readme_row="| `neighbourhood_overlap` | **off by default** (`--measure neighbourhood_overlap`; 40 ms a 410m checkpoint on an H200, 1.3% of a 2M-token loop); χ = meanᵢ \\|Nₖ(i) ∩ N′ₖ(i)\\|/k over the first min(K, 2048) sampled tokens "
                "(the sample is in random order: a uniform subsample; one density, so runs of any K compare), Nₖ(i) "
                "the k = 30 nearest other points among them of token i in state i − 1 and N′ₖ(i) in state i "
                "(Euclidean, float64; "
