@@ -375,3 +375,23 @@ def test_damaged_cache_is_rebuilt(tmp_path, tok, records, capsys):  # more damag
     assert re.fullmatch(rf"isojax: warning: token cache {re.escape(str(cache.path))} is damaged \(tokens.bin: 8 bytes, "
                         r"expected \d+\); rebuilding it\n", capsys.readouterr().err)
     assert not again.from_cache and np.array_equal(again.tokens, ids)
+
+
+def test_a_found_cache_is_opened_without_copying_a_plain_tokenizer(tmp_path, records, monkeypatch):
+    """The copy of the tokenizer (Tokenizer.from_str, ~0.13 s at Pythia's, each checkpoint of a sweep)
+    is made only to build a cache or where the tokenizer truncates or pads; the key is the copy's, so a
+    truncating tokenizer (copied, its truncation off) finds the plain one's cache."""
+    import isojax.data.tokens as tokens
+    path = write_jsonl(tmp_path / "c.jsonl", records[:5])
+    plain = Tokenizer.from_file(str(TOKENIZER_JSON))
+    built = tokenize_corpus(load_corpus([path]), plain, cache_dir=tmp_path / "c", max_len=64, workers=1)
+    copies = []
+    copy = tokens.backend_tokenizer
+    monkeypatch.setattr(tokens, "backend_tokenizer", lambda t: copies.append(t) or copy(t))
+    again = tokenize_corpus(load_corpus([path]), plain, cache_dir=tmp_path / "c", max_len=64, workers=1)
+    assert again.from_cache and again.path == built.path and copies == []
+    cut = Tokenizer.from_file(str(TOKENIZER_JSON))
+    cut.enable_truncation(8)
+    third = tokenize_corpus(load_corpus([path]), cut, cache_dir=tmp_path / "c", max_len=64, workers=1)
+    assert third.from_cache and third.path == built.path and copies == [cut] and cut.truncation is not None
+    assert np.array_equal(np.asarray(third.tokens), np.asarray(built.tokens))
