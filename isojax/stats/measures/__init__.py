@@ -6,7 +6,7 @@ the README's measures table (tests/test_measures_registry.py checks the table ag
 Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample and pairs),
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
 (report/measures.py). A "step" measure (logit_lens.py) is accumulated by the step behind its flag and
-read out by run.measure; the step's older streamed measures are not here yet (issue 46's step side).
+read out by run.measure (steps(), step_settings()); the step's older streamed measures are not here yet.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import functools
 import importlib
 import pkgutil
 
-from isojax.stats.measures.base import Measure, Metric, Spectra
+import numpy as np
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "columns", "nulls", "dict_valued", "labels",
+from isojax.stats.measures.base import Measure, Metric, Spectra, Step
+
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued", "labels",
            "spectral", "optional", "check_optional", "sample_programs", "sample_readout", "sample_dispatch",
            "sample_values"]
 
@@ -57,6 +59,32 @@ def check_optional(extra) -> tuple[str, ...]:
         raise ValueError(f"unknown measure {', '.join(map(str, wrong or extra))}: --measure takes "
                          f"{', '.join(optional()) or 'none'} (the others are on by default)")
     return tuple(dict.fromkeys(extra))
+
+
+def steps() -> dict[str, Step]:
+    """The step measures' hooks (Measure.step), by module name, in the registry's order."""
+    return {name: m.step for name, m in MEASURES.items() if m.reads == "step"}
+
+
+def check_step(keyword: str, value) -> int:
+    """A step measure's setting given as `keyword` of isojax.measure: a non-negative integer (0: off);
+    ValueError naming the keyword otherwise."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{keyword} must be a non-negative integer (0: off), not {value!r}")
+    return int(value)
+
+
+def step_settings(given, token_stats: bool) -> tuple[tuple[str, int], ...]:
+    """StatsOptions.step_measures: (module name, setting) of each step measure on, in the registry's
+    order; given: {keyword: setting} (isojax.measure's keywords, the flags'), else its default; one
+    that needs token stats is off without them."""
+    given = dict(given)
+    out = []
+    for name, step in steps().items():
+        setting = check_step(step.keyword, given.get(step.keyword, step.default))
+        if setting and (token_stats or not step.needs_token_stats):
+            out.append((name, setting))
+    return tuple(out)
 
 
 def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
