@@ -19,7 +19,7 @@ import numpy as np
 
 from isojax.stats.measures.base import Measure, Metric, Spectra, Step
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued", "labels",
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued", "labels",
            "spectral", "optional", "check_optional", "sample_programs", "sample_readout", "sample_dispatch",
            "sample_values"]
 
@@ -66,11 +66,15 @@ def steps() -> dict[str, Step]:
     return {name: m.step for name, m in MEASURES.items() if m.reads == "step"}
 
 
-def check_step(keyword: str, value) -> int:
-    """A step measure's setting given as `keyword` of isojax.measure: a non-negative integer (0: off);
-    ValueError naming the keyword otherwise."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{keyword} must be a non-negative integer (0: off), not {value!r}")
+def check_step(step: Step, value) -> int:
+    """A step measure's setting given as its keyword of isojax.measure: a non-negative integer (0: off;
+    a boolean one's True and False too); ValueError naming the keyword otherwise."""
+    if step.boolean and isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 0 \
+            or step.boolean and value > 1:
+        raise ValueError(f"{step.keyword} must be {'True or False' if step.boolean else 'a non-negative integer'} "
+                         f"(0: off), not {value!r}")
     return int(value)
 
 
@@ -81,36 +85,46 @@ def step_settings(given, token_stats: bool) -> tuple[tuple[str, int], ...]:
     given = dict(given)
     out = []
     for name, step in steps().items():
-        setting = check_step(step.keyword, given.get(step.keyword, step.default))
+        setting = check_step(step, given.get(step.keyword, step.default))
         if setting and (token_stats or not step.needs_token_stats):
             out.append((name, setting))
     return tuple(out)
 
 
+def _of_layers(m: Measure) -> list[Metric]:
+    """m's metrics of a layer (in metrics.json's layers and layers.csv), not its per-token arrays."""
+    return [metric for metric in m.metrics if not metric.per_token]
+
+
+def per_token() -> list[Metric]:
+    """The registered per-token metrics (arrays [S, V] in tokens.zarr, named as the metric)."""
+    return [metric for m in MEASURES.values() for metric in m.metrics if metric.per_token]
+
+
 def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
-    """Every registered metric name (of the measures reading `reads`)."""
-    return [metric.name for m in MEASURES.values() if m.reads in reads for metric in m.metrics]
+    """Every registered metric name of a layer (of the measures reading `reads`; not the per-token ones)."""
+    return [metric.name for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)]
 
 
 def columns(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
     """Every registered metric's columns in layers.csv / sweep.csv (a dict-valued one's: name_key)."""
-    return [c for m in MEASURES.values() if m.reads in reads for metric in m.metrics for c in metric.columns()]
+    return [c for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m) for c in metric.columns()]
 
 
 def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> dict:
     """Every registered metric's value where it is not measured: null ({key: null} for a dict-valued one)."""
-    return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in m.metrics}
+    return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)}
 
 
 def dict_valued() -> dict[str, Metric]:
     """The registered metrics whose value is a dict (Metric.keys), by name."""
-    return {metric.name: metric for m in MEASURES.values() for metric in m.metrics if metric.keys}
+    return {metric.name: metric for m in MEASURES.values() for metric in _of_layers(m) if metric.keys}
 
 
 def labels() -> dict[str, str]:
     """Each registered column's axis label (a dict-valued metric's: its label at key)."""
     return {c: metric.label + (f" ({c[len(metric.name) + 1:]})" if metric.keys else "")
-            for m in MEASURES.values() for metric in m.metrics for c in metric.columns()}
+            for m in MEASURES.values() for metric in _of_layers(m) for c in metric.columns()}
 
 
 def spectral(spectra: Spectra) -> dict:

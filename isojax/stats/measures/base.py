@@ -31,6 +31,7 @@ class Metric:
     unit: str  # what its number counts
     label: str  # its axis label in the report's figures
     keys: tuple[str, ...] = ()  # a dict-valued metric's keys (above); () for a number
+    per_token: bool = False  # an array [S, V] in tokens.zarr (a step measure's Step.tokens), not a layer's value
 
     def columns(self) -> list[str]:
         """Its columns in layers.csv / sweep.csv."""
@@ -74,6 +75,7 @@ class Step:
     merged: Callable  # (per-device numpy sums, num_devices, vocab_size) -> its sums on the host, float64
     step_bytes: Callable  # (cfg, dtype, tokens_per_device, setting, model_axis) -> device bytes the step adds
     default: int = 0  # its setting where not given
+    boolean: bool = False  # its setting is on or off: its keyword takes True and False too (1 and 0)
     needs_token_stats: bool = False  # on only with token stats (then `observe` gets the batch's TokenIndex)
     needs_sequences: Callable = lambda setting: False  # whether the step needs the rows' sequence indices
     # (sums, setting, s, x_NxD, token_ids_N, valid_N, group, index) -> sums: state s of one batch, per device
