@@ -8,7 +8,7 @@ A measure reads one of:
 - "pairs": the sampled points of two consecutive states, (x [K, D] of state s - 1, y [K, D] of
   state s), its value that of state s (null for `embed`, which has no predecessor);
 - "step": sums of its own, accumulated by the jitted step (its Measure.step, a Step below, declares
-  its flags, setting, accumulators, update, merge, read-out and memory: logit_lens.py, token_norms.py);
+  its flags, setting, accumulators, update, merge, read-out and memory: logit_lens.py, for one);
   the step, the planner and the run call it for every step measure that is on (registry: steps()).
 Sample read-outs are written with the array API (numpy, or jax.numpy under jax.jit where the
 sample lies on the devices, as stats.geometry's sample functions): float64 0-d arrays, NaN where
