@@ -208,7 +208,7 @@ def test_a_checkpoint_resumes_only_into_its_own_logit_lens_setting(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert int(whole.step_sums()["logit_lens"]["tokens"].sum()) == 3 * 64 // 2
     for settings, k in (({}, 0), ({"step_measures": {"logit_lens": 3}}, 3)):
-        with pytest.raises(UserError, match="step_measures"):
+        with pytest.raises(UserError, match=f"step_measures: step measures logit_lens=2 there, {k and 'logit_lens=3' or 'none'} here"):
             resume(runner(k), tmp_path / "with", settings, {})
     ckpt = checkpointing.Checkpointer(tmp_path / "without")
     ckpt.save(1, feed(runner(0), batches[:1]).acc, {"settings": {}, "cursor": 1, "done": {"tokens": 0}})

@@ -438,9 +438,10 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
                                               bf16=config.model.dtype == "bfloat16")
         step_sums = runner.step_sums()
         if step_sums:  # the step measures' sums added over the devices, in float64, read out
-            _read_out_steps(final, step_sums, dict(config.stats.step_settings()), int(acc.layer_count()[0]))
-            finish_groups = _with_steps_by_source(final, finish_groups, step_sums,
-                                                  cache.source_names if has_sources else ())
+            from isojax.stats.measures import step_readout, with_steps_by_source
+            step_readout(final, step_sums, dict(config.stats.step_settings()), int(acc.layer_count()[0]))
+            finish_groups = with_steps_by_source(final, finish_groups, step_sums,
+                                                 cache.source_names if has_sources else ())
         # the per-source reductions on the devices, while the host goes on (Results.save draws and writes)
         pending = None if finish_groups is None else in_background(
             lambda: _timed_beside(timings, "finalize", finish_groups), daemon=True, name="isojax-sources")
@@ -458,40 +459,6 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
     if config.stats.centered:
         final = centered_pass(final, acc, runner, state_names, cache, rows, row_len, local, timings, config.progress)
     return final, pending
-
-
-def _read_out_steps(final: dict, step_sums: dict, settings: dict, counted: int) -> None:
-    """Each step measure's read-out (base.Step) into final: its metrics into the layers, its per-token
-    arrays into final["token"] (tokens.zarr), its block of metrics.json into final["step_info"]."""
-    from isojax.stats.measures import steps
-    for name, sums in step_sums.items():
-        step = steps()[name]
-        if step.layers is not None:
-            for layer, extra in zip(final["layers"], step.layers(sums, None)):
-                layer.update(extra)
-        if step.tokens is not None and final.get("token") is not None:
-            final["token"].update(step.tokens(sums, final["token"]["count_V"]))
-        if step.info is not None:
-            final.setdefault("step_info", {})[name] = step.info(sums, settings[name], counted)
-
-
-def _with_steps_by_source(final: dict, finish_groups, step_sums: dict, source_names):
-    """finish_groups, then each source's step-measure metrics into its layers (now where the sources
-    are read out already: finish_groups None)."""
-    from isojax.stats.measures import steps
-
-    def by_source():
-        for name, sums in step_sums.items():
-            if steps()[name].layers is None:
-                continue
-            for g, source in enumerate(source_names):
-                for layer, extra in zip(final["groups"][source]["layers"], steps()[name].layers(sums, [g])):
-                    layer.update(extra)
-
-    if finish_groups is None:
-        by_source()
-        return None
-    return lambda: (finish_groups(), by_source())
 
 
 def _sample_identity(keys, cache):

@@ -5,8 +5,9 @@ the README's measures table (tests/test_measures_registry.py checks the table ag
 
 Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample and pairs),
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
-(report/measures.py). A "step" measure (logit_lens.py) is accumulated by the step behind its flag and
-read out by run.measure (steps(), step_settings()); the step's older streamed measures are not here yet.
+(report/measures.py). A "step" measure (its Step: base.py) is accumulated by the step where its setting
+turns it on (steps(), step_settings()), counted by the planner and read out by run.measure
+(step_readout()); the step's older streamed measures are not here yet.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from isojax.stats.measures.base import Measure, Metric, Spectra, Step
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued", "labels",
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_readout", "with_steps_by_source", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued", "labels",
            "spectral", "optional", "check_optional", "sample_programs", "sample_readout", "sample_dispatch",
            "sample_values"]
 
@@ -64,6 +65,40 @@ def check_optional(extra) -> tuple[str, ...]:
 def steps() -> dict[str, Step]:
     """The step measures' hooks (Measure.step), by module name, in the registry's order."""
     return {name: m.step for name, m in MEASURES.items() if m.reads == "step"}
+
+
+def step_readout(final: dict, step_sums: dict, settings: dict, counted: int) -> None:
+    """Each step measure's read-out (base.Step) into run.measure's final: its metrics into the layers,
+    its per-token arrays into final["token"] (tokens.zarr), its block of metrics.json into
+    final["step_info"]. step_sums: each one's merged sums (Runner.step_sums); settings: their
+    settings; counted: the tokens the statistics count."""
+    for name, sums in step_sums.items():
+        step = steps()[name]
+        if step.layers is not None:
+            for layer, extra in zip(final["layers"], step.layers(sums, None)):
+                layer.update(extra)
+        if step.tokens is not None and final.get("token") is not None:
+            final["token"].update(step.tokens(sums, final["token"]["count_V"]))
+        if step.info is not None:
+            final.setdefault("step_info", {})[name] = step.info(sums, settings[name], counted)
+
+
+def with_steps_by_source(final: dict, finish_groups, step_sums: dict, source_names):
+    """finish_groups, then each source's step-measure metrics into its layers (now where the sources
+    are read out already: finish_groups None)."""
+
+    def by_source():
+        for name, sums in step_sums.items():
+            if steps()[name].layers is None:
+                continue
+            for g, source in enumerate(source_names):
+                for layer, extra in zip(final["groups"][source]["layers"], steps()[name].layers(sums, [g])):
+                    layer.update(extra)
+
+    if finish_groups is None:
+        by_source()
+        return None
+    return lambda: (finish_groups(), by_source())
 
 
 def check_step(step: Step, value) -> int:
