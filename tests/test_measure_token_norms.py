@@ -91,10 +91,10 @@ def test_mean_norm_equals_float64_hugging_face_on_1_and_2_devices(tmp_path, fami
             assert result["mean_norm"] is None
             continue
         count, want = _reference(model, tmp_path, run.get("skip_positions", 0))
-        _check(result, count, want, 1e-5, run)
+        _check(result, count, want, 1e-6, run)  # measured <= 2e-7
 
 
-@pytest.mark.slow  # ~35 s on 2 shared cores
+@pytest.mark.slow  # ~20-30 s on 2 shared cores
 def test_mean_norm_in_bf16_on_1_and_2_devices(tmp_path):
     """The accelerator configuration (bf16 forward, the default sample) on 1 and 2 devices within bf16's
     error of the float64 reference, with --skip-positions."""
@@ -104,7 +104,7 @@ def test_mean_norm_in_bf16_on_1_and_2_devices(tmp_path):
     got = _tokens_in_subprocess(tmp_path, runs, accelerator=True)
     count, want = _reference(model, tmp_path, 1)
     for run, result in zip(runs, got):
-        _check(result, count, want, 3e-2, run)  # bf16 states: measured within 1e-2
+        _check(result, count, want, 1e-2, run)  # bf16 states: measured <= 3e-3
     a, b = (np.asarray(r["mean_norm"], np.float64) for r in got)
     np.testing.assert_allclose(a[:, count > 0], b[:, count > 0], rtol=1e-6)  # the same bf16 states
 
