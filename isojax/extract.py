@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip-positions", type=non_negative_int, default=0, metavar="K",
                     help="leave the first K positions of every sequence (window) out of every statistic; the model "
                          "still reads them (default: 0); with a BOS token (--bos), it is position 0")
-    from isojax.stats.measures import logit_lens, optional
-    logit_lens.add_arguments(ap, positive_int)
+    from isojax.stats.measures import optional, steps
+    for step in steps().values():  # each step measure's flags (stats/measures base.Step)
+        step.add_arguments(ap, positive_int)
     ap.add_argument("--measure", action="append", default=[], metavar="NAME",
                     help=f"also read out a registered measure that is off by default ({', '.join(optional())}; "
                          "repeat or comma-separate; README \"Geometry measures\")")

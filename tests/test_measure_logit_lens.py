@@ -22,6 +22,11 @@ ROW = 64
 KEYS = ("logit_lens_kl", "logit_lens_entropy", "logit_lens_top1_agreement", "logit_lens_xent")
 
 
+def _lens(k: int) -> tuple:
+    """StatsOptions.step_measures with the logit lens on every k-th token (0: none on)."""
+    return (("logit_lens", k),) if k else ()
+
+
 def _documents(path: Path, n_docs: int, seed: int) -> None:
     """Moby-Dick cut into documents of 3 to 40 words (one window each at ROW tokens), of the sources
     "A" (even documents) and "B" (odd ones)."""
@@ -184,7 +189,7 @@ def test_a_checkpoint_resumes_only_into_its_own_logit_lens_setting(tmp_path):
         seg = np.repeat(np.arange(1, 5), 16).reshape(2, 32).astype(np.int32)
         pos = np.tile(np.arange(16), 4).reshape(2, 32).astype(np.int32)
         batches.append((rng.integers(0, 512, (2, 32)).astype(np.int32), seg, pos, (seg - 1 + 4 * b).astype(np.int32)))
-    runner = lambda k: make_runner(loaded, mesh, token_stats=False, num_groups=1, logit_lens_every=k)
+    runner = lambda k: make_runner(loaded, mesh, token_stats=False, num_groups=1, step_measures=_lens(k))
 
     def feed(r, part):
         for tokens, seg, pos, seq in part:
@@ -193,25 +198,25 @@ def test_a_checkpoint_resumes_only_into_its_own_logit_lens_setting(tmp_path):
 
     whole = feed(runner(2), batches)
     ckpt = checkpointing.Checkpointer(tmp_path / "with")
-    ckpt.save(1, feed(runner(2), batches[:1]).acc, {"settings": {"logit_lens_every": 2}, "cursor": 1,
+    ckpt.save(1, feed(runner(2), batches[:1]).acc, {"settings": {"step_measures": {"logit_lens": 2}}, "cursor": 1,
                                                     "done": {"tokens": 0}})
     ckpt.close()
     resumed = runner(2)
-    assert resume(resumed, tmp_path / "with", {"logit_lens_every": 2}, {})[0] == 1
+    assert resume(resumed, tmp_path / "with", {"step_measures": {"logit_lens": 2}}, {})[0] == 1
     feed(resumed, batches[1:])
-    for x, y in zip(jax.tree.leaves(whole.acc.lens), jax.tree.leaves(resumed.acc.lens), strict=True):
+    for x, y in zip(jax.tree.leaves(whole.acc.step), jax.tree.leaves(resumed.acc.step), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert int(whole.logit_lens()["tokens"].sum()) == 3 * 64 // 2
-    for settings, k in (({}, 0), ({"logit_lens_every": 3}, 3)):
-        with pytest.raises(UserError, match="logit_lens_every"):
+    assert int(whole.step_sums()["logit_lens"]["tokens"].sum()) == 3 * 64 // 2
+    for settings, k in (({}, 0), ({"step_measures": {"logit_lens": 3}}, 3)):
+        with pytest.raises(UserError, match=f"step_measures: step measures logit_lens=2 there, {k and 'logit_lens=3' or 'none'} here"):
             resume(runner(k), tmp_path / "with", settings, {})
     ckpt = checkpointing.Checkpointer(tmp_path / "without")
     ckpt.save(1, feed(runner(0), batches[:1]).acc, {"settings": {}, "cursor": 1, "done": {"tokens": 0}})
     ckpt.close()
     plain = runner(0)
-    assert plain.acc.lens is None and resume(plain, tmp_path / "without", {}, {})[0] == 1
-    with pytest.raises(UserError, match="logit_lens_every"):
-        resume(runner(1), tmp_path / "without", {"logit_lens_every": 1}, {})
+    assert plain.acc.step == () and resume(plain, tmp_path / "without", {}, {})[0] == 1
+    with pytest.raises(UserError, match="step_measures"):
+        resume(runner(1), tmp_path / "without", {"step_measures": {"logit_lens": 1}}, {})
 
 
 def test_the_planner_counts_what_the_logit_lens_adds_to_the_step():
@@ -231,9 +236,9 @@ def test_the_planner_counts_what_the_logit_lens_adds_to_the_step():
     cfg = ModelConfig(vocab_size=4096, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256)
     temp = {}
     for k in (0, 1):
-        layout = Layout(Decoder(cfg), mesh, token_stats=False, num_groups=1, options=StatsOptions(logit_lens_every=k))
+        layout = Layout(Decoder(cfg), mesh, token_stats=False, num_groups=1, options=StatsOptions(step_measures=_lens(k)))
         temp[k] = compile_step(layout, abstract_params(cfg, "float32", mesh), 4, 64)[0].memory_analysis().temp_size_in_bytes
-    added = step_bytes(cfg, "float32", 256, 1, 1) - step_bytes(cfg, "float32", 256, 1)
+    added = step_bytes(cfg, "float32", 256, 1, _lens(1)) - step_bytes(cfg, "float32", 256, 1)
     assert added == logit_lens.step_bytes(cfg, "float32", 256, 1)
     assert temp[1] - temp[0] <= added <= 2 * (temp[1] - temp[0]), (temp, added)
 
@@ -250,7 +255,7 @@ def test_a_sweep_reads_ahead_only_into_the_room_the_lens_leaves():
     mesh = parallel.make_mesh({"data": 1, "model": 1})
     cfg = ModelConfig(vocab_size=50304, hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096)
     tokens = 65536
-    off, on = (room_beside(cfg, True, "bfloat16", 1, mesh, tokens, 0, k) for k in (0, 1))
-    grown = max(step_bytes(cfg, "bfloat16", tokens, 1, 1), READOUT_BYTES) - max(step_bytes(cfg, "bfloat16", tokens, 1),
+    off, on = (room_beside(cfg, True, "bfloat16", 1, mesh, tokens, 0, _lens(k)) for k in (0, 1))
+    grown = max(step_bytes(cfg, "bfloat16", tokens, 1, _lens(1)), READOUT_BYTES) - max(step_bytes(cfg, "bfloat16", tokens, 1),
                                                                                 READOUT_BYTES)
     assert grown > 1 << 30 and off - on == grown

@@ -41,18 +41,17 @@ def layer_params(cfg) -> int:
     return -(-cfg.non_embedding_params() // cfg.num_layers)  # the final norm's few parameters rounded in
 
 
-def step_bytes(cfg, dtype: str, tokens_per_device: int, model_axis: int, logit_lens_every: int = 0) -> int:
+def step_bytes(cfg, dtype: str, tokens_per_device: int, model_axis: int, step_measures=()) -> int:
     """The step's temporaries per device, estimated: activations (STEP_BYTES_PER_TOKEN_WIDTH per
     token and width; peaks of 410m, 1.4b and 20b on H100s, bench/RESULTS.md 7c), with split
-    parameters three gathered layers, and the logit lens's buffer, logits and sums where it is on
-    (stats/measures/logit_lens.py step_bytes; with split parameters, its unembedding gathered)."""
-    from isojax.stats.measures import logit_lens
+    parameters three gathered layers, and what each step measure on adds (step_measures:
+    StatsOptions.step_measures; its base.Step.step_bytes: the logit lens's buffer, logits and sums)."""
+    from isojax.stats.measures import steps
     width = 2 if dtype == "bfloat16" else 4
     layer = layer_params(cfg) * width
-    lens = logit_lens.step_bytes(cfg, dtype, tokens_per_device, logit_lens_every)
-    if lens and model_axis > 1:
-        lens += cfg.hidden_size * cfg.vocab_size * width
-    return STEP_BYTES_PER_TOKEN_WIDTH * tokens_per_device * cfg.hidden_size + (3 * layer if model_axis > 1 else 0) + lens
+    added = sum(steps()[name].step_bytes(cfg, dtype, tokens_per_device, setting, model_axis)
+                for name, setting in step_measures)
+    return STEP_BYTES_PER_TOKEN_WIDTH * tokens_per_device * cfg.hidden_size + (3 * layer if model_axis > 1 else 0) + added
 
 
 def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int,
@@ -74,12 +73,12 @@ def weight_bytes(cfg, dtype: str, model_axis: int = 1) -> int:
 
 
 def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
-               verbose: bool = False, sample_size: int = 0, logit_lens_every: int = 0) -> None:
+               verbose: bool = False, sample_size: int = 0, step_measures=()) -> None:
     """Refuse (a short message) what cannot fit the devices; log the per-device figure."""
     limit = device_memory_bytes() or host_memory_bytes()
     need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
                                       sample_size)
-    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"], logit_lens_every)
+    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"], step_measures)
     if verbose:
         log(f"accumulators need {need / 1e9:.2f} GB per device, weights {weights / 1e9:.2f} GB, the step ~"
             f"{step / 1e9:.1f} GB (device memory {limit / 1e9:.1f} GB; mesh data={mesh.shape['data']},"
@@ -93,7 +92,7 @@ def check_fits(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens
 
 
 def room_beside(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, tokens_per_device: int,
-                sample_size: int = 0, logit_lens_every: int = 0) -> int:
+                sample_size: int = 0, step_measures=()) -> int:
     """Bytes of one device that a run's plan leaves free from its start to its read-out's end (what
     a sweep's next checkpoint may take, loaded ahead: run/load_ahead.py): FIT of the device's memory
     less the accumulators, the weights twice (the sentence probe's random initialization draws a
@@ -102,7 +101,7 @@ def room_beside(cfg, token_stats: bool, dtype: str, num_groups: int, mesh, token
     limit = device_memory_bytes() or host_memory_bytes()
     need, weights = memory_per_device(cfg, token_stats, dtype, num_groups, mesh.size, mesh.shape["model"],
                                       sample_size)
-    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"], logit_lens_every)
+    step = step_bytes(cfg, dtype, tokens_per_device, mesh.shape["model"], step_measures)
     return int(FIT * limit - need - 2 * weights - max(step, READOUT_BYTES))
 
 
@@ -123,7 +122,7 @@ def choose_mesh(cfg, config, dtype: str, corpus, row_len: int):
         check_fits(cfg, config.stats.token_stats, dtype, groups(corpus, config.data.sources), mesh,
                    rows * row_len // mesh.size,
                    sample_size=sample_size(cfg, dtype, config.stats.sample_states, defaults_platform() != "cpu"),
-                   logit_lens_every=config.stats.logit_lens_every)
+                   step_measures=config.stats.step_settings())
     return mesh
 
 
@@ -137,7 +136,7 @@ def run_batch(cfg, config, dtype: str, corpus, n: int, row_len: int, model_axis:
     m, rows = fit_batch(cfg, config.stats.token_stats, dtype, n, limit, row_len, batch_tokens=config.data.batch_tokens,
                         model_axis=model_axis, on_accel=on_accel, num_groups=groups(corpus, config.data.sources),
                         sample_size=sample_size(cfg, dtype, config.stats.sample_states, on_accel),
-                        logit_lens_every=config.stats.logit_lens_every)
+                        step_measures=config.stats.step_settings())
     if say and m is not None and not config.data.batch_tokens:
         log_shrink(cfg, batch_rows(n * device_batch_tokens(cfg, on_accel), n, row_len) // n * row_len,
                    rows // n * row_len, limit)
@@ -181,14 +180,14 @@ def batch_rows(batch_tokens: int, n: int, row_len: int) -> int:
 
 def fit_batch(cfg, token_stats: bool, dtype: str, n: int, limit: int, row_len: int, *, batch_tokens: int | None = None,
               model_axis: int | None = None, on_accel: bool = True, num_groups: int = 1,
-              sample_size: int = 0, logit_lens_every: int = 0) -> tuple[int | None, int]:
+              sample_size: int = 0, step_measures=()) -> tuple[int | None, int]:
     """(model axis, rows per batch) that make parameters, accumulators (num_groups, sample_size) and the
     step fit n devices of `limit` bytes: model_axis (--mesh), else the smallest that fits. batch_tokens
     is kept as given; without it, the default tokens per device (device_batch_tokens) are halved, down to
     one row each, until a model axis fits. The model axis is None where nothing fits (rows: the fewest tried)."""
     axes = [model_axis] if model_axis else [m for m in range(1, n + 1) if n % m == 0]
     fits = lambda m, rows: sum(memory_per_device(cfg, token_stats, dtype, num_groups, n, m, sample_size)) + step_bytes(
-        cfg, dtype, rows // n * row_len, m, logit_lens_every) <= FIT * limit
+        cfg, dtype, rows // n * row_len, m, step_measures) <= FIT * limit
     if batch_tokens:
         tried = [batch_rows(batch_tokens, n, row_len)]
     else:

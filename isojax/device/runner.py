@@ -17,8 +17,8 @@ Global layout of the accumulators (a stats.Accumulators of global arrays):
               of n; global row k * V'/n + j holds token id j * n + k (device/mesh.py).
   sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (stats/sample.py),
               merged on the host at the end (`sample`).
-  lens        with the logit lens on (StatsOptions.logit_lens_every), its sums [n, G, S] per device,
-              added on the host at the end (`logit_lens`; stats/measures/logit_lens.py); None when off.
+  step        the step measures' sums (StatsOptions.step_measures; stats/measures base.Step), each
+              [n, ...] per device, added on the host at the end (`step_sums`); () when none is on.
 `merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
 over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the
 devices, in float64.
@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
 from isojax.stats import sample as sample_lib
-from isojax.stats.measures import logit_lens
+from isojax.stats.measures import steps
 from isojax.model.decoder import Decoder
 from isojax.stats.options import StatsOptions
 from isojax.device.mesh import ALL
@@ -49,7 +49,7 @@ LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "
                 "band_count_lo_BxS", "band_count_hi_BxS", "band_unit_sum_BxSxD")  # S is axis 1 of each
 TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
 SAMPLE_FIELDS = ("sample_keys_Kx2", "sample_SxKxD")  # per device, like the layer part; merged bottom-K
-PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS
+PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS + ("step",)
 
 
 def _map_fields(acc: stats.Accumulators, fields, fn) -> stats.Accumulators:
@@ -84,6 +84,9 @@ class Layout:
         self.module, self.mesh, self.centered = module, mesh, centered
         options = options or StatsOptions()
         self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
+        if not token_stats:  # a step measure that reads the token index is off without token stats
+            self.options = dataclasses.replace(self.options, step_measures=tuple(
+                (name, setting) for name, setting in options.step_measures if not steps()[name].needs_token_stats))
         rows = gram_rows(cfg.hidden_size, mesh.shape["model"])
         if rows:
             self.options = dataclasses.replace(self.options, gram_shards=mesh.shape["model"], gram_axis="model")
@@ -101,9 +104,8 @@ class Layout:
     def init_global(self) -> stats.Accumulators:
         cfg, n = self.module.cfg, self.mesh.size
         acc = stats.init_accumulators(cfg.num_states, cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
-        if self.options.logit_lens_every:
-            acc = acc.replace(lens=logit_lens.init(self.init_kwargs["num_groups"], cfg.num_states))
-        acc = acc.replace(lens=jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n, *x.shape)), acc.lens))
+        acc = acc.replace(step=tuple(steps()[name].init(setting, self.init_kwargs["num_groups"], cfg.num_states,
+                                                        self.vocab_rows) for name, setting in self.options.step_measures))
         return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (n, *x.shape)))
 
     def step(self):
@@ -162,7 +164,8 @@ class Runner:
         ready when the devices have finished the step."""
         total = len(tokens_BxT) * self.num_devices // len(self.mesh.local_devices)
         if sequences_BxT is None:
-            if self.init_kwargs["sample_size"] or self.options.logit_lens_every > 1:
+            if self.init_kwargs["sample_size"] or any(steps()[name].needs_sequences(setting)
+                                                      for name, setting in self.options.step_measures):
                 raise ValueError("a Runner that keeps a sample or --logit-lens-every needs the batch's sequence indices")
             sequences_BxT = np.zeros_like(tokens_BxT)
         rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
@@ -177,22 +180,21 @@ class Runner:
         device, or split by rows over "model" (a global [H, S, D, D] array)."""
         merged = _layer_part(self.acc)
         if self.num_devices > 1:
-            merged = _compiled_merge(self.mesh, self.specs, self.cfg.num_states, self.options.gram_shards > 1)(merged)
+            merged = _compiled_merge(self.mesh, self.specs.replace(step=()), self.cfg.num_states, self.options.gram_shards > 1)(merged)
         m2 = [getattr(merged, f) for f in ("m2_HxSxDxD", "unit_m2_HxSxDxD")]
         merged = _map_fields(merged, LAYER_FIELDS, lambda x: _on_its_device(x.addressable_shards[0].data[0]))
         if self.options.gram_shards > 1:
             merged = merged.replace(**dict(zip(("m2_HxSxDxD", "unit_m2_HxSxDxD"),
                                                [stats.DFPair(model_rows(self.mesh, x.hl)) for x in m2])))
         merged = _map_fields(merged, [f for f in LAYER_FIELDS if "m2" not in f], np.asarray)
-        return merged.replace(lens=None, tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
+        return merged.replace(step=(), tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
             *(np.zeros((self.cfg.num_states, 0, self.cfg.hidden_size), np.float32),) * 2))
 
-    def logit_lens(self) -> dict | None:
-        """The logit lens's sums added over every device and process in float64
-        (logit_lens.merged); None when off."""
-        if self.acc.lens is None:
-            return None
-        return logit_lens.merged(jax.tree.map(_gather, self.acc.lens))
+    def step_sums(self) -> dict:
+        """{name: sums} of each step measure on: its per-device sums added over every device and
+        process in float64 (its Step.merged)."""
+        return {name: steps()[name].merged(jax.tree.map(_gather, sums), self.num_devices, self.cfg.vocab_size)
+                for (name, _), sums in zip(self.options.step_measures, self.acc.step, strict=True)}
 
     def token_readout(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(count_V int64, intra_sim_SxV float64) from the per-token sums, computed on the devices
@@ -231,7 +233,7 @@ class Runner:
         """A Runner of the same module, placed params, mesh and statistics' options for a second
         pass centered on centers_SxD [S, D]: no token stats, no sample."""
         return Runner(self.module, self.params, self.mesh, token_stats=False, num_groups=num_groups,
-                      centers_SxD=centers_SxD, options=dataclasses.replace(self.options, logit_lens_every=0))
+                      centers_SxD=centers_SxD, options=dataclasses.replace(self.options, step_measures=()))
 
     def sample(self):
         """(number of sampled tokens K', states(s) -> [K', D] float32 in key order: shuffled)
@@ -270,8 +272,8 @@ def gram_rows(d: int, model_axis: int) -> int | None:
 def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, model_axis: int = 1, **kw) -> int:
     """Bytes on each of n devices: one layer part (its Grams split over model_axis: gram_rows)
     and sample, plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators'
-    num_groups, centered, group_spectra, sample_*. (The logit lens's few bytes of sums are counted
-    with its buffer in the step's: device/memory.py step_bytes.)"""
+    num_groups, centered, group_spectra, sample_*. (The step measures' sums are counted with what
+    they add to the step: device/memory.py step_bytes.)"""
     rows = vocab_rows(cfg.vocab_size, n) // n if token_stats else 0
     return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, token_stats=token_stats,
                                    gram_rows=gram_rows(cfg.hidden_size, model_axis), **kw)
@@ -309,8 +311,8 @@ def _state_sums(tok: stats.DF, s):
 
 
 def _layer_part(acc: stats.Accumulators) -> stats.Accumulators:
-    """acc with empty token and sample fields (what the merge of the layer part carries)."""
-    return acc.replace(tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
+    """acc with empty token, sample and step fields (what the merge of the layer part carries)."""
+    return acc.replace(step=(), tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
         lambda x: x[:, :0], acc.tok_sum_SxVxD), sample_keys_Kx2=acc.sample_keys_Kx2[:, :0],
         sample_SxKxD=acc.sample_SxKxD[:, :, :0])
 
@@ -336,14 +338,22 @@ def _stacked(acc):
 @functools.cache
 def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered: bool):
     d, n = module.cfg.hidden_size, mesh.size
+    on = [(i, steps()[name], setting) for i, (name, setting) in enumerate(options.step_measures)]
+    observers = [(i, step, setting) for i, step, setting in on if step.observe is not None]
+    after = [(i, step, setting) for i, step, setting in on if step.after_forward is not None]
 
     def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plan, group, centers):
         center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centered else None
         exchange, flat = jax.tree.map(lambda x: x[0], exchange), lambda x_BxT: x_BxT.reshape(-1)
-        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
+        acc = _device_view(acc)
+        sums = list(acc.step)
+        for i, step, setting in observers:  # the step measures' per-state updates (base.Step.observe)
+            sums[i] = step.observe(sums[i], setting, s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
+                                   group, index)
+        acc = stats.update_state(acc, s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
                                  group, center_D, index=index, opts=options, sample_plan=plan, exchange=exchange,
                                  positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT))
-        return _stacked(acc)
+        return _stacked(acc.replace(step=tuple(sums)))
 
     def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
         """Once per batch and device: the sort of the ids (for all states) and the sample's plan."""
@@ -370,9 +380,9 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
                                in_specs=(specs, P(), *[P(ALL)] * 8, P(), P()), out_specs=specs, check_vma=False)
         observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, kept_BxT, pos_BxT, seq_BxT, index,
                                                  exchange, plan, group, centers_SxD)
-        if options.logit_lens_every:  # every state kept for the logit lens, read after the forward
-            acc = _logit_lens_step(module, mesh, specs, options.logit_lens_every, params, acc, observe, tokens_BxT,
-                                   seg_BxT, kept_BxT, pos_BxT, seq_BxT, group)
+        if after:  # every state kept for the step measures that read them after the forward
+            acc = _after_forward_step(module, mesh, specs, after, params, acc, observe, tokens_BxT, seg_BxT, kept_BxT,
+                                      pos_BxT, seq_BxT, group)
         else:
             acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
         if not acc.tok_count_SxV.size:  # empty fields out of shard_map come back "manual": fresh ones
@@ -385,28 +395,30 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
     return jax.jit(step, donate_argnums=(1,), out_shardings=out)
 
 
-def _logit_lens_step(module: Decoder, mesh, specs, every_k: int, params, acc, observe, tokens_BxT, seg_BxT, kept_BxT,
-                     pos_BxT, seq_BxT, group):
-    """The forward with the logit lens: the states go into a buffer [S, B, T, D] (split by rows
-    like the batch) beside the statistics' observer; then each device's rows through
-    logit_lens.update (stats/measures/logit_lens.py)."""
+def _after_forward_step(module: Decoder, mesh, specs, after, params, acc, observe, tokens_BxT, seg_BxT, kept_BxT,
+                        pos_BxT, seq_BxT, group):
+    """The forward with the step measures `after` ([(index in acc.step, Step, setting)]) that read
+    every state after it: the states go into a buffer [S, B, T, D] (split by rows like the batch)
+    beside the statistics' observer; then each device's rows through each one's update
+    (base.Step.after_forward: the logit lens's, stats/measures/logit_lens.py)."""
     b, t = tokens_BxT.shape
     buf = lax.with_sharding_constraint(jnp.zeros((module.cfg.num_states, b, t, module.cfg.hidden_size), module.dtype),
                                        NamedSharding(mesh, P(None, ALL)))
     keep = lambda obs, s, x_BxTxD: (observe(obs[0], s, x_BxTxD),
                                     lax.dynamic_update_index_in_dim(obs[1], x_BxTxD.astype(obs[1].dtype), s, 0))
     acc, buf = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, (acc, buf), keep)
-    norm, unembed, weights = logit_lens.head(module, params)
+    sums = list(acc.step)
+    for i, step, setting in after:
+        update, weights = step.after_forward(module, params, setting)
 
-    def local(sums, buf, tokens, seg, kept, pos, seq, group, weights):
-        sums = logit_lens.update(jax.tree.map(lambda x: x[0], sums), buf, tokens, seg, kept, pos, seq, group,
-                                 weights, norm=norm, unembed=unembed, every_k=every_k)
-        return jax.tree.map(lambda x: x[None], sums)
+        def local(sums, buf, tokens, seg, kept, pos, seq, group, weights, update=update):
+            sums = update(jax.tree.map(lambda x: x[0], sums), buf, tokens, seg, kept, pos, seq, group, weights)
+            return jax.tree.map(lambda x: x[None], sums)
 
-    lens = jax.shard_map(local, mesh=mesh, in_specs=(specs.lens, P(None, ALL), *[P(ALL)] * 5, P(), P()),
-                         out_specs=specs.lens, check_vma=False)(acc.lens, buf, tokens_BxT, seg_BxT, kept_BxT,
-                                                                pos_BxT, seq_BxT, group, weights)
-    return acc.replace(lens=lens)
+        sums[i] = jax.shard_map(local, mesh=mesh, in_specs=(specs.step[i], P(None, ALL), *[P(ALL)] * 5, P(), P()),
+                                out_specs=specs.step[i], check_vma=False)(acc.step[i], buf, tokens_BxT, seg_BxT,
+                                                                          kept_BxT, pos_BxT, seq_BxT, group, weights)
+    return acc.replace(step=tuple(sums))
 
 
 @functools.cache

@@ -12,6 +12,8 @@ import json
 import math
 import pathlib
 
+import numpy as np
+
 from isojax.log import log
 from isojax.plots import paper
 from isojax.stats import measures as registered
@@ -201,6 +203,52 @@ def _cka_training(figs: Figures, series: dict[str, list[Run]]):
                     Table(["model", "revision", "step", "layer", "cka"], rows))
 
 
+def _tokens_array(run: Run, name: str):
+    """tokens.zarr/<name> of a run's folder as numpy; None where it has none or it cannot be read."""
+    path = run.folder / "tokens.zarr" / name if run.folder else None
+    if path is None or not path.is_dir():
+        return None
+    from isojax.run.sweep_files import _read_small
+    try:
+        return _read_small(path)
+    except Exception as e:  # noqa: BLE001 - a damaged array leaves its figure out, not the report
+        log(f"report: {path} left out: unreadable ({type(e).__name__}: {e})")
+        return None
+
+
+def _per_token(figs: Figures, runs: list[Run]) -> list:
+    """Each registered per-token metric (tokens.zarr [S, V]) against the token's frequency: its mean over
+    the token types whose count lies in [lo, 2·lo), for the embedding, a middle block, the last block
+    and the final LayerNorm (as Macocco et al. 2025 draw the norm against frequency); final checkpoints."""
+    items = []
+    for metric in registered.per_token():
+        panels, rows, drawn = [], [], []
+        for run in runs:
+            names, values, count = layer_names(run), _tokens_array(run, metric.name), _tokens_array(run, "count")
+            if values is None or count is None or values.shape != (len(names), len(count)) or not count.any():
+                continue
+            los = [1 << k for k in range(int(count.max()).bit_length())]
+            lines = []
+            for i, name in enumerate(_band_layers(names)):
+                v = values[names.index(name)]
+                ys = []
+                for lo in los:
+                    sel = (count >= lo) & (count < 2 * lo) & np.isfinite(v)
+                    ys.append(float(v[sel].mean()) if sel.any() else math.nan)
+                    rows.append([run.label, name, lo, 2 * lo, int(sel.sum()), ys[-1]])
+                lines.append(paper.Line(name, los, ys, {"color": f"C{i}"}))
+            panels.append(paper.Panel(run_label(run), lines))
+            drawn.append(run)
+        if panels:
+            fig = paper.lines(panels, "token count (band lower bound)", f"{metric.label} ({metric.unit})",
+                              titled(f"{metric.label} against token frequency", drawn, final=True), xscale="log2")
+            items.append(figs.add(fig, f"{metric.name}_by_frequency", f"{metric.label} (`tokens.zarr/{metric.name}`) "
+                                  "averaged over the token types whose count lies in [lo, 2·lo), for the embedding, "
+                                  "a middle block, the last block and the final LayerNorm; final checkpoints.",
+                                  Table(["model", "layer", "band lo", "band hi", "token types", metric.name], rows)))
+    return items
+
+
 def section(res: Results, figs: Figures) -> Section:
     sec = Section("measures", "Isotropy, outliers, spectrum and similarity of representations",
                   "IsoScore and IsoScore* (Rudman et al. 2022; Rudman & Eickhoff 2024), rogue dimensions and "
@@ -222,6 +270,7 @@ def section(res: Results, figs: Figures) -> Section:
                               _position_bands(figs, runs, False, series) if series else None,
                               _cka_runs(figs, runs), _cka_training(figs, series)) if i]
     sec.items += _registered_keyed(figs, runs, series)
+    sec.items += _per_token(figs, runs)
     sec.items += _tables(runs)
     if not sec.items:
         sec.note = "No extract results with these measures (results of an older isojax): section left out."

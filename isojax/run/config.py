@@ -50,8 +50,9 @@ class StatsConfig:
     isoscore_zeta: IsoScore*'s covariance shrinkage, 0 to 1 (stats.geometry.isoscore_star).
     skip_positions: the first K positions of every sequence are left out of every statistic.
     sentence_probe: the per-sentence measures of the papers on a fixed subset (stats/sentences.py).
-    logit_lens_every: the logit lens on every K-th token of each sequence (1: every token; 0: off;
-    stats/measures/logit_lens.py)."""
+    step_measures: the settings given of the step measures (stats/measures base.Step), as (keyword,
+    value) pairs of isojax.measure's keywords (logit_lens_every=K: the logit lens on every K-th token
+    of each sequence, 1: every token, 0: off); the others take their defaults (step_settings)."""
     token_stats: bool = True
     centered: bool = False
     save_token_sums: bool = False
@@ -60,8 +61,14 @@ class StatsConfig:
     isoscore_zeta: float = 0.75  # stats.geometry.ISOSCORE_ZETA: Rudman & Eickhoff (2024)
     skip_positions: int = 0
     sentence_probe: bool = False
-    logit_lens_every: int = 0
+    step_measures: tuple = ()
     measures: tuple[str, ...] = ()  # registered read-out measures off by default, turned on (--measure)
+
+    def step_settings(self) -> tuple[tuple[str, int], ...]:
+        """StatsOptions.step_measures of this run: (module name, setting) of each step measure on
+        (measures.step_settings; ValueError for a setting that is not a non-negative integer)."""
+        from isojax.stats.measures import step_settings
+        return step_settings(self.step_measures, self.token_stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +113,18 @@ class MeasureConfig:
               resume_run: bool = False, progress: bool = True, sample_states: int | None = None,
               intrinsic_k: int = 20, max_tokens_per_source=None, isoscore_zeta: float = 0.75,
               skip_positions: int = 0, bos: str = "auto", sentence_probe: bool = False,
-              logit_lens_every: int = 0, measures=()) -> MeasureConfig:
-        """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments."""
+              measures=(), **step_measures) -> MeasureConfig:
+        """The config of `isojax.measure(model, data, **kwargs)`'s keyword arguments; step_measures: the
+        step measures' keywords (base.Step.keyword: logit_lens_every=K, ...)."""
+        from isojax.stats.measures import steps
+        keywords = [step.keyword for step in steps().values()]
+        unknown = [k for k in step_measures if k not in keywords]
+        if unknown:
+            raise TypeError(f"measure() got an unexpected keyword argument {unknown[0]!r}")
         return cls(data=DataConfig(data, unit, sources, seq_len, batch_tokens, max_tokens, max_tokens_per_source, bos),
                    model=ModelConfig(model, revision, dtype),
                    stats=StatsConfig(token_stats, centered, save_token_sums, sample_states, intrinsic_k,
-                                     isoscore_zeta, skip_positions, sentence_probe, logit_lens_every,
+                                     isoscore_zeta, skip_positions, sentence_probe, tuple(step_measures.items()),
                                      (measures,) if isinstance(measures, str)
                                      else tuple(measures) if isinstance(measures, (list, tuple)) else measures),
                    kernels=KernelConfig(attention, mlp_kernel, norm_kernel),
@@ -133,7 +146,8 @@ def cli_options(args) -> dict:
     """MeasureConfig.build's keyword arguments from extract's command line (extract.build_parser),
     but the model's, revision's and checkpoints': a run's and a dry run's plans read them one way."""
     from isojax.device.mesh import parse_mesh
-    from isojax.stats.measures import logit_lens
+    from isojax.stats.measures import steps
+    given = {step.keyword: step.setting(args) for step in steps().values()}
     return dict(data=args.data, unit=args.unit, sources=args.source, dtype=args.dtype, seq_len=args.seq_len,
                 batch_tokens=args.batch_tokens, max_tokens=args.max_tokens,
                 max_tokens_per_source=args.max_tokens_per_source, token_stats=not args.no_token_stats,
@@ -142,5 +156,6 @@ def cli_options(args) -> dict:
                 checkpoint_every_tokens=args.checkpoint_every_tokens,
                 sample_states=0 if args.no_sample else args.sample_states, intrinsic_k=args.intrinsic_k,
                 isoscore_zeta=args.isoscore_zeta, skip_positions=args.skip_positions, bos=args.bos,
-                sentence_probe=args.sentence_probe, logit_lens_every=logit_lens.every(args),
-                measures=tuple(name for names in args.measure for name in names.split(",") if name))
+                sentence_probe=args.sentence_probe,
+                measures=tuple(name for names in args.measure for name in names.split(",") if name),
+                **{keyword: value for keyword, value in given.items() if value is not None})

@@ -76,10 +76,16 @@ def kernels(args, cfg, machine: Machine, dtype: str, row_len: int, device_rows: 
 def memory(cfg, args, dtype, groups, n, model_axis, tokens_per_device, sample) -> dict:
     """Bytes per device: parameters, accumulators, the step's temporaries (device/memory.py)."""
     from isojax.device.memory import memory_per_device, step_bytes
-    from isojax.stats.measures import logit_lens
     acc, weights = memory_per_device(cfg, not args.no_token_stats, dtype, groups, n, model_axis, sample)
-    step = step_bytes(cfg, dtype, tokens_per_device, model_axis, logit_lens.every(args))
+    step = step_bytes(cfg, dtype, tokens_per_device, model_axis, step_measures(args))
     return {"parameters": weights, "accumulators": acc, "step": step, "total": weights + acc + step}
+
+
+def step_measures(args) -> tuple[tuple[str, int], ...]:
+    """StatsOptions.step_measures of the command line's run (stats/measures base.Step)."""
+    from isojax.stats.measures import step_settings, steps
+    given = {step.keyword: step.setting(args) for step in steps().values()}
+    return step_settings({k: v for k, v in given.items() if v is not None}, not args.no_token_stats)
 
 
 def fit(cfg, args, dtype, machine: Machine, row_len: int, groups: int, sample: int, model_axis: int | None = None,
@@ -87,11 +93,10 @@ def fit(cfg, args, dtype, machine: Machine, row_len: int, groups: int, sample: i
     """(model axis, rows per batch) as a run there chooses them (memory.fit_batch, as run_batch; None: nothing
     fits): --batch-tokens as given (or per_chip tokens on each chip), else the default batch shrunk to fit."""
     from isojax.device.memory import fit_batch
-    from isojax.stats.measures import logit_lens
     return fit_batch(cfg, not args.no_token_stats, dtype, machine.devices, machine.memory, row_len,
                      batch_tokens=per_chip * machine.devices if per_chip else args.batch_tokens,
                      model_axis=model_axis, on_accel=machine.defaults != "cpu", num_groups=groups, sample_size=sample,
-                     logit_lens_every=logit_lens.every(args))
+                     step_measures=step_measures(args))
 
 
 def does_not_fit(cfg, args, dtype, machine: Machine, target, row_len: int, groups: int, sample: int) -> UserError:

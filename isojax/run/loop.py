@@ -128,8 +128,12 @@ def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
             meta, _ = checkpointing.read_meta(ckpt_dir, step)
             if meta["settings"] != settings:
                 diff = [k for k in {**meta["settings"], **settings} if meta["settings"].get(k) != settings.get(k)]
-                raise UserError(f"the checkpoint was made with other settings ({', '.join(diff)}); rerun with the "
-                                "same arguments (and device and process counts) or start over with --overwrite")
+                on = lambda s: ", ".join(f"{k}={v}" for k, v in s.get("step_measures", {}).items()) or "none"
+                raise UserError(f"the checkpoint was made with other settings ({', '.join(diff)}"
+                                + (f": step measures {on(meta['settings'])} there, {on(settings)} here"
+                                   if "step_measures" in diff else "")
+                                + "); rerun with the same arguments (and device and process counts) or start over "
+                                "with --overwrite")
             acc = checkpointing.load(ckpt_dir, step, runner.abstract)
             damage = None
         except checkpointing.Damaged as e:

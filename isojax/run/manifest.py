@@ -19,8 +19,8 @@ def build_metrics(model, unit: str, done: dict, final: dict, has_sources: bool) 
                "dtype": model.dtype, "layers": final["layers"]}
     if has_sources and "groups" in final:
         metrics["sources"] = final["groups"]
-    if "logit_lens" in final:  # stats/measures/logit_lens.py: K, the tokens measured and their fraction
-        metrics["logit_lens"] = final["logit_lens"]
+    for name, info in final.get("step_info", {}).items():  # a step measure's block (base.Step.info): the logit
+        metrics[name] = info  # lens's K, the tokens measured and their fraction
     if "sentences" in final:  # the sentence probe's subset (stats/sentences.py)
         metrics["sentences"] = final["sentences"]
     return metrics

@@ -60,14 +60,15 @@ def use_compilation_cache() -> None:
 
 
 def make_runner(model, mesh, *, token_stats: bool, num_groups: int, sample_size: int = 0, skip_positions: int = 0,
-                kernels: KernelChoice = KernelChoice(), logit_lens_every: int = 0):
-    """A Runner of a LoadedModel with these kernels, its activations split by rows over every device."""
+                kernels: KernelChoice = KernelChoice(), step_measures=()):
+    """A Runner of a LoadedModel with these kernels, its activations split by rows over every device;
+    step_measures: StatsOptions.step_measures (the step measures on)."""
     from isojax.device.runner import Runner
     from isojax.hf.loading import build_module
     from isojax.stats.options import StatsOptions
     return Runner(step_module(build_module(model.config, model.dtype, kernels), mesh), model.params, mesh,
                   token_stats=token_stats, num_groups=num_groups, sample_size=sample_size,
-                  options=StatsOptions(skip_positions=skip_positions, logit_lens_every=int(logit_lens_every)))
+                  options=StatsOptions(skip_positions=skip_positions, step_measures=tuple(step_measures)))
 
 
 def check_skip_positions(tokens, skip: int) -> None:
@@ -107,11 +108,9 @@ def check_options(config: MeasureConfig) -> None:
     skip = stats.skip_positions
     if not isinstance(skip, (int, np.integer)) or skip < 0:
         raise UserError(f"skip_positions must be a non-negative integer, not {skip!r}")
-    lens = stats.logit_lens_every
-    if not isinstance(lens, (int, np.integer)) or isinstance(lens, bool) or lens < 0:
-        raise UserError(f"logit_lens_every must be a non-negative integer (0: off), not {lens!r}")
     from isojax.stats.measures import check_optional
     try:
+        stats.step_settings()
         check_optional(stats.measures)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
@@ -255,8 +254,8 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
                 "max_tokens": step.max_tokens, "devices": mesh.size, "processes": jax.process_count(),
                 "mesh": dict(mesh.shape), "sample_states": step.sample_states,
                 "skip_positions": int(config.stats.skip_positions), "bos": config.data.bos, "bos_id": bos}
-    if config.stats.logit_lens_every:  # only when on: a checkpoint written without it resumes as before
-        settings["logit_lens_every"] = int(config.stats.logit_lens_every)
+    if config.stats.step_settings():  # only when on: a checkpoint written without any resumes as before
+        settings["step_measures"] = dict(config.stats.step_settings())
 
     def total():  # None while tokenizing: the bar shows count and rate
         if streamed and not tokens.done():
@@ -270,7 +269,7 @@ def _measure(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepP
     read_ahead = None
     if ahead is not None:  # the next checkpoint in the room this step's plan leaves on the devices
         room = room_beside(loaded.config, config.stats.token_stats, loaded.dtype, len(step.labels), mesh,
-                           step.rows * row_len // mesh.size, step.sample_states, config.stats.logit_lens_every)
+                           step.rows * row_len // mesh.size, step.sample_states, config.stats.step_settings())
         read_ahead = lambda: ahead.start(loaded.dtype, mesh, room)
     done, loop_rate, local = _loop(runner, tokens, total, timings, config, step, row_len=row_len, settings=settings,
                                    probe=lambda: probe and probe.compile_beside(finished), read_ahead=read_ahead)
@@ -354,11 +353,11 @@ def _start(loaded, corpus, tokens, timings, config: MeasureConfig, step: StepPla
     skip = int(config.stats.skip_positions)
     check_skip_positions(tokens, skip)
     check_fits(cfg, config.stats.token_stats, dtype, len(step.labels), mesh, step.rows * row_len // mesh.size,
-               verbose=True, sample_size=step.sample_states, logit_lens_every=config.stats.logit_lens_every)
+               verbose=True, sample_size=step.sample_states, step_measures=config.stats.step_settings())
     with timings("compile"):  # the step's setup: parameters placed, accumulators allocated (their init compiles)
         runner = make_runner(loaded, mesh, token_stats=config.stats.token_stats, num_groups=len(step.labels),
                              sample_size=step.sample_states, skip_positions=skip, kernels=step.kernels,
-                             logit_lens_every=config.stats.logit_lens_every)
+                             step_measures=config.stats.step_settings())
     if ahead.matches(ahead.runner_signature(runner, step.rows, row_len), step.signature):
         runner.use_compiled(step.executable)
     else:  # e.g. a checkpoint whose parameter tree is not its config's: the step compiles at its first batch
@@ -437,13 +436,12 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
         final, finish_groups = finalize_whole(acc, state_names, cache.source_names if has_sources else None,
                                               token=token, isoscore_zeta=config.stats.isoscore_zeta,
                                               bf16=config.model.dtype == "bfloat16")
-        lens = runner.logit_lens()
-        if lens is not None:  # stats/measures/logit_lens.py: its sums added over the devices, in float64
-            from isojax.stats.measures import logit_lens
-            for layer, extra in zip(final["layers"], logit_lens.readout(lens)):
-                layer.update(extra)
-            final["logit_lens"] = logit_lens.info(lens, config.stats.logit_lens_every, int(acc.layer_count()[0]))
-            finish_groups = _with_lens_by_source(final, finish_groups, lens, cache.source_names if has_sources else ())
+        step_sums = runner.step_sums()
+        if step_sums:  # the step measures' sums added over the devices, in float64, read out
+            from isojax.stats.measures import step_readout, with_steps_by_source
+            step_readout(final, step_sums, dict(config.stats.step_settings()), int(acc.layer_count()[0]))
+            finish_groups = with_steps_by_source(final, finish_groups, step_sums,
+                                                 cache.source_names if has_sources else ())
         # the per-source reductions on the devices, while the host goes on (Results.save draws and writes)
         pending = None if finish_groups is None else in_background(
             lambda: _timed_beside(timings, "finalize", finish_groups), daemon=True, name="isojax-sources")
@@ -461,22 +459,6 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
     if config.stats.centered:
         final = centered_pass(final, acc, runner, state_names, cache, rows, row_len, local, timings, config.progress)
     return final, pending
-
-
-def _with_lens_by_source(final: dict, finish_groups, lens: dict, source_names):
-    """finish_groups, then each source's logit lens into its layers (now where the sources are read out
-    already: finish_groups None)."""
-    from isojax.stats.measures import logit_lens
-
-    def by_source():
-        for g, name in enumerate(source_names):
-            for layer, extra in zip(final["groups"][name]["layers"], logit_lens.readout(lens, groups=[g])):
-                layer.update(extra)
-
-    if finish_groups is None:
-        by_source()
-        return None
-    return lambda: (finish_groups(), by_source())
 
 
 def _sample_identity(keys, cache):

@@ -117,7 +117,7 @@ def make_plan(cfg, config, *, dtype: str, attention: str, auto_attention: bool, 
         module = step_module(build_module(cfg, dtype, kernels), mesh)
         layout = Layout(module, mesh, token_stats=config.stats.token_stats, num_groups=len(labels),
                         sample_size=sample_states, options=StatsOptions(skip_positions=config.stats.skip_positions,
-                                                                    logit_lens_every=config.stats.logit_lens_every))
+                                                                    step_measures=config.stats.step_settings()))
         return ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), rows, row_len)
 
     t = time.time()

@@ -283,6 +283,9 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
     if token is not None:
         write_zarr(stage / "tokens.zarr" / "count", np.asarray(token["count_V"], np.int64))
         write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
+        for name, values in token.items():  # a step measure's per-token arrays (base.Step.tokens)
+            if name not in ("count_V", "intra_sim_SxV"):
+                write_zarr(stage / "tokens.zarr" / name, np.asarray(values, np.float64))
         if token_sums is not None:
             write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
     if final.get("cka") is not None:  # linear CKA between the states on the sample

@@ -103,7 +103,9 @@ class Accumulators:
     tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
     sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (stats/sample.py); K = 0: no sample
     sample_SxKxD: jax.Array  # their states, in the forward's dtype
-    lens: object = None  # the logit lens's sums (stats/measures/logit_lens.py Sums), None (no leaves) when off
+    # the step measures' sums (stats/measures base.Step), one per StatsOptions.step_measures, in its
+    # order; () (no leaves) when none is on
+    step: tuple = ()
 
     def gram_slots(self) -> int:
         """H: the second moments' slots (G where each group keeps its own, else 1); also of the

@@ -1,6 +1,6 @@
 """Trace-time settings of the statistics: one frozen, hashable object handed to the step.
 
-Everything here but skip_positions and logit_lens_every changes what is compiled, never what is measured: every such
+Everything here but skip_positions and step_measures changes what is compiled, never what is measured: every such
 setting gives the same metrics within the float32 error bounds of README "Precision"
 (tests/test_stats.py runs the non-default ones against float64). Shapes (groups, vocabulary, centered pass) come from the
 accumulators themselves, not from here.
@@ -53,9 +53,10 @@ class StatsOptions:
     # stay in the forward): the step masks them out of the rows its statistics count. Unlike the
     # settings above, this one changes what is measured (--skip-positions).
     skip_positions: int = 0
-    # The logit lens (stats/measures/logit_lens.py) on every logit_lens_every-th token of each
-    # sequence; 0: off (the step's program is then the one without it). Changes what is measured.
-    logit_lens_every: int = 0
+    # The step measures on (stats/measures: base.Step), as (module name, setting > 0) pairs in the
+    # registry's order (measures.step_settings); (): none, and the step's program is the one without
+    # any. Changes what is measured.
+    step_measures: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if self.segment_sum not in ("auto", "scan", "scatter"):
@@ -66,8 +67,9 @@ class StatsOptions:
             raise ValueError("token_shards > 1 needs the mesh axes the tokens are sharded over")
         if not isinstance(self.skip_positions, int) or self.skip_positions < 0:
             raise ValueError(f"skip_positions must be a non-negative integer, not {self.skip_positions!r}")
-        if not isinstance(self.logit_lens_every, int) or self.logit_lens_every < 0:
-            raise ValueError(f"logit_lens_every must be a non-negative integer, not {self.logit_lens_every!r}")
+        if not all(isinstance(name, str) and isinstance(setting, int) and setting > 0
+                   for name, setting in self.step_measures):
+            raise ValueError(f"step_measures must be (name, positive integer) pairs, not {self.step_measures!r}")
         if self.gram_shards > 1 and not self.gram_axis:
             raise ValueError("gram_shards > 1 needs the mesh axis the Grams are split over")
 

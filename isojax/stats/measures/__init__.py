@@ -5,8 +5,9 @@ the README's measures table (tests/test_measures_registry.py checks the table ag
 
 Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample and pairs),
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
-(report/measures.py). A "step" measure (logit_lens.py) is accumulated by the step behind its flag and
-read out by run.measure; the step's older streamed measures are not here yet (issue 46's step side).
+(report/measures.py). A "step" measure (its Step: base.py) is accumulated by the step where its setting
+turns it on (steps(), step_settings()), counted by the planner and read out by run.measure
+(step_readout()); the step's older streamed measures are not here yet.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import functools
 import importlib
 import pkgutil
 
-from isojax.stats.measures.base import Measure, Metric, Spectra
+import numpy as np
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "names", "columns", "nulls", "dict_valued", "labels",
+from isojax.stats.measures.base import Measure, Metric, Spectra, Step
+
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_readout", "with_steps_by_source", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued", "labels",
            "spectral", "optional", "check_optional", "sample_programs", "sample_readout", "sample_dispatch",
            "sample_values"]
 
@@ -59,30 +62,104 @@ def check_optional(extra) -> tuple[str, ...]:
     return tuple(dict.fromkeys(extra))
 
 
+def steps() -> dict[str, Step]:
+    """The step measures' hooks (Measure.step), by module name, in the registry's order."""
+    return {name: m.step for name, m in MEASURES.items() if m.reads == "step"}
+
+
+def step_readout(final: dict, step_sums: dict, settings: dict, counted: int) -> None:
+    """Each step measure's read-out (base.Step) into run.measure's final: its metrics into the layers,
+    its per-token arrays into final["token"] (tokens.zarr), its block of metrics.json into
+    final["step_info"]. step_sums: each one's merged sums (Runner.step_sums); settings: their
+    settings; counted: the tokens the statistics count."""
+    for name, sums in step_sums.items():
+        step = steps()[name]
+        if step.layers is not None:
+            for layer, extra in zip(final["layers"], step.layers(sums, None)):
+                layer.update(extra)
+        if step.tokens is not None and final.get("token") is not None:
+            final["token"].update(step.tokens(sums, final["token"]["count_V"]))
+        if step.info is not None:
+            final.setdefault("step_info", {})[name] = step.info(sums, settings[name], counted)
+
+
+def with_steps_by_source(final: dict, finish_groups, step_sums: dict, source_names):
+    """finish_groups, then each source's step-measure metrics into its layers (now where the sources
+    are read out already: finish_groups None)."""
+
+    def by_source():
+        for name, sums in step_sums.items():
+            if steps()[name].layers is None:
+                continue
+            for g, source in enumerate(source_names):
+                for layer, extra in zip(final["groups"][source]["layers"], steps()[name].layers(sums, [g])):
+                    layer.update(extra)
+
+    if finish_groups is None:
+        by_source()
+        return None
+    return lambda: (finish_groups(), by_source())
+
+
+def check_step(step: Step, value) -> int:
+    """A step measure's setting given as its keyword of isojax.measure: a non-negative integer (0: off;
+    a boolean one's True and False too); ValueError naming the keyword otherwise."""
+    if step.boolean and isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 0 \
+            or step.boolean and value > 1:
+        raise ValueError(f"{step.keyword} must be {'True or False' if step.boolean else 'a non-negative integer'} "
+                         f"(0: off), not {value!r}")
+    return int(value)
+
+
+def step_settings(given, token_stats: bool) -> tuple[tuple[str, int], ...]:
+    """StatsOptions.step_measures: (module name, setting) of each step measure on, in the registry's
+    order; given: {keyword: setting} (isojax.measure's keywords, the flags'), else its default; one
+    that needs token stats is off without them."""
+    given = dict(given)
+    out = []
+    for name, step in steps().items():
+        setting = check_step(step, given.get(step.keyword, step.default))
+        if setting and (token_stats or not step.needs_token_stats):
+            out.append((name, setting))
+    return tuple(out)
+
+
+def _of_layers(m: Measure) -> list[Metric]:
+    """m's metrics of a layer (in metrics.json's layers and layers.csv), not its per-token arrays."""
+    return [metric for metric in m.metrics if not metric.per_token]
+
+
+def per_token() -> list[Metric]:
+    """The registered per-token metrics (arrays [S, V] in tokens.zarr, named as the metric)."""
+    return [metric for m in MEASURES.values() for metric in m.metrics if metric.per_token]
+
+
 def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
-    """Every registered metric name (of the measures reading `reads`)."""
-    return [metric.name for m in MEASURES.values() if m.reads in reads for metric in m.metrics]
+    """Every registered metric name of a layer (of the measures reading `reads`; not the per-token ones)."""
+    return [metric.name for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)]
 
 
 def columns(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
     """Every registered metric's columns in layers.csv / sweep.csv (a dict-valued one's: name_key)."""
-    return [c for m in MEASURES.values() if m.reads in reads for metric in m.metrics for c in metric.columns()]
+    return [c for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m) for c in metric.columns()]
 
 
 def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> dict:
     """Every registered metric's value where it is not measured: null ({key: null} for a dict-valued one)."""
-    return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in m.metrics}
+    return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)}
 
 
 def dict_valued() -> dict[str, Metric]:
     """The registered metrics whose value is a dict (Metric.keys), by name."""
-    return {metric.name: metric for m in MEASURES.values() for metric in m.metrics if metric.keys}
+    return {metric.name: metric for m in MEASURES.values() for metric in _of_layers(m) if metric.keys}
 
 
 def labels() -> dict[str, str]:
     """Each registered column's axis label (a dict-valued metric's: its label at key)."""
     return {c: metric.label + (f" ({c[len(metric.name) + 1:]})" if metric.keys else "")
-            for m in MEASURES.values() for metric in m.metrics for c in metric.columns()}
+            for m in MEASURES.values() for metric in _of_layers(m) for c in metric.columns()}
 
 
 def spectral(spectra: Spectra) -> dict:

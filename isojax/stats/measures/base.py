@@ -7,8 +7,9 @@ A measure reads one of:
   tokens at every state, in the same order);
 - "pairs": the sampled points of two consecutive states, (x [K, D] of state s - 1, y [K, D] of
   state s), its value that of state s (null for `embed`, which has no predecessor);
-- "step": sums of its own, accumulated by the jitted step behind a flag (its module declares its
-  flags, accumulators, update, merge and memory: logit_lens.py); read out by run.measure, not here.
+- "step": sums of its own, accumulated by the jitted step (its Measure.step, a Step below, declares
+  its flags, setting, accumulators, update, merge, read-out and memory: logit_lens.py, for one);
+  the step, the planner and the run call it for every step measure that is on (registry: steps()).
 Sample read-outs are written with the array API (numpy, or jax.numpy under jax.jit where the
 sample lies on the devices, as stats.geometry's sample functions): float64 0-d arrays, NaN where
 undefined (the registry writes null). A metric with `keys` is a dict {key: value} in metrics.json
@@ -30,6 +31,7 @@ class Metric:
     unit: str  # what its number counts
     label: str  # its axis label in the report's figures
     keys: tuple[str, ...] = ()  # a dict-valued metric's keys (above); () for a number
+    per_token: bool = False  # an array [S, V] in tokens.zarr (a step measure's Step.tokens), not a layer's value
 
     def columns(self) -> list[str]:
         """Its columns in layers.csv / sweep.csv."""
@@ -47,10 +49,43 @@ class Measure:
     readout: Callable  # spectra: Spectra -> {name: float | None}; sample, pairs: arrays -> {name: 0-d array}
     paper: str  # its reference
     readme_row: str  # its row of the README's measures table, exactly
-    on_by_default: bool = True  # off: not read out unless its flag turns it on (a "step" measure)
+    on_by_default: bool = True  # off: not read out unless its flag turns it on (a "step" measure: its Step's default)
+    step: "Step | None" = None  # a "step" measure's hooks (below)
 
     def __post_init__(self):
         assert self.reads in ("spectra", "sample", "pairs", "step"), self.reads
+        assert (self.reads == "step") == (self.step is not None), "a step measure, and only one, has a Step"
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What a "step" measure adds to the step and the run. Its setting: a non-negative integer, 0 off
+    (StatsOptions.step_measures holds (module name, setting) of those on). One device's sums: a
+    NamedTuple of arrays (the step's global ones lead with a device axis, split over every device,
+    checkpointed with the accumulators and added on the host). Arrays by the axis names of
+    stats.accumulators; jax is imported inside the hooks (the registry stays free of it).
+
+    Its update is `observe` (each state of each batch inside the layer scan, per device, beside
+    stats.accumulators.update_state) or `after_forward` (each device's rows of every state, kept in
+    a buffer [S, B, T, D] during the forward, after it)."""
+    keyword: str  # its keyword of isojax.measure (MeasureConfig.build) taking the setting
+    add_arguments: Callable  # (ap, positive_int): its command-line flags
+    setting: Callable  # (args) -> int | None: its setting from the flags; None: not given (`default`)
+    init: Callable  # (setting, num_groups, num_states, vocab_rows) -> one device's zero sums
+    merged: Callable  # (per-device numpy sums, num_devices, vocab_size) -> its sums on the host, float64
+    step_bytes: Callable  # (cfg, dtype, tokens_per_device, setting, model_axis) -> device bytes the step adds
+    default: int = 0  # its setting where not given
+    boolean: bool = False  # its setting is on or off: its keyword takes True and False too (1 and 0)
+    needs_token_stats: bool = False  # on only with token stats (then `observe` gets the batch's TokenIndex)
+    needs_sequences: Callable = lambda setting: False  # whether the step needs the rows' sequence indices
+    # (sums, setting, s, x_NxD, token_ids_N, valid_N, group, index) -> sums: state s of one batch, per device
+    observe: Callable | None = None
+    # (module, params, setting) -> (update, weights): update(sums, states_SxBxTxD, tokens_BxT, seg_BxT,
+    # kept_BxT, pos_BxT, seq_BxT, group, weights) -> sums, per device after the forward
+    after_forward: Callable | None = None
+    layers: Callable | None = None  # (sums, groups or None) -> per state {metric: value} (None: every group)
+    tokens: Callable | None = None  # (sums, count_V) -> {name: [S, V] float64}, written into tokens.zarr
+    info: Callable | None = None  # (sums, setting, tokens counted) -> metrics.json's block named as its module
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Logit lens per layer (nostalgebraist 2020): every state through the final norm and the
 unembedding, against the model's own next-token distribution. The first measure of the step side
 of issue 46: its flags, accumulators, per-batch update, merge, float64 read-out, metrics and
-memory are all here; the step (device/runner.py), the planner (device/memory.py), the run
-(run/measure.py) and the CLI (extract.py) call it through small hooks.
+memory are all here (STEP, base.Step); the step (device/runner.py), the planner (device/memory.py),
+the run (run/measure.py) and the CLI (extract.py) call it as they call every step measure.
 
 Definitions, per state s (embed, block_1 .. block_L, final_ln), over the measured tokens t:
   p_s(t) = softmax(unembed(final_norm(x_s(t)))) (+ the unembedding's bias where the family has one;
@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from isojax.stats.measures.base import Measure, Metric
+from isojax.stats.measures.base import Measure, Metric, Step
 
 # jax is imported inside the step's functions: the registry (read by isojax.load, the report)
 # stays free of it. accumulators._COUNT_BITS: the counts' int32 limbs.
@@ -57,9 +57,9 @@ def add_arguments(ap, positive_int) -> None:
                     help="the logit lens on every K-th token of each sequence ((sequence + position) %% K == 0)")
 
 
-def every(args) -> int:
-    """The run's K: 0 (off), 1 (--logit-lens) or --logit-lens-every's."""
-    return int(args.logit_lens_every or (1 if args.logit_lens else 0))
+def every(args) -> int | None:
+    """The run's K: 1 (--logit-lens), --logit-lens-every's, or None (neither: off)."""
+    return int(args.logit_lens_every or (1 if args.logit_lens else 0)) or None
 
 
 # ---- accumulators --------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ class Sums(NamedTuple):
     count_hi_Gx2: Any
 
 
-def init(num_groups: int, num_states: int) -> Sums:
+def init(every_k: int, num_groups: int, num_states: int, vocab_rows: int = 0) -> Sums:
     import jax.numpy as jnp
     g, s = num_groups, num_states
     return Sums(*(jnp.zeros((g, s), jnp.float32) for _ in range(6)), *(jnp.zeros((g, s), jnp.int32) for _ in range(2)),
@@ -93,16 +93,17 @@ def chunk_tokens(vocab_size: int, tokens: int) -> int:
     return max(1, min(c, 1 << max(0, tokens - 1).bit_length()))
 
 
-def step_bytes(cfg, dtype: str, tokens_per_device: int, every_k: int) -> int:
+def step_bytes(cfg, dtype: str, tokens_per_device: int, every_k: int, model_axis: int = 1) -> int:
     """Device bytes the step adds with the logit lens on: the buffer of every state of the device's
     tokens, about five [C, V] float32 blocks, and the sums (4 bytes x 10 per group and state: counted
-    with one group per state, a few KB)."""
+    with one group per state, a few KB); with parameters split over "model", its unembedding gathered."""
     if not every_k:
         return 0
     width = 2 if dtype == "bfloat16" else 4
     c = chunk_tokens(cfg.vocab_size, tokens_per_device)
     return (cfg.num_states * tokens_per_device * cfg.hidden_size * width + 5 * c * cfg.vocab_size * 4
-            + c * cfg.num_states * cfg.hidden_size * 4 + 40 * cfg.num_states)
+            + c * cfg.num_states * cfg.hidden_size * 4 + 40 * cfg.num_states
+            + (cfg.hidden_size * cfg.vocab_size * width if model_axis > 1 else 0))
 
 
 # ---- the per-batch update (inside the jitted step) ------------------------------------------------
@@ -193,9 +194,20 @@ def update(sums: Sums, states_SxBxTxD, tokens_BxT, seg_BxT, kept_BxT, pos_BxT, s
                         count_hi_Gx2=sums.count_hi_Gx2.at[group].set(hi))
 
 
+def after_forward(module, params, every_k: int):
+    """(update of one device's sums after the forward, the weights it reads): base.Step.after_forward."""
+    norm, unembed, weights = head(module, params)
+
+    def step_update(sums, states_SxBxTxD, tokens_BxT, seg_BxT, kept_BxT, pos_BxT, seq_BxT, group, weights):
+        return update(sums, states_SxBxTxD, tokens_BxT, seg_BxT, kept_BxT, pos_BxT, seq_BxT, group, weights,
+                      norm=norm, unembed=unembed, every_k=every_k)
+
+    return step_update, weights
+
+
 # ---- merge and float64 read-out (host) ------------------------------------------------------------
 
-def merged(per_device: Sums) -> dict:
+def merged(per_device: Sums, num_devices: int = 1, vocab_size: int = 0) -> dict:
     """The per-device sums (numpy, a leading device axis) added in float64 over the devices:
     {"kl", "entropy", "xent", "top1": [G, S], "tokens", "next": [G]}."""
     df = lambda name: sum(np.asarray(getattr(per_device, f"{name}_{part}_GxS"), np.float64) for part in ("hi", "lo")).sum(0)
@@ -223,13 +235,17 @@ def info(sums: dict, every_k: int, counted_tokens: int) -> dict:
             "fraction": n / counted_tokens if counted_tokens else None}
 
 
+STEP = Step(keyword="logit_lens_every", add_arguments=add_arguments, setting=every, init=init, merged=merged,
+            step_bytes=step_bytes, needs_sequences=lambda every_k: every_k > 1, after_forward=after_forward,
+            layers=readout, info=info)
+
 MEASURE = Measure(
     metrics=(Metric("logit_lens_kl", "nats", "logit lens KL(p_final ‖ p_layer)"),
              Metric("logit_lens_entropy", "nats", "logit lens entropy of p_layer"),
              Metric("logit_lens_top1_agreement", "fraction of tokens", "logit lens top-1 agreement with the output"),
              Metric("logit_lens_xent", "nats", "logit lens next-token cross-entropy")),
     reads="step", readout=readout, paper="nostalgebraist 2020 (interpreting GPT: the logit lens)",
-    on_by_default=False,
+    on_by_default=False, step=STEP,
     readme_row="| `logit_lens_kl`, `logit_lens_entropy`, `logit_lens_top1_agreement`, `logit_lens_xent` | with "
                "`--logit-lens` (every token) or `--logit-lens-every K` (tokens with (sequence + position) mod K = 0): "
                "each state through the final norm and the unembedding (its bias where the family has one; tied "
