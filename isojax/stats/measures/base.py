@@ -9,6 +9,8 @@ A measure reads one of:
   state s), its value that of state s (null for `embed`, which has no predecessor);
 - "step": sums of its own, accumulated by the jitted step behind a flag (its module declares its
   flags, accumulators, update, merge and memory: logit_lens.py); read out by run.measure, not here.
+A "pairs" measure with `to_final` is also read out across a sweep's checkpoints: each state against
+the same state of the final checkpoint (sweep.csv's `NAME_to_final`, run/sweep_files.py).
 Sample read-outs are written with the array API (numpy, or jax.numpy under jax.jit where the
 sample lies on the devices, as stats.geometry's sample functions): float64 0-d arrays, NaN where
 undefined (the registry writes null). A metric with `keys` is a dict {key: value} in metrics.json
@@ -48,9 +50,11 @@ class Measure:
     paper: str  # its reference
     readme_row: str  # its row of the README's measures table, exactly
     on_by_default: bool = True  # off: not read out unless its flag turns it on (a "step" measure)
+    to_final: bool = False  # a "pairs" one also read out across a sweep's checkpoints (above)
 
     def __post_init__(self):
         assert self.reads in ("spectra", "sample", "pairs", "step"), self.reads
+        assert not self.to_final or self.reads == "pairs" and len(self.metrics) == 1 and not self.metrics[0].keys
 
 
 @dataclasses.dataclass(frozen=True)
