@@ -126,3 +126,19 @@ def test_without_the_measures_the_sweep_files_are_as_before(tmp_path):
     for file in ("sweep.csv", "sweep_cka.json"):
         assert (tmp_path / "empty" / file).read_bytes() == (tmp_path / "before" / file).read_bytes()
     assert sweep_files.read_out(tmp_path / "empty" / "m" / "step1") == []
+
+
+def test_an_unreadable_manifest_is_one_error_and_the_earlier_files_stay(tmp_path):
+    """A step's manifest.json that is not JSON: UserError naming it (the CLI's one `error:` line), the
+    sweep's files written before unchanged, none half written."""
+    from isojax.errors import UserError
+    samples = samples_of(np.random.default_rng(4))
+    steps = sweep_of(tmp_path, {key: ["svcca"] for key in samples}, samples)
+    sweep.write_sweep_csv(tmp_path, steps)
+    before = {f: (tmp_path / f).read_bytes() for f in ("sweep.csv", "sweep_cka.json")}
+    (tmp_path / "m" / "step2" / "manifest.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"step2/manifest\.json: unreadable \(") as e:
+        sweep.write_sweep_csv(tmp_path, steps)
+    assert "\n" not in str(e.value)
+    assert {f: (tmp_path / f).read_bytes() for f in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".isojax-results.json", "m", "sweep.csv", "sweep_cka.json"]

@@ -129,6 +129,19 @@ def read_sample_tokens(folder: Path) -> dict | None:
     return None if any(a is None for a in arrays.values()) else arrays
 
 
+def _manifest(folder: Path) -> dict:
+    """A step folder's manifest.json ({} without one); unreadable: UserError naming it."""
+    path = Path(folder) / "manifest.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        from isojax.errors import UserError
+        raise UserError(f"{path}: unreadable ({e}); measure that step again, or move its folder out of the "
+                        "sweep") from None
+
+
 LATER = ("row length", "skip positions", "BOS", "dtype", "sampled tokens' keys",
          "sampled tokens")  # recorded or checked since issue 45
 
@@ -141,7 +154,7 @@ def _describe(folder: Path) -> dict:
     folder written before them lacks them (None): the keys alone are compared then."""
     import hashlib
     metrics = json.loads((folder / "metrics.json").read_text())
-    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
+    manifest = _manifest(folder)
     settings = manifest.get("settings") or {}
     keys, tokens = read_sample_keys(folder), read_sample_tokens(folder)
     digest = lambda arrays: hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()[:16]
@@ -172,7 +185,7 @@ def read_out(folder: Path) -> list[str]:
     they were recorded lacks it, those with a value at any state of its metrics.json."""
     from isojax.stats.measures import MEASURES, to_final
     folder = Path(folder)
-    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
+    manifest = _manifest(folder)
     if isinstance(manifest.get("measures"), list):
         return [name for name in to_final() if MEASURES[name].on_by_default or name in manifest["measures"]]
     layers = json.loads((folder / "metrics.json").read_text()).get("layers") or []
