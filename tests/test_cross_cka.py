@@ -106,7 +106,13 @@ def test_isojax_load_imports_no_jax():
 
 @pytest.mark.slow
 def test_a_real_sweeps_cka_equals_numpy_float64(tmp_path):
+    """With --measure cka_debiased,procrustes_distance,svcca at every step, also their to_final values
+    (each state against itself at the final checkpoint; tests/test_sweep_to_final.py) against their
+    float64 references on the samples, recorded in each step's manifest."""
+    import csv
     import os
+
+    from test_sweep_to_final import REFERENCES, close
 
     from conftest import build_hf_checkpoint
     from test_extract import write_pile_jsonl
@@ -118,15 +124,25 @@ def test_a_real_sweeps_cka_equals_numpy_float64(tmp_path):
     write_pile_jsonl(tmp_path / "pile.jsonl", 30, seed=5)
     run = subprocess.run([sys.executable, "-m", "isojax.extract", "--model", str(tmp_path / "m"), "--revisions",
                           ",".join(revisions), "--data", str(tmp_path / "pile.jsonl"), "--seq-len", "64",
-                          "--batch-tokens", "512", "--no-plots", "--sample-states", "96", "--out",
-                          str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True)
+                          "--batch-tokens", "512", "--no-plots", "--sample-states", "96", "--measure",
+                          ",".join(REFERENCES), "--out", str(tmp_path / "out")], cwd=REPO, env=env,
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads((tmp_path / "out" / "sweep_cka.json").read_text())["m"]
     final = sweep_files.read_sample(tmp_path / "out" / "m" / "step3000")
     assert doc["final"] == "step3000" and doc["tokens"] == 96 and final.shape == (4, 96, 32)
+    with open(tmp_path / "out" / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
     for rev in revisions:
         states = sweep_files.read_sample(tmp_path / "out" / "m" / rev)
         assert_equal_to_1e9(doc["checkpoints"][rev], cka_matrix(states, final))
+        manifest = json.loads((tmp_path / "out" / "m" / rev / "manifest.json").read_text())
+        assert manifest["measures"] == list(REFERENCES)
+        for name, reference in REFERENCES.items():
+            want = [reference(states[s].astype(np.float64), final[s].astype(np.float64)) for s in range(4)]
+            assert close(doc["to_final"][name][rev], want) and all(w is not None for w in want), (name, rev)
+            column = [r[f"{name}_to_final"] for r in rows if r["revision"] == rev]
+            assert column == [repr(v) for v in doc["to_final"][name][rev]]
 
 
 def _step(folder: Path, states_SxKxD, keys_Kx2=None, settings=None, fingerprint="fp", identity=None) -> None:

@@ -2,9 +2,9 @@
 scalar measure per layer at the final checkpoints and at the last layer across training
 (states._by_layer / states._training), InterSim by position band, Diff-eRank across training,
 tables of the rogue dimensions and massive activations, and heatmaps of linear CKA (a run's
-cka.json between its layers; a sweep's sweep_cka.json across training). A measure absent from
-every result (results of older isojax) is left out without a word; the section says so only
-when it has nothing at all."""
+cka.json between its layers; a sweep's sweep_cka.json across training, and its to_final measures).
+A measure absent from every result (results of older isojax) is left out without a word; the
+section says so only when it has nothing at all."""
 
 from __future__ import annotations
 
@@ -169,38 +169,69 @@ def _cka_runs(figs: Figures, runs: list[Run]):
                     "sampled states (`cka.json`); final checkpoints.", Table(["model", "layer", "layer", "cka"], rows))
 
 
-def _cka_training(figs: Figures, series: dict[str, list[Run]]):
-    """Across training, from the sweep_cka.json at the top of each sweep (OUT/<model>/<revision>/)."""
+def _sweep_cka(series: dict[str, list[Run]]) -> dict[str, dict]:
+    """Each model's entry of the sweep_cka.json at the top of its sweep (OUT/<model>/<revision>/), by model."""
     docs = {}
     for rs in series.values():
         for run in rs:
             path = run.folder.parent.parent / "sweep_cka.json" if run.folder else None
             if path is not None and path.exists() and path not in docs:
                 docs[path] = _read(path)
-    panels, rows, drawn = [], [], []
+    entries = {}
     for rs in series.values():
         entry = next((d[m] for d in docs.values() if isinstance(d, dict) for m in d
                       if m.lower() == rs[0].model.lower() and isinstance(d[m], dict)), None)
+        if entry is not None:
+            entries[rs[0].model] = entry
+    return entries
+
+
+def _against_final(figs: Figures, series: dict[str, list[Run]], entries: dict[str, dict], value, ylabel: str,
+                   column: str, name: str, caption: str):
+    """A few layers of each model across training against themselves at its final checkpoint, from its
+    sweep_cka.json entry: value(entry, revision, j) of layer j (None where absent); `column` its table's."""
+    panels, rows, drawn = [], [], []
+    for rs in series.values():
+        entry = entries.get(rs[0].model)
         if entry is None:
             continue
         names = [str(n) for n in entry.get("layers") or []]
         lines = []
-        for i, name in enumerate(_band_layers(names)):
-            j = names.index(name)
-            pts = [(r.step, (entry["checkpoints"].get(r.revision) or [])) for r in rs]
-            ys = [number(m[j][j]) if len(m) > j else math.nan for _, m in pts]
-            lines.append(paper.Line(name, [s for s, _ in pts], ys, {"color": f"C{i}"}))
-            rows += [[rs[0].label, r.revision, r.step, name, y] for r, y in zip(rs, ys)]
+        for i, layer in enumerate(_band_layers(names)):
+            j = names.index(layer)
+            ys = [number(value(entry, r.revision, j)) for r in rs]
+            lines.append(paper.Line(layer, [r.step for r in rs], ys, {"color": f"C{i}"}))
+            rows += [[rs[0].label, r.revision, r.step, layer, y] for r, y in zip(rs, ys)]
         if any(math.isfinite(number(y)) for line in lines for y in line.y):
             panels.append(paper.Panel(f"{rs[0].label} against {entry.get('final')}", lines))
             drawn += rs
     if not panels:
         return None
-    fig = paper.lines(panels, "training step", "linear CKA", titled("Each layer against itself at the final "
+    fig = paper.lines(panels, "training step", ylabel, titled("Each layer against itself at the final "
                       "checkpoint", drawn), ncols=2, width=6.0)
-    return figs.add(fig, "cka_training", "Linear CKA of a layer at each checkpoint with the same layer at the final "
-                    "checkpoint, on the same sampled tokens (`sweep_cka.json`).",
-                    Table(["model", "revision", "step", "layer", "cka"], rows))
+    return figs.add(fig, name, caption, Table(["model", "revision", "step", "layer", column], rows))
+
+
+def _cka_training(figs: Figures, series: dict[str, list[Run]]) -> list:
+    """Across training, from sweep_cka.json: linear CKA, then each to_final measure (its "to_final")."""
+    entries = _sweep_cka(series)
+
+    def linear(entry, revision, j):
+        m = entry["checkpoints"].get(revision) or []
+        return m[j][j] if len(m) > j else None
+    items = [_against_final(figs, series, entries, linear, "linear CKA", "cka", "cka_training",
+                            "Linear CKA of a layer at each checkpoint with the same layer at the final checkpoint, on "
+                            "the same sampled tokens (`sweep_cka.json`).")]
+    for name in registered.to_final():
+        def value(entry, revision, j, name=name):
+            values = ((entry.get("to_final") or {}).get(name) or {}).get(revision) or []
+            return values[j] if len(values) > j else None
+        items.append(_against_final(figs, series, entries, value, dict(SIMILARITIES).get(name, name), name,
+                                    f"{name}_to_final_training",
+                                    f"`{name}` ({registered.MEASURES[name].paper}) of a layer at each checkpoint with "
+                                    "the same layer at the final checkpoint, on the same sampled tokens "
+                                    f"(`{name}_to_final` of `sweep.csv`; `sweep_cka.json`'s `to_final`)."))
+    return [i for i in items if i]
 
 
 def _tokens_array(run: Run, name: str):
@@ -268,7 +299,8 @@ def section(res: Results, figs: Figures) -> Section:
                               _training(figs, series, "diff_erank_pooled", "") if has("erank_pooled") else None,
                               _position_bands(figs, runs, True),
                               _position_bands(figs, runs, False, series) if series else None,
-                              _cka_runs(figs, runs), _cka_training(figs, series)) if i]
+                              _cka_runs(figs, runs)) if i]
+    sec.items += _cka_training(figs, series)
     sec.items += _registered_keyed(figs, runs, series)
     sec.items += _per_token(figs, runs)
     sec.items += _tables(runs)

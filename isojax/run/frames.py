@@ -10,7 +10,8 @@ model's order), layer_index (0 = embed), tokens, run (the run's folder relative 
 "." for a run folder itself), the run's settings (SETTINGS: from its metrics.json and manifest.json;
 null where they do not say), then every measure of the layer as layers.csv has it
 (isojax.run.results.flat_layer: rogue_dim_1, rogue_share_1, ..., inter_sim_pos_0, ...) and, for the
-checkpoints of a sweep, diff_erank, diff_erank_pooled and diff_erank_baseline (isojax.run.sweep_files).
+checkpoints of a sweep, diff_erank, diff_erank_pooled and diff_erank_baseline (isojax.run.sweep_files;
+a sweep read from its sweep.csv also has that file's NAME_to_final columns).
 A measure a run lacks is NaN/None in its rows; a renamed one (results.RENAMED) is read under its new name.
 
 A folder may hold several runs (OUT/a/, OUT/b/, or a sweep's OUT/<model>/<revision>/): each keeps

@@ -491,6 +491,7 @@ def _results(loaded, runner, corpus, tokens, cache, plan, timings, config: Measu
     manifest["step_plan_s"] = step.seconds  # made beside the load; "waited": its part in timings' compile
     manifest["tokens_per_second"] = loop_rate  # the rate the last log line gives
     manifest["bad_records_skipped"] = cache.meta["bad_records"]  # a cached run reads no records
+    manifest["measures"] = list(config.stats.measures)  # the read-outs --measure turned on (run/sweep_files.read_out)
     if hasattr(cache, "hosts"):  # what each process read (data/shares.py)
         manifest["host_shares"] = [{k: h[k] for k in ("bytes", "tokens", "sequences", "from_cache")}
                                    for h in cache.hosts]

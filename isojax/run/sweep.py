@@ -400,11 +400,11 @@ def write_sweep_csv(out: Path, steps: list[Step], parquet: bool = False) -> Path
     """OUT/sweep.csv: model, revision, step, tokens, layer and every scalar layer metric (flat_layer),
     and diff_erank, diff_erank_pooled (isojax.run.sweep_files), for every finished step of the sweep; sweep.parquet
     beside it with `parquet` (or where an earlier sweep wrote one: kept in step with sweep.csv);
-    sweep_cka.json where a step holds a sample (or one was written before). Committed beside the
-    step folders in one step (outdir.staged)."""
+    sweep_cka.json where a step holds a sample (or one was written before), and the columns of its
+    "to_final" (add_to_final). Committed beside the step folders in one step (outdir.staged)."""
     import json
-    from isojax.run.results import flat_layer, write_csv, write_parquet
-    from isojax.run.sweep_files import add_diff_erank, sweep_cka
+    from isojax.run.results import flat_layer, json_safe, write_csv, write_parquet
+    from isojax.run.sweep_files import add_diff_erank, add_to_final, sweep_cka
     rows = add_diff_erank(sweep_rows(steps, "metrics.json", lambda metrics: [
         {"tokens": metrics["tokens"], **flat_layer(layer)} for layer in metrics["layers"]]))
     earlier = set(outdir.owned(out))
@@ -412,11 +412,14 @@ def write_sweep_csv(out: Path, steps: list[Step], parquet: bool = False) -> Path
     for step in finished(steps, "metrics.json"):
         model, revision = step.name
         ready.setdefault(model, []).append((revision_name(revision), step.folder))
+    folders = [folder for fs in ready.values() for _, folder in fs]
+    cka = json_safe(sweep_cka(ready)) if "sweep_cka.json" in earlier or any(
+        (folder / "samples.zarr").is_dir() for folder in folders) else None
+    rows = add_to_final(rows, cka or {}, folders)
     with outdir.staged(out, replace_all=False) as stage:
         write_csv(stage / "sweep.csv", rows)
         if parquet or "sweep.parquet" in earlier:
             write_parquet(stage / "sweep.parquet", rows)
-        if "sweep_cka.json" in earlier or any((f / "samples.zarr").is_dir() for fs in ready.values() for _, f in fs):
-            from isojax.run.results import json_safe
-            (stage / "sweep_cka.json").write_text(json.dumps(json_safe(sweep_cka(ready)), indent=1) + "\n")
+        if cka is not None:
+            (stage / "sweep_cka.json").write_text(json.dumps(cka, indent=1) + "\n")
     return out / "sweep.csv"

@@ -23,6 +23,16 @@ tokens in the same order at every checkpoint of one model over one corpus. A che
 compared only where that holds as far as the files tell (same corpus fingerprint, token count,
 K and layer names); else its entry is null, with a log line. A model whose final checkpoint has
 no sample is null.
+
+Beyond linear CKA, the registered pairs measures with `to_final` (cka_debiased, procrustes_distance,
+svcca: isojax.stats.measures, their own float64 read-outs) of each state against the same state of
+the final checkpoint, on the same sampled tokens, where every finished step of the model read the
+measure out (its manifest's `measures`, the --measure it ran with: whatever job of a sharded or
+resumed sweep measured it); a measure only some steps read out is left out for that model, with a
+log line. In the model's entry "to_final": {NAME: {REVISION: [value per state] or null}} (absent
+where no such measure was read out), and in sweep.csv the column NAME_to_final (present where any
+step of the sweep read the measure out; null where not computed): with no step reading one out, both
+files are as before.
 """
 
 from __future__ import annotations
@@ -119,6 +129,19 @@ def read_sample_tokens(folder: Path) -> dict | None:
     return None if any(a is None for a in arrays.values()) else arrays
 
 
+def _manifest(folder: Path) -> dict:
+    """A step folder's manifest.json ({} without one); unreadable: UserError naming it."""
+    path = Path(folder) / "manifest.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        from isojax.errors import UserError
+        raise UserError(f"{path}: unreadable ({e}); measure that step again, or move its folder out of the "
+                        "sweep") from None
+
+
 LATER = ("row length", "skip positions", "BOS", "dtype", "sampled tokens' keys",
          "sampled tokens")  # recorded or checked since issue 45
 
@@ -131,7 +154,7 @@ def _describe(folder: Path) -> dict:
     folder written before them lacks them (None): the keys alone are compared then."""
     import hashlib
     metrics = json.loads((folder / "metrics.json").read_text())
-    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
+    manifest = _manifest(folder)
     settings = manifest.get("settings") or {}
     keys, tokens = read_sample_keys(folder), read_sample_tokens(folder)
     digest = lambda arrays: hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()[:16]
@@ -156,6 +179,33 @@ def damaged_sample(folder: Path) -> str | None:
     return None
 
 
+def read_out(folder: Path) -> list[str]:
+    """The to_final measures (stats.measures.to_final) that a step folder's run read out: those on by
+    default and those its manifest's `measures` names (--measure); where a manifest written before
+    they were recorded lacks it, those with a value at any state of its metrics.json."""
+    from isojax.stats.measures import MEASURES, to_final
+    folder = Path(folder)
+    manifest = _manifest(folder)
+    if isinstance(manifest.get("measures"), list):
+        return [name for name in to_final() if MEASURES[name].on_by_default or name in manifest["measures"]]
+    layers = json.loads((folder / "metrics.json").read_text()).get("layers") or []
+    return [name for name in to_final() if any(layer.get(name) is not None for layer in layers)]
+
+
+def _read_out_by_all(model: str, steps: list[tuple[str, Path]]) -> list[str]:
+    """The to_final measures that every step of the model read out; a log line for each only some did."""
+    have = [read_out(folder) for _, folder in steps]
+    agreed = []
+    for name in dict.fromkeys(n for names in have for n in names):
+        count = sum(name in names for names in have)
+        if count == len(have):
+            agreed.append(name)
+        else:
+            log(f"sweep: {name}_to_final of {model} is null: {count} of its {len(have)} checkpoints read "
+                f"{name} out (--measure {name} at every step of the model measures it)")
+    return agreed
+
+
 def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
     """sweep_cka.json's document from {model: [(revision, step folder), ...]} (finished steps); a
     sample that is not as isojax wrote it (damaged_sample) is left out, with a log line."""
@@ -170,10 +220,13 @@ def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
                 + (damaged or "has no sample (extract --sample-states K)"))
             doc[model] = None
             continue
-        from isojax.stats.cross_cka import CkaAgainst  # JAX only here: isojax.load imports this module
+        from isojax.stats.cross_cka import CkaAgainst, to_reference  # JAX only here: isojax.load imports this module
         against = CkaAgainst(final)
         want = _describe(final_dir)
         entry = {"final": final_rev, "layers": want["layers"], "tokens": int(final.shape[1]), "checkpoints": {}}
+        names = _read_out_by_all(model, steps)
+        if names:
+            entry["to_final"] = {name: {} for name in names}
         for revision, folder in steps:
             damaged = None if folder == final_dir else damaged_sample(folder)
             states = final if folder == final_dir else None if damaged else read_sample(folder)
@@ -188,5 +241,25 @@ def sweep_cka(checkpoints: dict[str, list[tuple[str, Path]]]) -> dict:
                 entry["checkpoints"][revision] = None
             else:
                 entry["checkpoints"][revision] = against.matrix(states)
+            measured = to_reference(names, states, final) if names and not why else {}
+            for name in names:
+                entry["to_final"][name][revision] = measured.get(name)
         doc[model] = entry
     return doc
+
+
+def add_to_final(rows: list[dict], doc: dict, folders: list[Path]) -> list[dict]:
+    """Each sweep.csv row (model, revision, name: the layer) gets NAME_to_final for each to_final
+    measure that a step folder of `folders` read out: sweep_cka.json's `doc` "to_final" value of its
+    model, revision and layer, null where not computed. No column where no step read one out."""
+    from isojax.stats.measures import to_final
+    have = {name for folder in folders for name in read_out(folder)}
+    names = [name for name in to_final() if name in have]
+    for row in rows:
+        entry = doc.get(row.get("model")) or {}
+        layers = entry.get("layers") or []
+        for name in names:
+            values = ((entry.get("to_final") or {}).get(name) or {}).get(row.get("revision"))
+            at = layers.index(row["name"]) if row.get("name") in layers else None
+            row[f"{name}_to_final"] = values[at] if values and at is not None else None
+    return rows

@@ -4,6 +4,7 @@ device: x64 is switched on around each call, as stats/finalize.py does for its r
 
     against = CkaAgainst(final_SxKxD)        # the reference's states, prepared once on the device
     matrix = against.matrix(states_SxKxD)    # [[CKA(states[i], final[j]) for j] for i]
+    to_reference(names, states_SxKxD, final_SxKxD)  # {name: [measure(states[s], final[s]) for s]}
 
 Each state is centered (its mean over the K tokens removed) and its norm ||X^T X||_F taken once.
 With K < D the cross terms come from the K x K Grams (||Y^T X||_F^2 = <X X^T, Y Y^T>_F: one
@@ -11,6 +12,8 @@ With K < D the cross terms come from the K x K Grams (||Y^T X||_F^2 = <X X^T, Y 
 at a time. Held on the device: the reference's Grams [S, K, K] or centered states [S, K, D], in
 float64 (`nbytes`); a call adds the same again for the checkpoint's, and transiently at most as
 much for the cross products. The float64 reference on the host is numpy's (tests/test_cross_cka.py).
+to_reference: the registered pairs measures (cka_debiased, procrustes_distance, svcca: their own
+read-outs) of each state with the same state of the reference, as the sample's read-out runs them.
 """
 
 from __future__ import annotations
@@ -82,3 +85,18 @@ class CkaAgainst:
         nx, ny = np.asarray(norms), np.asarray(self._norms)
         return [[float(cross_SxT[i, j] / (nx[i] * ny[j])) if nx[i] > 0 and ny[j] > 0 else None
                  for j in range(len(ny))] for i in range(len(nx))]
+
+
+def to_reference(names, states_SxKxD, reference_SxKxD) -> dict[str, list[float | None]]:
+    """{metric: [its value of (states[s], reference[s]) for s]} of the registered pairs measures `names`
+    (MEASURES[name].readout), float64: in numpy on the CPU, else jitted on the device
+    (stats.measures.pairs_dispatch), every state dispatched before any is read; None where undefined."""
+    from isojax.stats import measures
+    if np.shape(states_SxKxD) != np.shape(reference_SxKxD):
+        raise ValueError(f"states of the shape {np.shape(states_SxKxD)} against a reference of "
+                         f"{np.shape(reference_SxKxD)}")
+    put = np.asarray if measures.on_host() else jnp.asarray
+    xs, ys = put(states_SxKxD), put(reference_SxKxD)
+    pending = [measures.pairs_dispatch(xs[s], ys[s], names) for s in range(xs.shape[0])]
+    values = {metric: [float(np.asarray(p[metric])) for p in pending] for metric in (pending[0] if pending else {})}
+    return {metric: [v if np.isfinite(v) else None for v in vs] for metric, vs in values.items()}

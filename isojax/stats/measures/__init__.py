@@ -20,9 +20,10 @@ import numpy as np
 
 from isojax.stats.measures.base import Measure, Metric, Spectra, Step
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_readout", "with_steps_by_source", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued", "labels",
-           "spectral", "optional", "check_optional", "sample_programs", "sample_readout", "sample_dispatch",
-           "sample_values"]
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_readout",
+           "with_steps_by_source", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued",
+           "labels", "spectral", "optional", "check_optional", "to_final", "sample_programs", "sample_readout",
+           "sample_dispatch", "sample_values", "pairs_dispatch"]
 
 
 def _found() -> dict[str, Measure]:
@@ -136,6 +137,14 @@ def per_token() -> list[Metric]:
     return [metric for m in MEASURES.values() for metric in m.metrics if metric.per_token]
 
 
+def to_final() -> list[str]:
+    """The pairs measures also read out across a sweep's checkpoints (Measure.to_final), by name: the
+    module's, which is its one metric's."""
+    out = [name for name, m in MEASURES.items() if m.to_final]
+    assert all(MEASURES[name].metrics[0].name == name for name in out), out
+    return out
+
+
 def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
     """Every registered metric name of a layer (of the measures reading `reads`; not the per-token ones)."""
     return [metric.name for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)]
@@ -201,9 +210,7 @@ def sample_dispatch(previous, x, extra: tuple[str, ...] = ()) -> dict:
     """sample_readout's values of one state, not yet read: {name: 0-d array} (device arrays on
     accelerators, computed in numpy on the host); extra: the off-by-default measures turned on."""
     import jax
-    import numpy as np
-    run = (lambda m, *a: m.readout(*map(np.asarray, a))) if on_host() else (lambda m, *a: _jitted(m.readout)(*a))
-    pending = {}
+    run, pending = _runner(), {}
     with jax.enable_x64(True):
         for m in _on(("sample", "pairs"), extra):
             if m.reads == "sample":
@@ -211,6 +218,23 @@ def sample_dispatch(previous, x, extra: tuple[str, ...] = ()) -> dict:
             elif previous is not None:
                 pending.update(run(m, previous, x))
     return pending
+
+
+def pairs_dispatch(x, y, names) -> dict:
+    """The pairs measures `names` (MEASURES' keys) of the points x and y [K, D], not yet read, as
+    sample_dispatch runs them: {metric: 0-d array}, NaN where undefined (a sweep's NAME_to_final)."""
+    import jax
+    run, pending = _runner(), {}
+    with jax.enable_x64(True):
+        for name in names:
+            pending.update(run(MEASURES[name], x, y))
+    return pending
+
+
+def _runner():
+    """How a read-out runs: numpy on the host (on_host), else jitted where its points lie (x64 on)."""
+    import numpy as np
+    return (lambda m, *a: m.readout(*map(np.asarray, a))) if on_host() else (lambda m, *a: _jitted(m.readout)(*a))
 
 
 def sample_values(pending: dict, what: str = "") -> dict:

@@ -10,6 +10,8 @@ A measure reads one of:
 - "step": sums of its own, accumulated by the jitted step (its Measure.step, a Step below, declares
   its flags, setting, accumulators, update, merge, read-out and memory: logit_lens.py, for one);
   the step, the planner and the run call it for every step measure that is on (registry: steps()).
+A "pairs" measure with `to_final` is also read out across a sweep's checkpoints: each state against
+the same state of the final checkpoint (sweep.csv's `NAME_to_final`, run/sweep_files.py).
 Sample read-outs are written with the array API (numpy, or jax.numpy under jax.jit where the
 sample lies on the devices, as stats.geometry's sample functions): float64 0-d arrays, NaN where
 undefined (the registry writes null). A metric with `keys` is a dict {key: value} in metrics.json
@@ -51,10 +53,12 @@ class Measure:
     readme_row: str  # its row of the README's measures table, exactly
     on_by_default: bool = True  # off: not read out unless its flag turns it on (a "step" measure: its Step's default)
     step: "Step | None" = None  # a "step" measure's hooks (below)
+    to_final: bool = False  # a "pairs" one also read out across a sweep's checkpoints (above)
 
     def __post_init__(self):
         assert self.reads in ("spectra", "sample", "pairs", "step"), self.reads
         assert (self.reads == "step") == (self.step is not None), "a step measure, and only one, has a Step"
+        assert not self.to_final or self.reads == "pairs" and len(self.metrics) == 1 and not self.metrics[0].keys
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,10 +42,11 @@ def readout(x_KxD, y_KxD) -> dict:
 
 MEASURE = Measure(
     metrics=(Metric("cka_debiased", "similarity", "debiased linear CKA with the previous state"),),
-    reads="pairs", readout=readout, paper="Nguyen et al. 2021; Song et al. 2012", on_by_default=False,
+    reads="pairs", readout=readout, paper="Nguyen et al. 2021; Song et al. 2012", on_by_default=False, to_final=True,
     readme_row="| `cka_debiased` | **off by default** (`--measure cka_debiased`; 58 ms a 410m checkpoint on an H200, 1.9% of a 2M-token loop); debiased linear CKA of state i with state i − 1 on the K sampled tokens: "
                "HSIC_u(K, L)/√(HSIC_u(K, K)·HSIC_u(L, L)) with K = XXᵀ, L = YYᵀ the two states' linear Grams and "
                "HSIC_u the unbiased estimator of Song et al. 2012 (as Kornblith's `feature_space_linear_cka"
                "(debiased=True)` computes it: from the D×D or K×K products, in float64); unlike `cka.json`'s "
                "linear CKA, near 0 for unrelated states at any K/D. Null for `embed`, without a sample, for fewer "
-               "than 4 tokens and where a state does not vary | Nguyen et al. 2021; Song et al. 2012 |")
+               "than 4 tokens and where a state does not vary. In a sweep also each layer against itself at the final "
+               "checkpoint (`cka_debiased_to_final`: \"Sweeps\") | Nguyen et al. 2021; Song et al. 2012 |")

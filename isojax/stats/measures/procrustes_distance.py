@@ -26,10 +26,11 @@ def readout(x_KxD, y_KxD) -> dict:
 
 MEASURE = Measure(
     metrics=(Metric("procrustes_distance", "squared distance, 0 to 2", "Procrustes distance to the previous state"),),
-    reads="pairs", readout=readout, paper="Ding et al. 2021", on_by_default=False,
+    reads="pairs", readout=readout, paper="Ding et al. 2021", on_by_default=False, to_final=True,
     readme_row="| `procrustes_distance` | **off by default** (`--measure procrustes_distance`; 2.2 s a 410m checkpoint on an H200, 70% of a 2M-token loop); the orthogonal Procrustes distance of state i from state i − 1 on the "
                "first min(K, 2048) sampled tokens (a uniform subsample: the cost grows as min(K, D)³): min over "
                "orthogonal Q of ‖X̃Q − Ỹ‖²_F = 2 − 2‖X̃ᵀỸ‖_* with X̃, Ỹ the two states' sampled points centered and "
                "divided by their Frobenius norm, ‖·‖_* the nuclear norm (from the singular values of the D×D X̃ᵀỸ, "
                "or of the K×K product of their QR factors where D > K; float64); from 0 (equal up to a rotation) "
-               "to 2. Null for `embed`, without a sample, and where a state does not vary | Ding et al. 2021 |")
+               "to 2. Null for `embed`, without a sample, and where a state does not vary. In a sweep also each layer "
+               "against itself at the final checkpoint (`procrustes_distance_to_final`: \"Sweeps\") | Ding et al. 2021 |")

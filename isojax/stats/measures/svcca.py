@@ -45,12 +45,13 @@ def readout(x_KxD, y_KxD) -> dict:
 
 MEASURE = Measure(
     metrics=(Metric("svcca", "mean correlation", "SVCCA with the previous state (99% of the variance)"),),
-    reads="pairs", readout=readout, paper="Raghu et al. 2017 (SVCCA)", on_by_default=False,
+    reads="pairs", readout=readout, paper="Raghu et al. 2017 (SVCCA)", on_by_default=False, to_final=True,
     readme_row="| `svcca` | **off by default** (`--measure svcca`; 3.0 s a 410m checkpoint on an H200, 97% of a 2M-token loop); SVCCA of state i with state i − 1 on the first min(K, 2048) sampled tokens (a uniform "
                "subsample: the cost grows as min(K, D)³): each state's centered points reduced by SVD to their "
                "fewest top singular directions that explain 99% of the variance (the paper's threshold; kᵢ₋₁ and "
                "kᵢ of them), then the mean of the min(kᵢ₋₁, kᵢ) canonical correlations between the two (the "
                "singular values of Uᵢ₋₁ᵀUᵢ, U the kept left singular vectors; float64). Null for `embed`, without "
                "a sample, where a state does not vary, and where kᵢ₋₁ + kᵢ ≥ min(K, 2048) (the two subspaces of "
-               "the centered points' dimensions then share a direction: a correlation of 1 by counting alone) "
+               "the centered points' dimensions then share a direction: a correlation of 1 by counting alone). In a "
+               "sweep also each layer against itself at the final checkpoint (`svcca_to_final`: \"Sweeps\") "
                "| Raghu et al. 2017 (SVCCA) |")
