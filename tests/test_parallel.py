@@ -245,7 +245,8 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
         from isojax.device import mesh as parallel
         from isojax.stats import accumulators as stats
         from isojax.stats.options import StatsOptions
-        from isojax.device.runner import token_order, vocab_rows
+        from isojax.device.runner import vocab_rows
+        from isojax.stats.accumulators import token_order
         parallel.use_gspmd_partitioner()
         mesh = parallel.make_mesh({"data": 4, "model": 1})
         n, V, D, N = 4, 50, 8, 64

@@ -67,12 +67,6 @@ def vocab_rows(vocab_size: int, n: int) -> int:
     return -(-vocab_size // n) * n
 
 
-def token_order(values_SxV: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
-    """Rows of the global token layout -> token id order, [S, V'] -> [S, V]."""
-    s, v = values_SxV.shape
-    return values_SxV.reshape(s, n, v // n).transpose(0, 2, 1).reshape(s, v)[:, :vocab_size]
-
-
 class Layout:
     """What the step's program depends on besides the values: the module, the mesh, the statistics'
     options and the accumulators' shapes and placement (module docstring). Known before any
@@ -209,7 +203,7 @@ class Runner:
         rows = min(1 << max(0, most - 1).bit_length(), self.vocab_rows // n)
         with jax.enable_x64(True):
             intra = _gather(_compiled_readout(self.mesh, rows)(self.acc.tok_count_SxV, self.acc.tok_sum_SxVxD))
-        return token_order(count, n, v)[0].astype(np.int64), token_order(intra, n, v)
+        return stats.token_order(count, n, v)[0].astype(np.int64), stats.token_order(intra, n, v)
 
     def token_sums(self, s: int) -> np.ndarray:
         """Per-token unit-vector sums of state s, hi + lo in float64, [V, D] in token order."""

@@ -1,7 +1,6 @@
-"""A run's results (Results, what isojax.measure returns) and writing them: metrics.json, layers.csv,
-per-token zarr arrays, spectra, manifest, plots. Everything is written into a staging folder and
-committed into OUT in one step (isojax.run.outdir), so a failed or killed run never damages
-earlier results."""
+"""A run's results (Results, what isojax.measure returns) and writing them: metrics.json, layers.csv, per-token
+zarr arrays, spectra, manifest, plots. Everything is written into a staging folder and committed into OUT in one
+step (isojax.run.outdir), so a failed or killed run never damages earlier results."""
 
 from __future__ import annotations
 
@@ -281,11 +280,9 @@ def _write_data(stage: Path, metrics: dict, final: dict, state_names: list[str],
     np.savez(stage / "spectra.npz", state_names=np.array(state_names), **{k: np.asarray(v) for k, v in spectra.items()})
     token = final.get("token")
     if token is not None:
-        write_zarr(stage / "tokens.zarr" / "count", np.asarray(token["count_V"], np.int64))
-        write_zarr(stage / "tokens.zarr" / "intra_sim", np.asarray(token["intra_sim_SxV"], np.float64))
-        for name, values in token.items():  # a step measure's per-token arrays (base.Step.tokens)
-            if name not in ("count_V", "intra_sim_SxV"):
-                write_zarr(stage / "tokens.zarr" / name, np.asarray(values, np.float64))
+        for name, values in token.items():  # count, intra_sim, the step measures' per-token arrays (base.Step.tokens)
+            write_zarr(stage / "tokens.zarr" / name.removesuffix("_V").removesuffix("_SxV"),
+                       np.asarray(values, np.int64 if name == "count_V" else np.float64))
         if token_sums is not None:
             write_token_sums(stage / "tokens.zarr" / "unit_sum", token_sums, len(state_names))
     if final.get("cka") is not None:  # linear CKA between the states on the sample

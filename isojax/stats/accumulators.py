@@ -203,6 +203,13 @@ class TokenIndex:
     count_U: jax.Array  # [N] valid occurrences per segment
 
 
+def token_order(values_SxV: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
+    """Rows of the global token layout (device/runner.py: global row k * V'/n + j holds token id j * n + k)
+    -> token id order, [S, V'] -> [S, V]; host numpy."""
+    s, v = values_SxV.shape
+    return values_SxV.reshape(s, n, v // n).transpose(0, 2, 1).reshape(s, v)[:, :vocab_size]
+
+
 def index_tokens(token_ids_N, valid_N, vocab_size, shards: int = 1) -> TokenIndex:
     """vocab_size: the (padded) vocabulary, a multiple of `shards`."""
     n = token_ids_N.shape[0]

@@ -70,7 +70,7 @@ def observe(sums: Sums, on: int, s, x_NxD, token_ids_N, valid_N, group, index) -
 
 def merged(per_device: Sums, num_devices: int, vocab_size: int) -> np.ndarray:
     """Sum |x| [S, V] in float64, added over the devices, in token id order."""
-    from isojax.device.runner import token_order
+    from isojax.stats.accumulators import token_order
     sums = (np.asarray(per_device.hi_SxV, np.float64) + np.asarray(per_device.lo_SxV, np.float64)).sum(0)
     return token_order(sums, num_devices, vocab_size)
 
