@@ -24,9 +24,9 @@ import numpy as np
 
 from isojax.stats.measures.base import Measure, Metric, Step
 
-# On by default with token statistics: its cost on a GPU is to be measured (the rule: on by default
-# only under 1% of the loop); False turns it off by default (--token-norms then turns it on).
-ON_BY_DEFAULT = True  # its cost on an H200 at 1.4b: +0.5% of the loop (bench/RESULTS.md 18)
+# On by default with token statistics: +0.5% of a 1.4b loop on an H200 (bench/RESULTS.md 18; the rule: on
+# by default only under 1% of the loop); False turns it off by default (--token-norms then turns it on).
+ON_BY_DEFAULT = True
 
 
 def add_arguments(ap, positive_int) -> None:
