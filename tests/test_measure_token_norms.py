@@ -7,17 +7,12 @@ sums; and nothing outside its file names it (a step measure is driven through it
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ACCELERATOR_ENV
-from test_streamed_measures import _build, _documents
+from test_streamed_measures import _build, _documents, _measure_in_subprocess
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = 160  # test_streamed_measures._documents: a few documents make two windows
@@ -26,22 +21,9 @@ ROW = 160  # test_streamed_measures._documents: a few documents make two windows
 def _tokens_in_subprocess(tmp: Path, runs: list[dict], accelerator: bool = False) -> list[dict]:
     """{"count": [V], "mean_norm": [S, V] or None} of isojax.measure for each run's keywords, in one
     process of 2 CPU devices (rows of ROW tokens, 4 a batch)."""
-    script = textwrap.dedent(f"""
-        import json, sys
-        import isojax
-        out = []
-        for kw in {runs!r}:
-            token = isojax.measure({str(tmp / "ckpt")!r}, [{str(tmp / "docs.jsonl")!r}], unit="document",
-                                   seq_len={ROW}, batch_tokens=4 * {ROW}, progress=False, **kw).final["token"]
-            out.append({{"count": token["count_V"].tolist(),
-                         "mean_norm": token["mean_norm"].tolist() if "mean_norm" in token else None}})
-        json.dump(out, sys.stdout)
-    """)
-    env = {**os.environ, "ISOJAX_CACHE": str(tmp / "cache"), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **(ACCELERATOR_ENV if accelerator else {})}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    read = ('{"count": r.final["token"]["count_V"].tolist(), "mean_norm": r.final["token"]["mean_norm"].tolist() '
+            'if "mean_norm" in r.final["token"] else None}')
+    return _measure_in_subprocess(tmp, runs, accelerator, row=ROW, read=read)
 
 
 def _reference(model, tmp: Path, skip: int) -> tuple[np.ndarray, np.ndarray]:

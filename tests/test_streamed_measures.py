@@ -125,14 +125,16 @@ def _build(directory: Path, family: str):
     return build(directory, family, tokenizer=True, **dict(SHAPES[family][0], vocab_size=50304))
 
 
-def _measure_in_subprocess(tmp: Path, runs: list[dict], accelerator: bool = False, row: int = ROW) -> list[dict]:
-    """metrics of isojax.measure for each run's keywords, in one process of 2 CPU devices (rows of
-    `row` tokens, 4 a batch)."""
+def _measure_in_subprocess(tmp: Path, runs: list[dict], accelerator: bool = False, row: int = ROW,
+                           read: str = "r.metrics") -> list:
+    """`read` (an expression of the Results r; default its metrics) of isojax.measure for each run's
+    keywords, in one process of 2 CPU devices (rows of `row` tokens, 4 a batch)."""
     script = textwrap.dedent(f"""
         import json, sys
         import isojax
-        out = [isojax.measure({str(tmp / "ckpt")!r}, [{str(tmp / "docs.jsonl")!r}], unit="document", seq_len={row},
-                              batch_tokens=4 * {row}, progress=False, **kw).metrics for kw in {runs!r}]
+        runs = (isojax.measure({str(tmp / "ckpt")!r}, [{str(tmp / "docs.jsonl")!r}], unit="document", seq_len={row},
+                               batch_tokens=4 * {row}, progress=False, **kw) for kw in {runs!r})
+        out = [{read} for r in runs]
         json.dump(out, sys.stdout)
     """)
     env = {**os.environ, "ISOJAX_CACHE": str(tmp / "cache"), "JAX_PLATFORMS": "cpu",
