@@ -12,8 +12,9 @@ token ids: the sequences of isojax's own token cache, cut into its windows.
 isojax runs first, cached: a warm-up sweep of the first checkpoint fills the token and compile caches
 (or --first: the whole sweep from empty caches, reported), then one timed sweep per --sample-states
 value (0: none). Per checkpoint both sides' phases: isojax's from each step's manifest.json timings
-(load = load + convert, finalize = merge + finalize, figures = plots, other = the step's wall less
-these), the peer's timed here (finalize = run_peer's time outside its loop: host batches, the
+(load = load + convert, compile = the step's setup, the step itself compiled beside the load, so that
+the loop holds every batch, the first included; finalize = merge + finalize, figures = plots, other =
+the step's wall less these), the peer's timed here (finalize = run_peer's time outside its loop: host batches, the
 float64 read-out). Sweep wall: the extract process's. Targets (issue 47): sweep wall <= 1.25 x sum
 of loops + the first checkpoint's compile; per checkpoint the peer's wall >= 1.5 x isojax's; the
 sample's sweep at most 1.1 x the one without; a first run at most 1.5 x the cached sweep.

@@ -143,6 +143,11 @@ class Runner:
         (device/ahead.py): no compile at the first batch."""
         self._executable = executable
 
+    @property
+    def compiled_ahead(self) -> bool:
+        """Whether the step runs an executable compiled ahead (use_compiled): its first batch compiles nothing."""
+        return self._executable is not None
+
     def fresh_accumulators(self) -> stats.Accumulators:
         return jax.jit(self._init_global, out_shardings=self.shardings)()
 

@@ -411,13 +411,15 @@ def _loop(runner, tokens, total, timings, config: MeasureConfig, step: StepPlan,
         finally:
             if checkpointer is not None:
                 checkpointer.close()
-    timings["loop"] -= first
-    # the loop's tokens/s leaves out the first step (its compile): this run's batches after the
-    # first, at their mean size, over the loop's time; None with one batch (nothing to time)
+    # the loop's tokens/s leaves out the first step (a compile, or an executable's first run): this
+    # run's batches after the first, at their mean size, over their time; None with one batch (nothing to time)
+    steady = timings["loop"] - first
     batches = done["batches"] - started["batches"]
-    loop_rate = (done["tokens"] - started["tokens"]) * (batches - 1) / batches / timings["loop"] \
-        if batches > 1 and timings["loop"] > 0 else None
-    timings["compile"] += first
+    loop_rate = (done["tokens"] - started["tokens"]) * (batches - 1) / batches / steady \
+        if batches > 1 and steady > 0 else None
+    if not runner.compiled_ahead:  # the step compiled at its first batch: that batch's time is the compile's
+        timings["loop"] -= first
+        timings["compile"] += first
     return done, loop_rate, local
 
 
