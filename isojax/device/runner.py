@@ -349,7 +349,7 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
         sums = list(acc.step)
         for i, step, setting in observers:  # the step measures' per-state updates (base.Step.observe)
             sums[i] = step.observe(sums[i], setting, s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
-                                   group, index)
+                                   group, index, flat(pos_BxT), flat(seq_BxT))
         acc = stats.update_state(acc, s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
                                  group, center_D, index=index, opts=options, sample_plan=plan, exchange=exchange,
                                  positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT))

@@ -78,7 +78,9 @@ class Step:
     boolean: bool = False  # its setting is on or off: its keyword takes True and False too (1 and 0)
     needs_token_stats: bool = False  # on only with token stats (then `observe` gets the batch's TokenIndex)
     needs_sequences: Callable = lambda setting: False  # whether the step needs the rows' sequence indices
-    # (sums, setting, s, x_NxD, token_ids_N, valid_N, group, index) -> sums: state s of one batch, per device
+    # (sums, setting, s, x_NxD, token_ids_N, valid_N, group, index, positions_N, sequences_N) -> sums: state s of
+    # one batch, per device (x in the forward's dtype; valid_N without the skipped positions; positions_N each
+    # row's position in its sequence, sequences_N its sequence's index, int32: the step's rows, as update_state gets them)
     observe: Callable | None = None
     # (module, params, setting) -> (update, weights): update(sums, states_SxBxTxD, tokens_BxT, seg_BxT,
     # kept_BxT, pos_BxT, seq_BxT, group, weights) -> sums, per device after the forward
