@@ -45,8 +45,7 @@ from isojax.device.mesh import ALL
 
 MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
-                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "massive_max_GxS", "massive_at_GxSx4",
-                "band_count_lo_BxS", "band_count_hi_BxS", "band_unit_sum_BxSxD")  # S is axis 1 of each
+                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "band_count_lo_BxS", "band_count_hi_BxS", "band_unit_sum_BxSxD")  # S is axis 1 of each
 TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
 SAMPLE_FIELDS = ("sample_keys_Kx2", "sample_SxKxD")  # per device, like the layer part; merged bottom-K
 PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS + ("step",)
@@ -352,7 +351,7 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
                                    group, index, flat(pos_BxT), flat(seq_BxT))
         acc = stats.update_state(acc, s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
                                  group, center_D, index=index, opts=options, sample_plan=plan, exchange=exchange,
-                                 positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT))
+                                 positions_N=flat(pos_BxT))
         return _stacked(acc.replace(step=tuple(sums)))
 
     def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):

@@ -5,8 +5,8 @@ the README's measures table (tests/test_measures_registry.py checks the table ag
 
 Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample and pairs),
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
-(report/measures.py). A "step" measure (logit_lens.py) is accumulated by the step behind its flag and
-read out by run.measure (steps(), step_settings()); the step's older streamed measures are not here yet.
+(report/measures.py). A "step" measure (logit_lens.py behind its flag; massive_activations.py on by
+default) is accumulated by the step and read out by run.measure (steps(), step_settings()).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from isojax.stats.measures.base import Measure, Metric, Spectra, Step
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued", "labels",
+__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_settings", "check_step", "default_step_nulls", "names", "columns", "nulls", "dict_valued", "labels",
            "spectral", "optional", "check_optional", "sample_programs", "sample_readout", "sample_dispatch",
            "sample_values"]
 
@@ -92,8 +92,8 @@ def step_settings(given, token_stats: bool) -> tuple[tuple[str, int], ...]:
 
 
 def _of_layers(m: Measure) -> list[Metric]:
-    """m's metrics of a layer (in metrics.json's layers and layers.csv), not its per-token arrays."""
-    return [metric for metric in m.metrics if not metric.per_token]
+    """m's metrics of a layer (in metrics.json's layers and layers.csv), not its per-token arrays nor identifiers."""
+    return [metric for metric in m.metrics if not metric.per_token and not metric.identifier]
 
 
 def per_token() -> list[Metric]:
@@ -114,6 +114,13 @@ def columns(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> 
 def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> dict:
     """Every registered metric's value where it is not measured: null ({key: null} for a dict-valued one)."""
     return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)}
+
+
+def default_step_nulls() -> dict:
+    """The metrics of the step measures on by default, null: their place in a layer (stats.finalize,
+    where they were read out before they were step measures), filled by run.measure's read-out."""
+    return {metric.name: metric.null() for m in MEASURES.values() if m.reads == "step" and m.step.default
+            for metric in m.metrics if not metric.per_token}
 
 
 def dict_valued() -> dict[str, Metric]:

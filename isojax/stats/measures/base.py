@@ -32,6 +32,8 @@ class Metric:
     label: str  # its axis label in the report's figures
     keys: tuple[str, ...] = ()  # a dict-valued metric's keys (above); () for a number
     per_token: bool = False  # an array [S, V] in tokens.zarr (a step measure's Step.tokens), not a layer's value
+    identifier: bool = False  # where another metric was found (a dimension, token id, position), not a quantity:
+    # in metrics.json and layers.csv, but not drawn, correlated nor among names() and columns()
 
     def columns(self) -> list[str]:
         """Its columns in layers.csv / sweep.csv."""
