@@ -21,8 +21,8 @@ from conftest import ACCELERATOR_ENV, TOKENIZER_JSON, build_hf_checkpoint
 from isojax.stats import accumulators as stats
 from isojax.stats import measures
 from isojax.stats.measures import massive_activations as massive
+from isojax.stats.measures import position_bands as bands
 from isojax.stats.options import StatsOptions
-from isojax.stats.streamed import streamed_measures
 from test_extract import reference_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,24 +66,24 @@ def _packed(rng, lengths, n):
 
 
 def _init(s, d, vocab_size):
-    """Accumulators with massive activations' sums in their layer part (as device/runner.py makes them)."""
-    layer_steps, _ = measures.init_sums(MASSIVE_ON, 1, s, vocab_size, d)
+    """Accumulators with the streamed measures' sums in their layer part (as device/runner.py makes them)."""
+    layer_steps, _ = measures.init_sums(STREAMED_ON, 1, s, vocab_size, d)
     return stats.init_accumulators(s, d, vocab_size).replace(layer_steps=layer_steps)
 
 
 def _feed(acc, x, pos, seq, valid, batch, opts):
-    """The accumulators after x's states in batches of `batch` rows, massive activations observed."""
-    update = jax.jit(functools.partial(stats.update, opts=opts, observe=measures.observer(MASSIVE_ON)))
+    """The accumulators after x's states in batches of `batch` rows, the streamed measures observed."""
+    update = jax.jit(functools.partial(stats.update, opts=opts, observe=measures.observer(STREAMED_ON)))
     for start in range(0, x.shape[1], batch):
         sl = slice(start, start + batch)
         acc = update(acc, x[:, sl], (seq[sl] * 7 + pos[sl]) % 50, valid[sl], positions_N=pos[sl], sequences_N=seq[sl])
     return acc
 
 
-def _read(acc) -> list[dict]:
-    """massive_* and inter_sim_by_position per state, of accumulators merged (one device's: merged)."""
-    sums = jax.tree.map(lambda x: np.asarray(x)[None], acc.layer_steps[0])
-    return [{**m, **b} for m, b in zip(massive.readout(massive.merged(sums)), streamed_measures(acc))]
+def _read(layer_steps) -> list[dict]:
+    """massive_* and inter_sim_by_position per state, of accumulators' layer_steps merged (one device's: merged)."""
+    sums = [jax.tree.map(lambda x: np.asarray(x)[None], part) for part in layer_steps]
+    return [{**m, **b} for m, b in zip(massive.readout(massive.merged(sums[0])), bands.readout(bands.merged(sums[1])))]
 
 
 @pytest.mark.parametrize("skip", [0, 3])
@@ -114,7 +114,7 @@ def test_accumulators_match_float64_whatever_the_batching(skip):
     runs["merged"] = jax.jit(stats.merge)(*halves)
     first = None
     for name, acc in runs.items():
-        got = _read(jax.device_get(acc))
+        got = _read(jax.device_get(acc.layer_steps))
         for s_, (g, w) in enumerate(zip(got, want)):
             _assert_streamed(g, w, 1e-6, (name, s_))
         massive = [(g["massive_max"], g["massive_dim"], g["massive_position"]) for g in got]
@@ -220,7 +220,8 @@ def test_accelerator_configuration_merges_alike_on_1_and_2_devices(tmp_path):
             assert x["tokens"] == y["tokens"] and abs(x["inter_sim"] - y["inter_sim"]) <= 1e-6, (a["name"], x, y)
 
 
-MASSIVE_ON = (("massive_activations", 1),)  # StatsOptions.step_measures by default (measures.step_settings)
+# StatsOptions.step_measures by default without token stats (measures.step_settings)
+STREAMED_ON = (("massive_activations", 1), ("position_bands", 1))
 
 
 def _runner_batches(tmp_path):
@@ -253,7 +254,7 @@ def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
 
     loaded, mesh, batches = _runner_batches(tmp_path)
     runner = lambda: make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1,
-                                 step_measures=MASSIVE_ON)
+                                 step_measures=STREAMED_ON)
 
     def feed(r, part):
         for tokens, seg, pos, seq in part:
@@ -261,7 +262,7 @@ def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
         return r
 
     whole = feed(runner(), batches)
-    settings = {"skip_positions": 1, "step_measures": dict(MASSIVE_ON)}  # as run.measure records them
+    settings = {"skip_positions": 1, "step_measures": dict(STREAMED_ON)}  # as run.measure records them
     ckpt = checkpointing.Checkpointer(tmp_path / "checkpoint")
     ckpt.save(2, feed(runner(), batches[:2]).acc, {"settings": settings, "cursor": 2, "done": {"tokens": 0}})
     ckpt.close()
@@ -269,23 +270,22 @@ def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
     cursor, _ = resume(resumed, tmp_path / "checkpoint", settings, {})
     assert cursor == 2
     feed(resumed, batches[2:])
-    a, b = whole.merged_layers(), resumed.merged_layers()
-    for field in ("band_count_lo_BxS", "band_count_hi_BxS", "band_unit_sum_BxSxD"):
-        for x, y in zip(jax.tree.leaves(getattr(a, field)), jax.tree.leaves(getattr(b, field))):
-            np.testing.assert_array_equal(x, y, err_msg=field)
-    sums = whole.step_sums()["massive_activations"]
-    for key, x in sums.items():
-        np.testing.assert_array_equal(x, resumed.step_sums()["massive_activations"][key], err_msg=key)
-    got = [{**m, **b} for m, b in zip(massive.readout(sums), streamed_measures(a))]
+    a = whole.merged_layers()
+    sums = whole.step_sums(a)
+    for name, of_name in sums.items():
+        for key, x in of_name.items():
+            np.testing.assert_array_equal(x, resumed.step_sums()[name][key], err_msg=(name, key))
+    got = [{**m, **b} for m, b in zip(massive.readout(sums["massive_activations"]),
+                                      bands.readout(sums["position_bands"]))]
     assert got[0]["inter_sim_by_position"][0]["tokens"] == 0 and got[0]["massive_position"] >= 1
     assert sum(band["tokens"] for band in got[0]["inter_sim_by_position"]) == int(a.count_lo_GxS[0, 0])
 
 
 def test_a_checkpoint_of_the_older_layout_is_refused_or_resumes_exactly(tmp_path):
-    """A checkpoint written by isojax before massive activations became a step measure (issue 46; the
-    code of ef52073, its accumulators holding massive_max_GxS, massive_at_GxSx4) is refused in one
-    UserError saying so where massive activations are on (the default); with them off it resumes,
-    its position bands bit for bit those of one uninterrupted pass."""
+    """A checkpoint written by isojax before massive activations and the position bands became step measures
+    (issue 46; the code of ef52073, its accumulators holding massive_max_GxS, band_unit_sum_BxSxD, ...) is
+    refused in one UserError saying so where they are on (the default); with them off it resumes, its
+    sums bit for bit those of one uninterrupted pass."""
     from isojax.device import checkpoints as checkpointing
     from isojax.errors import UserError
     from isojax.run.loop import resume
@@ -319,10 +319,10 @@ def test_a_checkpoint_of_the_older_layout_is_refused_or_resumes_exactly(tmp_path
     env = {**os.environ, "PYTHONPATH": str(old), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    on = make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1, step_measures=MASSIVE_ON)
-    with pytest.raises(UserError, match="the checkpoint was written by an older isojax, before massive_activations "
-                                        "became step measures .* start over with --overwrite"):
-        resume(on, tmp_path / "checkpoint", {"skip_positions": 1, "step_measures": dict(MASSIVE_ON)}, {})
+    on = make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1, step_measures=STREAMED_ON)
+    with pytest.raises(UserError, match="the checkpoint was written by an older isojax, before massive_activations, "
+                                        "position_bands became step measures .* start over with --overwrite"):
+        resume(on, tmp_path / "checkpoint", {"skip_positions": 1, "step_measures": dict(STREAMED_ON)}, {})
     off = lambda: make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1)
     resumed, whole = off(), off()
     assert resume(resumed, tmp_path / "checkpoint", {"skip_positions": 1}, {})[0] == 2
@@ -330,7 +330,7 @@ def test_a_checkpoint_of_the_older_layout_is_refused_or_resumes_exactly(tmp_path
         for tokens, seg, pos, seq in part:
             r.step(tokens, seg, pos, 0, seq)
     a, b = whole.merged_layers(), resumed.merged_layers()
-    for field in ("count_lo_GxS", "band_count_lo_BxS", "band_unit_sum_BxSxD"):
+    for field in ("count_lo_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS"):
         for x, y in zip(jax.tree.leaves(getattr(a, field)), jax.tree.leaves(getattr(b, field))):
             np.testing.assert_array_equal(x, y, err_msg=field)
 

@@ -46,8 +46,7 @@ from isojax.device.mesh import ALL
 
 MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
-                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "layer_steps", "band_count_lo_BxS",
-                "band_count_hi_BxS", "band_unit_sum_BxSxD")  # S is axis 1 of each
+                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "layer_steps")  # S is axis 1 of each leaf
 TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
 SAMPLE_FIELDS = ("sample_keys_Kx2", "sample_SxKxD")  # per device, like the layer part; merged bottom-K
 PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS + ("step",)

@@ -33,10 +33,6 @@ from isojax.stats.options import StatsOptions
 DEFAULT_OPTIONS = StatsOptions()
 
 _COUNT_BITS = 30  # counts are int32 limbs: n = hi * 2**30 + lo, exact to 2**61
-# Position bands of inter_sim_by_position: [0, 1), [1, 16), [16, 128), [128, inf). The position is
-# the token's position in its packed segment, as the model sees it (a window of a sequence longer
-# than the row starts again at 0: data/tokens.py cuts windows into sequences of their own).
-POSITION_BANDS = (0, 1, 16, 128)
 
 
 @struct.dataclass
@@ -97,11 +93,8 @@ class Accumulators:
     unit_m2_HxSxDxD: DFPair  # the same for unit vectors
     centered_sum_GxSxC: DF  # Sum (x-c)/|x-c| for centered InterSim; C = D or 0
     # the sums of the step measures merged with this layer part on the devices (stats/measures base.Step.
-    # layer_part: massive activations), in StatsOptions.step_measures' order; () when none is on
+    # layer_part: massive activations, position bands), in StatsOptions.step_measures' order; () when none is on
     layer_steps: tuple
-    band_count_lo_BxS: jax.Array  # int32 limbs of the valid tokens per position band (POSITION_BANDS)
-    band_count_hi_BxS: jax.Array
-    band_unit_sum_BxSxD: DF  # Sum x/|x| per position band (inter_sim_by_position)
     tok_count_SxV: jax.Array  # int32 occurrences per token; V = 0 without token stats
     tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
     sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (stats/sample.py); K = 0: no sample
@@ -131,7 +124,7 @@ def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_
     v = vocab_size if token_stats else 0
     return dict(
         count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d),
-        centered=(g, s, d if centered else 0), tok_count=(s, v), tok_sum=(s, v, d), bands=(len(POSITION_BANDS), s))
+        centered=(g, s, d if centered else 0), tok_count=(s, v), tok_sum=(s, v, d))
 
 
 def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: int = 1,
@@ -152,8 +145,6 @@ def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: i
         m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
         unit_m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
         centered_sum_GxSxC=_df_zeros(sh["centered"]), layer_steps=(),
-        band_count_lo_BxS=jnp.zeros(sh["bands"], jnp.int32), band_count_hi_BxS=jnp.zeros(sh["bands"], jnp.int32),
-        band_unit_sum_BxSxD=_df_zeros((*sh["bands"], d)),
         tok_count_SxV=jnp.zeros(sh["tok_count"], jnp.int32),
         tok_sum_SxVxD=_df_zeros(sh["tok_sum"]),
         sample_keys_Kx2=jnp.full((sample_size, 2), sample.EMPTY, jnp.uint32),
@@ -309,25 +300,6 @@ def _df_slot_add(df: DF, idx, v):
     return DF(df.hi.at[idx].set(hi), df.lo.at[idx].set(lo))
 
 
-def band_sums(x_NxD, band_N, num_bands: int):
-    """[num_bands, D]: Sum of the rows of each band, as pairwise_sum sums (its first level of 16
-    rows, then its tree), in one pass over x: the first level is a reduce of x times the rows'
-    one-hot bands, [N/16, B, D], a quarter of x's size at four bands, not B masked copies of x."""
-    n, d = x_NxD.shape
-    pad = -n % 16
-    if pad:
-        x_NxD = jnp.concatenate([x_NxD, jnp.zeros((pad, d), x_NxD.dtype)])
-        band_N = jnp.concatenate([band_N, jnp.full(pad, -1, band_N.dtype)])
-    onehot_NxB = (band_N[:, None] == jnp.arange(num_bands, dtype=band_N.dtype)).astype(x_NxD.dtype)
-    first_MxBxD = (x_NxD.reshape(-1, 16, 1, d) * onehot_NxB.reshape(-1, 16, num_bands, 1)).sum(axis=1)
-    return pairwise_sum(first_MxBxD.reshape(first_MxBxD.shape[0], num_bands * d)).reshape(num_bands, d)
-
-
-def position_band(positions_N):
-    """Band index (POSITION_BANDS) of each position."""
-    return sum((positions_N >= lo).astype(jnp.int32) for lo in POSITION_BANDS[1:])
-
-
 class Rows(NamedTuple):
     """One state of one batch as update_state reads it, computed once and handed to the step measures'
     observe (stats/measures base.Step): float32, invalid rows zero."""
@@ -348,7 +320,7 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     """Add state s of one batch. s, group: (traced) int32 scalars; padding rows
     (valid_N False) contribute nothing, whatever they hold (the caller masks skipped positions,
     StatsOptions.skip_positions, into valid_N). positions_N: each row's position in its sequence
-    (None: the batch is one sequence, 0..N-1): it places the position bands; sequences_N its sequence's
+    (None: the batch is one sequence, 0..N-1), sequences_N its sequence's
     index (None: 0). observe(acc, s, group, rows: Rows, index) -> acc: the step measures' updates of this
     state (stats.measures.observer), called once its Rows are made. `index` (from index_tokens)
     lets a caller sort the ids once per batch instead of once per state; `sample_plan` (from
@@ -404,7 +376,6 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     if observe is not None:
         acc = observe(acc, s, group, Rows(x_NxD, norm_N, rowmax_N, unit_NxD, token_ids_N, valid_N, positions_N,
                                           sequences_N), index)
-    acc = _update_streamed(acc, s, unit_NxD, valid_N, positions_N)
 
     if acc.centered_sum_GxSxC.hi.shape[-1]:
         if center_D is None:
@@ -425,22 +396,6 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
         else:
             acc = _update_token_shards(acc, s, unit_NxD, index, opts, exchange)
     return acc
-
-
-def _update_streamed(acc: Accumulators, s, unit_NxD, valid_N, positions_N) -> Accumulators:
-    """The position bands' unit sums and counts of one state of one batch. The band
-    sums are masked copies of the unit sum's pairwise tree: their first level reads unit_NxD as
-    the unit sum's does (sibling reductions, which XLA fuses into one pass on GPUs)."""
-    band_N = position_band(positions_N)
-    sums_BxD = band_sums(unit_NxD, band_N, len(POSITION_BANDS))
-    counts_B = jnp.sum(valid_N[:, None] & (band_N[:, None] == jnp.arange(len(POSITION_BANDS))), axis=0, dtype=jnp.int32)
-    lo_B, hi_B = _add_count(acc.band_count_lo_BxS[:, s], acc.band_count_hi_BxS[:, s], counts_B)
-    band = acc.band_unit_sum_BxSxD
-    sum_hi, sum_lo = _df_add(band.hi[:, s], band.lo[:, s], sums_BxD)
-    return acc.replace(
-        band_count_lo_BxS=acc.band_count_lo_BxS.at[:, s].set(lo_B),
-        band_count_hi_BxS=acc.band_count_hi_BxS.at[:, s].set(hi_B),
-        band_unit_sum_BxSxD=DF(band.hi.at[:, s].set(sum_hi), band.lo.at[:, s].set(sum_lo)))
 
 
 def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int, opts: StatsOptions = DEFAULT_OPTIONS):
@@ -664,9 +619,6 @@ def merge(a: Accumulators, b: Accumulators, *, keep_m2: bool = False, m2_row0=No
                                  b.unit_sum_GxSxD),
         centered_sum_GxSxC=df_merge(a.centered_sum_GxSxC, b.centered_sum_GxSxC),
         layer_steps=tuple(x.merge(y) for x, y in zip(a.layer_steps, b.layer_steps, strict=True)),
-        **dict(zip(("band_count_lo_BxS", "band_count_hi_BxS"), _add_count(
-            a.band_count_lo_BxS, a.band_count_hi_BxS + b.band_count_hi_BxS, b.band_count_lo_BxS))),
-        band_unit_sum_BxSxD=df_merge(a.band_unit_sum_BxSxD, b.band_unit_sum_BxSxD),
         tok_count_SxV=a.tok_count_SxV + b.tok_count_SxV,
         tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD),
         **dict(zip(("sample_keys_Kx2", "sample_SxKxD"), sample.merge(

@@ -158,7 +158,7 @@ def step_settings(given, token_stats: bool) -> tuple[tuple[str, int], ...]:
 
 def _of_layers(m: Measure) -> list[Metric]:
     """m's metrics of a layer (in metrics.json's layers and layers.csv), not its per-token arrays nor identifiers."""
-    return [metric for metric in m.metrics if not metric.per_token and not metric.identifier]
+    return [metric for metric in m.metrics if not (metric.per_token or metric.identifier or metric.listed)]
 
 
 def per_token() -> list[Metric]:

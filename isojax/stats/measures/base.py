@@ -36,6 +36,8 @@ class Metric:
     per_token: bool = False  # an array [S, V] in tokens.zarr (a step measure's Step.tokens), not a layer's value
     identifier: bool = False  # where another metric was found (a dimension, token id, position), not a quantity:
     # in metrics.json and layers.csv, but not drawn, correlated nor among names() and columns()
+    listed: bool = False  # a list of dicts (inter_sim_by_position's bands), flattened into columns of its own by
+    # run.results.flat_layer: not among names() and columns()
 
     def columns(self) -> list[str]:
         """Its columns in layers.csv / sweep.csv."""

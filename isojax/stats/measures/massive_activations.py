@@ -120,8 +120,9 @@ def readout(sums: dict, groups=None) -> list[dict]:
 
 
 def step_bytes(cfg, dtype: str, tokens_per_device: int, setting: int, model_axis: int = 1) -> int:
-    """The pairs (20 bytes a group and state: counted with one group) and the rows' maxima."""
-    return 20 * cfg.num_states + 4 * tokens_per_device if setting else 0
+    """The pairs (20 bytes a group and state: counted with one group), as the accumulators counted them before
+    they were a step measure; the rows' maxima lie within the measured peak of memory.STEP_BYTES_PER_TOKEN_WIDTH."""
+    return 20 * cfg.num_states if setting else 0
 
 
 STEP = Step(keyword="massive_activations", add_arguments=lambda ap, positive_int: None, setting=lambda args: None,
