@@ -1,14 +1,17 @@
 """Hashes of the step's compiled program, to show that a change to the statistics leaves the step alone:
 run on two commits (PYTHONPATH) and compare the lines.
 
-    PYTHONPATH=CHECKOUT python bench/step_program.py [--devices 1 2] [--out DIR]
+    PYTHONPATH=CHECKOUT python CHECKOUT2/bench/step_program.py [--devices 1 2] [--configs NAME ...] [--out DIR]
 
-For each configuration of a tiny random GPT-NeoX (D = 64, 2 layers, V = 512, rows 4 x 64): the jitted step
-the runner uses (device/runner.py Layout.step, as run.plan builds it: the module split by rows over the
-mesh, the statistics' options with the registry's default step measures), lowered from shapes and compiled
-(device/ahead.py compile_step), then its optimized HLO text canonicalized: metadata, the module's name,
-instruction and computation names (numbered in order of appearance) and fingerprints left out, so that
-only a change of the program itself changes the hash. The device count is a process setting: each count
+(run by its path, from outside a checkout, so that `isojax` is PYTHONPATH's: the first line names it.)
+
+For each configuration (CONFIGS) of a tiny GPT-NeoX (D = 64, 2 layers, V = 512, rows 4 x 64 per device; its
+shapes only: the program does not depend on the weights): the jitted step the runner uses (device/runner.py
+Layout.step, as run.plan builds it: the module split by rows over the mesh, the statistics' options with the
+registry's default step measures), lowered from shapes and compiled (device/ahead.py compile_step), then its
+optimized HLO text canonicalized: metadata, the source locations' tables and the module's name left out,
+instruction, computation and parameter names numbered in order of appearance, so that only a change of the
+program itself changes the hash. The device count is a process setting: each count
 runs in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count (2 devices: the token part split
 over both, token_shards 2). --out writes each canonical text (to diff two commits' programs).
 """
@@ -81,12 +84,13 @@ def program(name: str) -> str:
 
 
 def hashes(configs, out: str | None) -> dict[str, str]:
+    import jax
     result = {}
     for name in configs:
         text = program(name)
         result[name] = f"{hashlib.sha256(text.encode()).hexdigest()[:16]} ({len(text)} chars)"
         if out:
-            with open(os.path.join(out, f"{name}-{len(__import__('jax').devices())}dev.hlo"), "w") as f:
+            with open(os.path.join(out, f"{name}-{len(jax.devices())}dev.hlo"), "w") as f:
                 f.write(text)
     return result
 
@@ -94,7 +98,8 @@ def hashes(configs, out: str | None) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, nargs="*", default=[1, 2], help="device counts (default: 1 2)")
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), help=f"of {', '.join(CONFIGS)} (default: all)")
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
+                    help=f"of {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--out", help="a folder to write each canonical HLO text into (to diff them)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a subprocess of that device count
     args = ap.parse_args()
@@ -108,7 +113,8 @@ def main() -> None:
     for n in args.devices:
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip())
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), "--configs", *args.configs] + (["--out", args.out] if args.out else [])
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), "--configs", *args.configs,
+               *(["--out", args.out] if args.out else [])]
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
         for name, h in json.loads(done.stdout.strip().splitlines()[-1]).items():
             print(f"{n} device{'s' if n > 1 else ''} {name}: {h}", flush=True)
