@@ -19,8 +19,10 @@ import pytest
 
 from conftest import ACCELERATOR_ENV, TOKENIZER_JSON, build_hf_checkpoint
 from isojax.stats import accumulators as stats
+from isojax.stats import measures
+from isojax.stats.measures import massive_activations as massive
+from isojax.stats.measures import position_bands as bands
 from isojax.stats.options import StatsOptions
-from isojax.stats.streamed import streamed_measures
 from test_extract import reference_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,12 +65,25 @@ def _packed(rng, lengths, n):
     return pos, seq
 
 
+def _init(s, d, vocab_size):
+    """Accumulators with the streamed measures' sums in their layer part (as device/runner.py makes them)."""
+    layer_steps, _ = measures.init_sums(STREAMED_ON, 1, s, vocab_size, d)
+    return stats.init_accumulators(s, d, vocab_size).replace(layer_steps=layer_steps)
+
+
 def _feed(acc, x, pos, seq, valid, batch, opts):
-    update = jax.jit(functools.partial(stats.update, opts=opts))
+    """The accumulators after x's states in batches of `batch` rows, the streamed measures observed."""
+    update = jax.jit(functools.partial(stats.update, opts=opts, observe=measures.observer(STREAMED_ON)))
     for start in range(0, x.shape[1], batch):
         sl = slice(start, start + batch)
         acc = update(acc, x[:, sl], (seq[sl] * 7 + pos[sl]) % 50, valid[sl], positions_N=pos[sl], sequences_N=seq[sl])
     return acc
+
+
+def _read(layer_steps) -> list[dict]:
+    """massive_* and inter_sim_by_position per state, of accumulators' layer_steps merged (one device's: merged)."""
+    sums = [jax.tree.map(lambda x: np.asarray(x)[None], part) for part in layer_steps]
+    return [{**m, **b} for m, b in zip(massive.readout(massive.merged(sums[0])), bands.readout(bands.merged(sums[1])))]
 
 
 @pytest.mark.parametrize("skip", [0, 3])
@@ -91,7 +106,7 @@ def test_accumulators_match_float64_whatever_the_batching(skip):
     want = _streamed_reference(x[:, kept], (seq * 7 + pos)[kept] % 50, pos[kept])
     assert (want[1]["massive_position"], want[1]["massive_dim"]) == (pos[early], 9) and want[2]["massive_dim"] == 1
     opts = StatsOptions(skip_positions=skip)
-    init = lambda: stats.init_accumulators(s, d, 50)
+    init = lambda: _init(s, d, 50)
     runs = {batch: _feed(init(), x, pos, seq, valid, batch, opts) for batch in (240, 800, n)}
     half = n // 2
     halves = [_feed(init(), x[:, sl], pos[sl], seq[sl], valid[sl], 400, opts)
@@ -99,7 +114,7 @@ def test_accumulators_match_float64_whatever_the_batching(skip):
     runs["merged"] = jax.jit(stats.merge)(*halves)
     first = None
     for name, acc in runs.items():
-        got = streamed_measures(jax.device_get(acc))
+        got = _read(jax.device_get(acc.layer_steps))
         for s_, (g, w) in enumerate(zip(got, want)):
             _assert_streamed(g, w, 1e-6, (name, s_))
         massive = [(g["massive_max"], g["massive_dim"], g["massive_position"]) for g in got]
@@ -205,14 +220,14 @@ def test_accelerator_configuration_merges_alike_on_1_and_2_devices(tmp_path):
             assert x["tokens"] == y["tokens"] and abs(x["inter_sim"] - y["inter_sim"]) <= 1e-6, (a["name"], x, y)
 
 
-def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
-    """A checkpoint written after two batches and resumed (loop.resume) ends with the accumulators
-    of one uninterrupted pass: massive_* and the position bands bit for bit."""
-    from isojax.device import checkpoints as checkpointing
+# StatsOptions.step_measures by default without token stats (measures.step_settings)
+STREAMED_ON = (("massive_activations", 1), ("position_bands", 1))
+
+
+def _runner_batches(tmp_path):
+    """(a LoadedModel of a random 1-layer checkpoint, its mesh, 4 batches of packed rows)."""
     from isojax.device import mesh as parallel
     from isojax.hf.loading import load_model
-    from isojax.run.loop import resume
-    from isojax.run.measure import make_runner
 
     build_hf_checkpoint(tmp_path / "ckpt", vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, tokenizer=False)
     mesh = parallel.make_mesh({"data": 1, "model": 1})
@@ -227,7 +242,19 @@ def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
         tokens = rng.integers(0, 512, 4 * 64) * (seg > 0)
         batches.append([np.pad(a, (0, 4 * 64 - len(a))).reshape(4, 64).astype(np.int32)
                         for a in (tokens, seg, pos, seq + 100 * b)])
-    runner = lambda: make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1)
+    return loaded, mesh, batches
+
+
+def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
+    """A checkpoint written after two batches and resumed (loop.resume) ends with the accumulators
+    of one uninterrupted pass: massive_* and the position bands bit for bit."""
+    from isojax.device import checkpoints as checkpointing
+    from isojax.run.loop import resume
+    from isojax.run.measure import make_runner
+
+    loaded, mesh, batches = _runner_batches(tmp_path)
+    runner = lambda: make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1,
+                                 step_measures=STREAMED_ON)
 
     def feed(r, part):
         for tokens, seg, pos, seq in part:
@@ -235,7 +262,7 @@ def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
         return r
 
     whole = feed(runner(), batches)
-    settings = {"skip_positions": 1}
+    settings = {"skip_positions": 1, "step_measures": dict(STREAMED_ON)}  # as run.measure records them
     ckpt = checkpointing.Checkpointer(tmp_path / "checkpoint")
     ckpt.save(2, feed(runner(), batches[:2]).acc, {"settings": settings, "cursor": 2, "done": {"tokens": 0}})
     ckpt.close()
@@ -243,14 +270,69 @@ def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
     cursor, _ = resume(resumed, tmp_path / "checkpoint", settings, {})
     assert cursor == 2
     feed(resumed, batches[2:])
-    a, b = whole.merged_layers(), resumed.merged_layers()
-    for field in ("massive_max_GxS", "massive_at_GxSx4", "band_count_lo_BxS", "band_count_hi_BxS",
-                  "band_unit_sum_BxSxD"):
-        for x, y in zip(jax.tree.leaves(getattr(a, field)), jax.tree.leaves(getattr(b, field))):
-            np.testing.assert_array_equal(x, y, err_msg=field)
-    got = streamed_measures(a)
+    a = whole.merged_layers()
+    sums = whole.step_sums(a)
+    for name, of_name in sums.items():
+        for key, x in of_name.items():
+            np.testing.assert_array_equal(x, resumed.step_sums()[name][key], err_msg=(name, key))
+    got = [{**m, **b} for m, b in zip(massive.readout(sums["massive_activations"]),
+                                      bands.readout(sums["position_bands"]))]
     assert got[0]["inter_sim_by_position"][0]["tokens"] == 0 and got[0]["massive_position"] >= 1
     assert sum(band["tokens"] for band in got[0]["inter_sim_by_position"]) == int(a.count_lo_GxS[0, 0])
+
+
+def test_a_checkpoint_of_the_older_layout_is_refused_or_resumes_exactly(tmp_path):
+    """A checkpoint written by isojax before massive activations and the position bands became step measures
+    (issue 46; the code of ef52073, its accumulators holding massive_max_GxS, band_unit_sum_BxSxD, ...) is
+    refused in one UserError saying so where they are on (the default); with them off it resumes, its
+    sums bit for bit those of one uninterrupted pass."""
+    from isojax.device import checkpoints as checkpointing
+    from isojax.errors import UserError
+    from isojax.run.loop import resume
+    from isojax.run.measure import make_runner
+
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(["git", "archive", "ef52073", "isojax"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    loaded, mesh, batches = _runner_batches(tmp_path)
+    np.savez(tmp_path / "batches.npz", *[a for batch in batches[:2] for a in batch])
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from isojax.device import checkpoints as checkpointing
+        from isojax.device import mesh as parallel
+        from isojax.hf.loading import load_model
+        from isojax.run.measure import make_runner
+        mesh = parallel.make_mesh({{"data": 1, "model": 1}})
+        runner = make_runner(load_model({str(tmp_path / "ckpt")!r}, dtype="float32", mesh=mesh), mesh,
+                             token_stats=False, num_groups=1, skip_positions=1)
+        assert hasattr(runner.acc, "massive_max_GxS")  # the older layout
+        arrays = np.load({str(tmp_path / "batches.npz")!r})
+        batches = [arrays[f"arr_{{i}}"] for i in range(len(arrays.files))]
+        for k in range(0, len(batches), 4):
+            tokens, seg, pos, seq = batches[k:k + 4]
+            runner.step(tokens, seg, pos, 0, seq)
+        ckpt = checkpointing.Checkpointer({str(tmp_path / "checkpoint")!r})
+        ckpt.save(2, runner.acc, {{"settings": {{"skip_positions": 1}}, "cursor": 2, "done": {{"tokens": 0}}}})
+        ckpt.close()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(old), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on = make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1, step_measures=STREAMED_ON)
+    with pytest.raises(UserError, match="the checkpoint was written by an older isojax, before massive_activations, "
+                                        "position_bands became step measures .* start over with --overwrite"):
+        resume(on, tmp_path / "checkpoint", {"skip_positions": 1, "step_measures": dict(STREAMED_ON)}, {})
+    off = lambda: make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1)
+    resumed, whole = off(), off()
+    assert resume(resumed, tmp_path / "checkpoint", {"skip_positions": 1}, {})[0] == 2
+    for r, part in ((resumed, batches[2:]), (whole, batches)):
+        for tokens, seg, pos, seq in part:
+            r.step(tokens, seg, pos, 0, seq)
+    a, b = whole.merged_layers(), resumed.merged_layers()
+    for field in ("count_lo_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS"):
+        for x, y in zip(jax.tree.leaves(getattr(a, field)), jax.tree.leaves(getattr(b, field))):
+            np.testing.assert_array_equal(x, y, err_msg=field)
 
 
 def test_skip_positions_beyond_every_sequence_is_refused(tmp_path, monkeypatch):

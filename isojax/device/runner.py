@@ -18,7 +18,8 @@ Global layout of the accumulators (a stats.Accumulators of global arrays):
   sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (stats/sample.py),
               merged on the host at the end (`sample`).
   step        the step measures' sums (StatsOptions.step_measures; stats/measures base.Step), each
-              [n, ...] per device, added on the host at the end (`step_sums`); () when none is on.
+              [n, ...] per device, added on the host at the end (`step_sums`); () when none is on; those
+              of Step.layer_part in the layer part (Accumulators.layer_steps), merged with it.
 `merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
 over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the
 devices, in float64.
@@ -38,15 +39,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
 from isojax.stats import sample as sample_lib
-from isojax.stats.measures import steps
+from isojax.stats.measures import init_sums, observer, split, steps
 from isojax.model.decoder import Decoder
 from isojax.stats.options import StatsOptions
 from isojax.device.mesh import ALL
 
 MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
-                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "massive_max_GxS", "massive_at_GxSx4",
-                "band_count_lo_BxS", "band_count_hi_BxS", "band_unit_sum_BxSxD")  # S is axis 1 of each
+                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "layer_steps")  # S is axis 1 of each leaf
 TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
 SAMPLE_FIELDS = ("sample_keys_Kx2", "sample_SxKxD")  # per device, like the layer part; merged bottom-K
 PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS + ("step",)
@@ -98,8 +98,9 @@ class Layout:
     def init_global(self) -> stats.Accumulators:
         cfg, n = self.module.cfg, self.mesh.size
         acc = stats.init_accumulators(cfg.num_states, cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
-        acc = acc.replace(step=tuple(steps()[name].init(setting, self.init_kwargs["num_groups"], cfg.num_states,
-                                                        self.vocab_rows) for name, setting in self.options.step_measures))
+        layer_steps, step = init_sums(self.options.step_measures, self.init_kwargs["num_groups"], cfg.num_states,
+                                      self.vocab_rows, cfg.hidden_size)
+        acc = acc.replace(layer_steps=layer_steps, step=step)
         return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (n, *x.shape)))
 
     def step(self):
@@ -189,11 +190,18 @@ class Runner:
         return merged.replace(step=(), tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
             *(np.zeros((self.cfg.num_states, 0, self.cfg.hidden_size), np.float32),) * 2))
 
-    def step_sums(self) -> dict:
-        """{name: sums} of each step measure on: its per-device sums added over every device and
-        process in float64 (its Step.merged)."""
-        return {name: steps()[name].merged(jax.tree.map(_gather, sums), self.num_devices, self.cfg.vocab_size)
-                for (name, _), sums in zip(self.options.step_measures, self.acc.step, strict=True)}
+    def step_sums(self, merged: stats.Accumulators | None = None) -> dict:
+        """{name: sums} of each step measure on (its Step.merged), in the registry's order: those of the
+        layer part from `merged` (merged_layers(), made here if None), the others' per-device sums added
+        over every device and process in float64."""
+        layer, other = split(self.options.step_measures)
+        if layer and merged is None:
+            merged = self.merged_layers()
+        out = {name: steps()[name].merged(jax.tree.map(lambda x: np.asarray(x)[None], sums), 1, self.cfg.vocab_size)
+               for (name, _), sums in zip(layer, merged.layer_steps if layer else (), strict=True)}
+        out.update({name: steps()[name].merged(jax.tree.map(_gather, sums), self.num_devices, self.cfg.vocab_size)
+                    for (name, _), sums in zip(other, self.acc.step, strict=True)})
+        return {name: out[name] for name, _ in self.options.step_measures}
 
     def token_readout(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(count_V int64, intra_sim_SxV float64) from the per-token sums, computed on the devices
@@ -337,22 +345,17 @@ def _stacked(acc):
 @functools.cache
 def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered: bool):
     d, n = module.cfg.hidden_size, mesh.size
-    on = [(i, steps()[name], setting) for i, (name, setting) in enumerate(options.step_measures)]
-    observers = [(i, step, setting) for i, step, setting in on if step.observe is not None]
+    on = [(i, steps()[name], setting) for i, (name, setting) in enumerate(split(options.step_measures)[1])]
     after = [(i, step, setting) for i, step, setting in on if step.after_forward is not None]
+    observe = observer(options.step_measures)  # the step measures' per-state updates (base.Step.observe)
 
     def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plan, group, centers):
         center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centered else None
         exchange, flat = jax.tree.map(lambda x: x[0], exchange), lambda x_BxT: x_BxT.reshape(-1)
-        acc = _device_view(acc)
-        sums = list(acc.step)
-        for i, step, setting in observers:  # the step measures' per-state updates (base.Step.observe)
-            sums[i] = step.observe(sums[i], setting, s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
-                                   group, index)
-        acc = stats.update_state(acc, s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
+        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
                                  group, center_D, index=index, opts=options, sample_plan=plan, exchange=exchange,
-                                 positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT))
-        return _stacked(acc.replace(step=tuple(sums)))
+                                 positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT), observe=observe)
+        return _stacked(acc)
 
     def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
         """Once per batch and device: the sort of the ids (for all states) and the sample's plan."""

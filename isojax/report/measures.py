@@ -25,7 +25,8 @@ from isojax.report.states import _band_layers, _by_layer, _has, _training, run_l
 SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
            "massive_max_over_sample_median", "massive_count", "massive_top1", "feature_kurtosis", "alpha_req",
            "effective_rank", "erank", "erank_pooled",
-           *(n for n in registered.names() if n not in registered.dict_valued())]  # those: _registered_keyed
+           *(n for n in registered.names() if n not in registered.dict_valued()  # those: _registered_keyed
+             and n not in registered.default_step_nulls())]  # massive_*: drawn as above, tabled below
 BANDS = [("inter_sim_pos_0", "position 0"), ("inter_sim_pos_1_16", "positions 1–15"),
          ("inter_sim_pos_16_128", "positions 16–127"), ("inter_sim_pos_128_", "positions 128+")]
 
@@ -288,7 +289,8 @@ def section(res: Results, figs: Figures) -> Section:
                   "Diff-eRank's eRank on the sentence probe's sentences and its pooled variant, each with its "
                   "difference from step0 (Wei et al. 2024), InterSim by "
                   "position, linear CKA (Kornblith et al. 2019), "
-                  + "; ".join(f"{', '.join(m.name for m in r.metrics)} ({r.paper})" for r in registered.MEASURES.values())
+                  + "; ".join(f"{', '.join(m.name for m in r.metrics)} ({r.paper})" for r in registered.MEASURES.values()
+                            if not (r.step and r.step.layer_part))  # massive activations, by position: named above
                   + "; README \"Measures\" defines each.")
     runs = finals(res.extract)
     series = _with_diff_erank(trainings(res.extract))

@@ -114,6 +114,17 @@ def consume(runner, batches, done: dict, total: int, *, checkpoint_every=None,
     return done, first_step or 0.0
 
 
+def _refuse_older(old: dict, settings: dict) -> None:
+    """UserError where the checkpoint was written before the accumulators' own streamed measures became step
+    measures (issue 46: Step.layer_part, on by default; their sums then lay elsewhere): it cannot resume."""
+    from isojax.stats.measures import steps
+    moved = [name for name in settings.get("step_measures", {})
+             if steps()[name].layer_part and name not in old.get("step_measures", {})]
+    if moved:
+        raise UserError(f"the checkpoint was written by an older isojax, before {', '.join(moved)} became step "
+                        "measures (its accumulators hold them in another layout); start over with --overwrite")
+
+
 def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
     """(cursor, done) after the newest checkpoint that reads back whole, whose accumulators are
     loaded into runner. A damaged step (a file missing, truncated or failing its checksum) is
@@ -127,6 +138,7 @@ def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
         try:
             meta, _ = checkpointing.read_meta(ckpt_dir, step)
             if meta["settings"] != settings:
+                _refuse_older(meta["settings"], settings)
                 diff = [k for k in {**meta["settings"], **settings} if meta["settings"].get(k) != settings.get(k)]
                 on = lambda s: ", ".join(f"{k}={v}" for k, v in s.get("step_measures", {}).items()) or "none"
                 raise UserError(f"the checkpoint was made with other settings ({', '.join(diff)}"

@@ -438,7 +438,7 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
         final, finish_groups = finalize_whole(acc, state_names, cache.source_names if has_sources else None,
                                               token=token, isoscore_zeta=config.stats.isoscore_zeta,
                                               bf16=config.model.dtype == "bfloat16")
-        step_sums = runner.step_sums()
+        step_sums = runner.step_sums(acc)
         if step_sums:  # the step measures' sums added over the devices, in float64, read out
             from isojax.stats.measures import step_readout, with_steps_by_source
             step_readout(final, step_sums, dict(config.stats.step_settings()), int(acc.layer_count()[0]))

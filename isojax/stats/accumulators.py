@@ -19,6 +19,8 @@ decimal digits that float32 cannot spare). The uncentered Gram is rebuilt exactl
 float64 as M2 + sum sum^T / n.
 """
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,10 +33,6 @@ from isojax.stats.options import StatsOptions
 DEFAULT_OPTIONS = StatsOptions()
 
 _COUNT_BITS = 30  # counts are int32 limbs: n = hi * 2**30 + lo, exact to 2**61
-# Position bands of inter_sim_by_position: [0, 1), [1, 16), [16, 128), [128, inf). The position is
-# the token's position in its packed segment, as the model sees it (a window of a sequence longer
-# than the row starts again at 0: data/tokens.py cuts windows into sequences of their own).
-POSITION_BANDS = (0, 1, 16, 128)
 
 
 @struct.dataclass
@@ -94,16 +92,14 @@ class Accumulators:
     m2_HxSxDxD: DFPair  # Sum (x - mean)(x - mean)^T over the H-slot's population
     unit_m2_HxSxDxD: DFPair  # the same for unit vectors
     centered_sum_GxSxC: DF  # Sum (x-c)/|x-c| for centered InterSim; C = D or 0
-    massive_max_GxS: jax.Array  # float32 max |x| over valid tokens and dimensions; -1 before any token
-    massive_at_GxSx4: jax.Array  # int32: its (dim, token id, position, sequence index); -1 before any
-    band_count_lo_BxS: jax.Array  # int32 limbs of the valid tokens per position band (POSITION_BANDS)
-    band_count_hi_BxS: jax.Array
-    band_unit_sum_BxSxD: DF  # Sum x/|x| per position band (inter_sim_by_position)
+    # the sums of the step measures merged with this layer part on the devices (stats/measures base.Step.
+    # layer_part: massive activations, position bands), in StatsOptions.step_measures' order; () when none is on
+    layer_steps: tuple
     tok_count_SxV: jax.Array  # int32 occurrences per token; V = 0 without token stats
     tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
     sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (stats/sample.py); K = 0: no sample
     sample_SxKxD: jax.Array  # their states, in the forward's dtype
-    # the step measures' sums (stats/measures base.Step), one per StatsOptions.step_measures, in its
+    # the other step measures' sums (stats/measures base.Step), added on the host, in StatsOptions.step_measures'
     # order; () (no leaves) when none is on
     step: tuple = ()
 
@@ -128,7 +124,7 @@ def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_
     v = vocab_size if token_stats else 0
     return dict(
         count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d),
-        centered=(g, s, d if centered else 0), tok_count=(s, v), tok_sum=(s, v, d), bands=(len(POSITION_BANDS), s))
+        centered=(g, s, d if centered else 0), tok_count=(s, v), tok_sum=(s, v, d))
 
 
 def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: int = 1,
@@ -148,11 +144,7 @@ def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: i
         norm_sum_GxS=_df_zeros(sh["norm"]),
         m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
         unit_m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
-        centered_sum_GxSxC=_df_zeros(sh["centered"]),
-        massive_max_GxS=jnp.full(sh["count"], -1.0, jnp.float32),
-        massive_at_GxSx4=jnp.full((*sh["count"], 4), -1, jnp.int32),
-        band_count_lo_BxS=jnp.zeros(sh["bands"], jnp.int32), band_count_hi_BxS=jnp.zeros(sh["bands"], jnp.int32),
-        band_unit_sum_BxSxD=_df_zeros((*sh["bands"], d)),
+        centered_sum_GxSxC=_df_zeros(sh["centered"]), layer_steps=(),
         tok_count_SxV=jnp.zeros(sh["tok_count"], jnp.int32),
         tok_sum_SxVxD=_df_zeros(sh["tok_sum"]),
         sample_keys_Kx2=jnp.full((sample_size, 2), sample.EMPTY, jnp.uint32),
@@ -308,67 +300,29 @@ def _df_slot_add(df: DF, idx, v):
     return DF(df.hi.at[idx].set(hi), df.lo.at[idx].set(lo))
 
 
-def _earlier(at_a, at_b):
-    """Whether a's token comes before b's: (sequence index, position, dim) lexicographic, on [..., 4]
-    arrays of (dim, token id, position, sequence index). Token identity, not batch order: so the
-    tie-break of massive_* is the same on any device count, batch size or resume."""
-    before, same = jnp.zeros(at_a.shape[:-1], bool), jnp.ones(at_a.shape[:-1], bool)
-    for k in (3, 2, 0):
-        before = before | (same & (at_a[..., k] < at_b[..., k]))
-        same = same & (at_a[..., k] == at_b[..., k])
-    return before
-
-
-def massive_merge(max_a, at_a, max_b, at_b):
-    """The larger of two (max |x|, where) pairs, elementwise; on a tie the earlier token (_earlier).
-    Symmetric, so merge partners agree bit for bit; an empty side has max -1."""
-    take_b = (max_b > max_a) | ((max_b == max_a) & (max_b >= 0) & _earlier(at_b, at_a))
-    return jnp.where(take_b, max_b, max_a), jnp.where(take_b[..., None], at_b, at_a)
-
-
-def _batch_massive(x_NxD, rowmax_N, valid_N, token_ids_N, positions_N, sequences_N):
-    """(max |x|, [4] where) of one batch's valid rows: the rows' maxima (rowmax_N, one reduce beside
-    the norms'), the earliest row holding the largest, then the lowest dim of that row."""
-    rowmax_N = jnp.where(valid_N, rowmax_N, -1.0)
-    top = jnp.max(rowmax_N)
-    tied_N = rowmax_N == top
-    last = jnp.iinfo(jnp.int32).max
-    seq = jnp.min(jnp.where(tied_N, sequences_N, last))
-    tied_N = tied_N & (sequences_N == seq)
-    pos = jnp.min(jnp.where(tied_N, positions_N, last))
-    row = jnp.argmax(tied_N & (positions_N == pos))
-    dim = jnp.argmax(jnp.abs(x_NxD[row]))  # the first of equal values: the lowest dim
-    return top, jnp.stack([dim, token_ids_N[row], pos, seq]).astype(jnp.int32)
-
-
-def band_sums(x_NxD, band_N, num_bands: int):
-    """[num_bands, D]: Sum of the rows of each band, as pairwise_sum sums (its first level of 16
-    rows, then its tree), in one pass over x: the first level is a reduce of x times the rows'
-    one-hot bands, [N/16, B, D], a quarter of x's size at four bands, not B masked copies of x."""
-    n, d = x_NxD.shape
-    pad = -n % 16
-    if pad:
-        x_NxD = jnp.concatenate([x_NxD, jnp.zeros((pad, d), x_NxD.dtype)])
-        band_N = jnp.concatenate([band_N, jnp.full(pad, -1, band_N.dtype)])
-    onehot_NxB = (band_N[:, None] == jnp.arange(num_bands, dtype=band_N.dtype)).astype(x_NxD.dtype)
-    first_MxBxD = (x_NxD.reshape(-1, 16, 1, d) * onehot_NxB.reshape(-1, 16, num_bands, 1)).sum(axis=1)
-    return pairwise_sum(first_MxBxD.reshape(first_MxBxD.shape[0], num_bands * d)).reshape(num_bands, d)
-
-
-def position_band(positions_N):
-    """Band index (POSITION_BANDS) of each position."""
-    return sum((positions_N >= lo).astype(jnp.int32) for lo in POSITION_BANDS[1:])
+class Rows(NamedTuple):
+    """One state of one batch as update_state reads it, computed once and handed to the step measures'
+    observe (stats/measures base.Step): float32, invalid rows zero."""
+    x_NxD: Any  # the states in float32, rows not valid_N zero
+    norm_N: Any  # |x|
+    rowmax_N: Any  # max |x| over each row's dimensions (a sibling of the norms' reduce: one read of x)
+    unit_NxD: Any  # x / |x| (zero rows stay zero)
+    token_ids_N: Any
+    valid_N: Any  # bool: the rows the statistics count (skipped positions and padding False)
+    positions_N: Any  # int32: each row's position in its sequence
+    sequences_N: Any  # int32: its sequence's index
 
 
 def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, center_D=None,
                  *, index: TokenIndex | None = None, opts: StatsOptions = DEFAULT_OPTIONS,
                  sample_plan: sample.Plan | None = None, exchange: Exchange | None = None,
-                 positions_N=None, sequences_N=None) -> Accumulators:
+                 positions_N=None, sequences_N=None, observe=None) -> Accumulators:
     """Add state s of one batch. s, group: (traced) int32 scalars; padding rows
     (valid_N False) contribute nothing, whatever they hold (the caller masks skipped positions,
     StatsOptions.skip_positions, into valid_N). positions_N: each row's position in its sequence
-    (None: the batch is one sequence, 0..N-1); sequences_N: its sequence's index (None: 0); they
-    place massive_* and the position bands. `index` (from index_tokens)
+    (None: the batch is one sequence, 0..N-1), sequences_N its sequence's
+    index (None: 0). observe(acc, s, group, rows: Rows, index) -> acc: the step measures' updates of this
+    state (stats.measures.observer), called once its Rows are made. `index` (from index_tokens)
     lets a caller sort the ids once per batch instead of once per state; `sample_plan` (from
     sample.plan, once per batch) says which rows enter the sample. With
     opts.token_shards > 1 this runs inside shard_map: the per-token accumulators hold this
@@ -416,7 +370,12 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     lo, hi = _add_count(acc.count_lo_GxS[gs], acc.count_hi_GxS[gs], n_b)
     acc = acc.replace(count_lo_GxS=acc.count_lo_GxS.at[gs].set(lo),
                       count_hi_GxS=acc.count_hi_GxS.at[gs].set(hi))
-    acc = _update_streamed(acc, s, gs, x_NxD, rowmax_N, unit_NxD, token_ids_N, valid_N, positions_N, sequences_N)
+    n = x_NxD.shape[0]
+    positions_N = jnp.arange(n, dtype=jnp.int32) if positions_N is None else jnp.asarray(positions_N, jnp.int32)
+    sequences_N = jnp.zeros(n, jnp.int32) if sequences_N is None else jnp.asarray(sequences_N, jnp.int32)
+    if observe is not None:
+        acc = observe(acc, s, group, Rows(x_NxD, norm_N, rowmax_N, unit_NxD, token_ids_N, valid_N, positions_N,
+                                          sequences_N), index)
 
     if acc.centered_sum_GxSxC.hi.shape[-1]:
         if center_D is None:
@@ -437,30 +396,6 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
         else:
             acc = _update_token_shards(acc, s, unit_NxD, index, opts, exchange)
     return acc
-
-
-def _update_streamed(acc: Accumulators, s, gs, x_NxD, rowmax_N, unit_NxD, token_ids_N, valid_N, positions_N,
-                     sequences_N) -> Accumulators:
-    """massive_* and the position bands' unit sums and counts of one state of one batch. The band
-    sums are masked copies of the unit sum's pairwise tree: their first level reads unit_NxD as
-    the unit sum's does (sibling reductions, which XLA fuses into one pass on GPUs)."""
-    n = x_NxD.shape[0]
-    positions_N = jnp.arange(n, dtype=jnp.int32) if positions_N is None else jnp.asarray(positions_N, jnp.int32)
-    sequences_N = jnp.zeros(n, jnp.int32) if sequences_N is None else jnp.asarray(sequences_N, jnp.int32)
-    top, at_4 = _batch_massive(x_NxD, rowmax_N, valid_N, token_ids_N.astype(jnp.int32), positions_N, sequences_N)
-    new_max, new_at = massive_merge(acc.massive_max_GxS[gs], acc.massive_at_GxSx4[gs], top, at_4)
-    band_N = position_band(positions_N)
-    sums_BxD = band_sums(unit_NxD, band_N, len(POSITION_BANDS))
-    counts_B = jnp.sum(valid_N[:, None] & (band_N[:, None] == jnp.arange(len(POSITION_BANDS))), axis=0, dtype=jnp.int32)
-    lo_B, hi_B = _add_count(acc.band_count_lo_BxS[:, s], acc.band_count_hi_BxS[:, s], counts_B)
-    band = acc.band_unit_sum_BxSxD
-    sum_hi, sum_lo = _df_add(band.hi[:, s], band.lo[:, s], sums_BxD)
-    return acc.replace(
-        massive_max_GxS=acc.massive_max_GxS.at[gs].set(new_max),
-        massive_at_GxSx4=acc.massive_at_GxSx4.at[gs].set(new_at),
-        band_count_lo_BxS=acc.band_count_lo_BxS.at[:, s].set(lo_B),
-        band_count_hi_BxS=acc.band_count_hi_BxS.at[:, s].set(hi_B),
-        band_unit_sum_BxSxD=DF(band.hi.at[:, s].set(sum_hi), band.lo.at[:, s].set(sum_lo)))
 
 
 def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int, opts: StatsOptions = DEFAULT_OPTIONS):
@@ -613,10 +548,10 @@ def _update_token_shards(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts
 
 def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
            centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS, token_keys_Nx2=None,
-           positions_N=None, sequences_N=None) -> Accumulators:
+           positions_N=None, sequences_N=None, observe=None) -> Accumulators:
     """Add all S states of one batch (ids sorted once, a fori_loop over states). token_keys:
     the tokens' sample keys (sample.token_keys), needed when the accumulators keep a sample.
-    positions_N, sequences_N: as update_state takes them; positions below opts.skip_positions
+    positions_N, sequences_N, observe: as update_state takes them; positions below opts.skip_positions
     are left out."""
     vocab_size = acc.tok_count_SxV.shape[1] * opts.token_shards
     states_SxNxD, token_ids_N, valid_N = map(jnp.asarray, (states_SxNxD, token_ids_N, valid_N))
@@ -637,7 +572,7 @@ def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
         center_D = None if centers_SxD is None else centers_SxD[s]
         return update_state(acc, s, states_SxNxD[s], token_ids_N, valid_N, group, center_D,
                             index=index, opts=opts, sample_plan=plan, positions_N=positions_N,
-                            sequences_N=sequences_N)
+                            sequences_N=sequences_N, observe=observe)
 
     return lax.fori_loop(0, states_SxNxD.shape[0], body, acc)
 
@@ -683,11 +618,7 @@ def merge(a: Accumulators, b: Accumulators, *, keep_m2: bool = False, m2_row0=No
         unit_m2_HxSxDxD=m2_merge(a.unit_m2_HxSxDxD, b.unit_m2_HxSxDxD, a.unit_sum_GxSxD,
                                  b.unit_sum_GxSxD),
         centered_sum_GxSxC=df_merge(a.centered_sum_GxSxC, b.centered_sum_GxSxC),
-        **dict(zip(("massive_max_GxS", "massive_at_GxSx4"), massive_merge(
-            a.massive_max_GxS, a.massive_at_GxSx4, b.massive_max_GxS, b.massive_at_GxSx4))),
-        **dict(zip(("band_count_lo_BxS", "band_count_hi_BxS"), _add_count(
-            a.band_count_lo_BxS, a.band_count_hi_BxS + b.band_count_hi_BxS, b.band_count_lo_BxS))),
-        band_unit_sum_BxSxD=df_merge(a.band_unit_sum_BxSxD, b.band_unit_sum_BxSxD),
+        layer_steps=tuple(x.merge(y) for x, y in zip(a.layer_steps, b.layer_steps, strict=True)),
         tok_count_SxV=a.tok_count_SxV + b.tok_count_SxV,
         tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD),
         **dict(zip(("sample_keys_Kx2", "sample_SxKxD"), sample.merge(

@@ -24,7 +24,6 @@ from isojax.stats import accumulators as stats
 from isojax.stats import geometry, measures, tridiagonal
 from isojax.stats.accumulators import _COUNT_BITS, Accumulators, chan_term
 from isojax.stats.sample_readout import _top_eigenvalue, sample_programs
-from isojax.stats.streamed import streamed_measures
 
 
 def _f64(df):
@@ -481,8 +480,8 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
             layer.update(intra_sim=None, intra_sim_weighted=None, intra_tokens=None)
         layers.append(layer)
 
-    for layer, streamed in zip(layers, streamed_measures(acc)):  # massive_*, inter_sim_by_position
-        layer.update(streamed)
+    for layer in layers:  # massive_*, inter_sim_by_position: read out by run.measure, here null (their place)
+        layer.update(measures.default_step_nulls())
     for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
                     "sample_abs_median", "massive_max_over_sample_median", *GEOMETRY_KEYS, *SPECTRAL_KEYS):

@@ -7,7 +7,7 @@ Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample 
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
 (report/measures.py). A "step" measure (its Step: base.py) is accumulated by the step where its setting
 turns it on (steps(), step_settings()), counted by the planner and read out by run.measure
-(step_readout()); the step's older streamed measures are not here yet.
+(step_readout()); massive_activations.py and position_bands.py, on by default, were the step's own streamed measures.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import numpy as np
 from isojax.stats.measures.base import Measure, Metric, Spectra, Step
 
 __all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_readout",
-           "with_steps_by_source", "step_settings", "check_step", "names", "columns", "nulls", "dict_valued",
-           "labels", "spectral", "optional", "check_optional", "to_final", "sample_programs", "sample_readout",
-           "sample_dispatch", "sample_values", "pairs_dispatch"]
+           "with_steps_by_source", "step_settings", "check_step", "default_step_nulls", "split", "init_sums", "observer",
+           "names", "columns", "nulls", "dict_valued", "labels", "spectral", "optional", "check_optional", "to_final",
+           "sample_programs", "sample_readout", "sample_dispatch", "sample_values", "pairs_dispatch"]
 
 
 def _found() -> dict[str, Measure]:
@@ -66,6 +66,35 @@ def check_optional(extra) -> tuple[str, ...]:
 def steps() -> dict[str, Step]:
     """The step measures' hooks (Measure.step), by module name, in the registry's order."""
     return {name: m.step for name, m in MEASURES.items() if m.reads == "step"}
+
+
+def split(step_measures) -> tuple[list, list]:
+    """StatsOptions.step_measures' (name, setting) pairs, in order: (those whose sums sit in the accumulators'
+    layer part, Step.layer_part; the others): Accumulators.layer_steps' and .step's."""
+    on = [(name, setting) for name, setting in step_measures]
+    return [x for x in on if steps()[x[0]].layer_part], [x for x in on if not steps()[x[0]].layer_part]
+
+
+def init_sums(step_measures, num_groups: int, num_states: int, vocab_rows: int, width: int) -> tuple[tuple, tuple]:
+    """(layer_steps, step): one device's zero sums of the step measures on (Step.init)."""
+    return tuple(tuple(steps()[name].init(setting, num_groups, num_states, vocab_rows, width) for name, setting in part)
+                 for part in split(step_measures))
+
+
+def observer(step_measures):
+    """stats.accumulators.update_state's `observe` of the step measures on (StatsOptions.step_measures): each
+    one's Step.observe on its sums in the accumulators; None where none observes the states."""
+    parts = split(step_measures)
+    if not any(steps()[name].observe for part in parts for name, _ in part):
+        return None
+
+    def observe(acc, s, group, rows, index):
+        def run(sums, part):
+            return tuple(x if steps()[name].observe is None else steps()[name].observe(x, setting, s, group, rows, index)
+                         for x, (name, setting) in zip(sums, part, strict=True))
+        return acc.replace(layer_steps=run(acc.layer_steps, parts[0]), step=run(acc.step, parts[1]))
+
+    return observe
 
 
 def step_readout(final: dict, step_sums: dict, settings: dict, counted: int) -> None:
@@ -128,8 +157,8 @@ def step_settings(given, token_stats: bool) -> tuple[tuple[str, int], ...]:
 
 
 def _of_layers(m: Measure) -> list[Metric]:
-    """m's metrics of a layer (in metrics.json's layers and layers.csv), not its per-token arrays."""
-    return [metric for metric in m.metrics if not metric.per_token]
+    """m's metrics of a layer (in metrics.json's layers and layers.csv), not its per-token arrays nor identifiers."""
+    return [metric for metric in m.metrics if not (metric.per_token or metric.identifier or metric.listed)]
 
 
 def per_token() -> list[Metric]:
@@ -158,6 +187,13 @@ def columns(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> 
 def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> dict:
     """Every registered metric's value where it is not measured: null ({key: null} for a dict-valued one)."""
     return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)}
+
+
+def default_step_nulls() -> dict:
+    """The metrics of the step measures on by default, null: their place in a layer (stats.finalize,
+    where they were read out before they were step measures), filled by run.measure's read-out."""
+    return {metric.name: metric.null() for m in MEASURES.values() if m.reads == "step" and m.step.default
+            for metric in m.metrics if not metric.per_token}
 
 
 def dict_valued() -> dict[str, Metric]:

@@ -34,6 +34,10 @@ class Metric:
     label: str  # its axis label in the report's figures
     keys: tuple[str, ...] = ()  # a dict-valued metric's keys (above); () for a number
     per_token: bool = False  # an array [S, V] in tokens.zarr (a step measure's Step.tokens), not a layer's value
+    identifier: bool = False  # where another metric was found (a dimension, token id, position), not a quantity:
+    # in metrics.json and layers.csv, but not drawn, correlated nor among names() and columns()
+    listed: bool = False  # a list of dicts (inter_sim_by_position's bands), flattened into columns of its own by
+    # run.results.flat_layer: not among names() and columns()
 
     def columns(self) -> list[str]:
         """Its columns in layers.csv / sweep.csv."""
@@ -66,24 +70,32 @@ class Step:
     """What a "step" measure adds to the step and the run. Its setting: a non-negative integer, 0 off
     (StatsOptions.step_measures holds (module name, setting) of those on). One device's sums: a
     NamedTuple of arrays (the step's global ones lead with a device axis, split over every device,
-    checkpointed with the accumulators and added on the host). Arrays by the axis names of
-    stats.accumulators; jax is imported inside the hooks (the registry stays free of it).
+    checkpointed with the accumulators and added on the host; `layer_part`: merged on the devices).
+    Arrays by the axis names of stats.accumulators; jax is imported inside the hooks (the registry
+    stays free of it).
 
-    Its update is `observe` (each state of each batch inside the layer scan, per device, beside
-    stats.accumulators.update_state) or `after_forward` (each device's rows of every state, kept in
-    a buffer [S, B, T, D] during the forward, after it)."""
+    Its update is `observe` (each state of each batch inside the layer scan, per device, inside
+    stats.accumulators.update_state, from the state's Rows it computes once: x, |x|, max |x|, x/|x|)
+    or `after_forward` (each device's rows of every state, kept in a buffer [S, B, T, D] during the
+    forward, after it)."""
     keyword: str  # its keyword of isojax.measure (MeasureConfig.build) taking the setting
     add_arguments: Callable  # (ap, positive_int): its command-line flags
     setting: Callable  # (args) -> int | None: its setting from the flags; None: not given (`default`)
-    init: Callable  # (setting, num_groups, num_states, vocab_rows) -> one device's zero sums
+    init: Callable  # (setting, num_groups, num_states, vocab_rows, width) -> one device's zero sums
     merged: Callable  # (per-device numpy sums, num_devices, vocab_size) -> its sums on the host, float64
     step_bytes: Callable  # (cfg, dtype, tokens_per_device, setting, model_axis) -> device bytes the step adds
     default: int = 0  # its setting where not given
     boolean: bool = False  # its setting is on or off: its keyword takes True and False too (1 and 0)
     needs_token_stats: bool = False  # on only with token stats (then `observe` gets the batch's TokenIndex)
     needs_sequences: Callable = lambda setting: False  # whether the step needs the rows' sequence indices
-    # (sums, setting, s, x_NxD, token_ids_N, valid_N, group, index) -> sums: state s of one batch, per device
+    # (sums, setting, s, group, rows, index) -> sums: state s of one batch, per device; rows: its
+    # stats.accumulators.Rows (float32, valid_N without the skipped positions; positions and sequence indices
+    # int32); index: the batch's TokenIndex (with token stats)
     observe: Callable | None = None
+    # its sums sit in the accumulators' layer part (Accumulators.layer_steps) and are merged with it on the
+    # devices by their Sums.merge(other) (symmetric: partners agree bit for bit); `merged` then gets them merged,
+    # with a device axis of 1. Else they are added on the host (`merged` gets every device's)
+    layer_part: bool = False
     # (module, params, setting) -> (update, weights): update(sums, states_SxBxTxD, tokens_BxT, seg_BxT,
     # kept_BxT, pos_BxT, seq_BxT, group, weights) -> sums, per device after the forward
     after_forward: Callable | None = None

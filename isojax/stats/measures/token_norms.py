@@ -7,7 +7,7 @@ applies; the same tokens as tokens.zarr/count): mean_norm[s, v] = Sum |x_s(t)| /
 tokens t of id v (NaN where count[v] = 0).
 
 The step: inside the layer scan, per device and state, the norms |x| in float32 of the forward's
-states (as stats.accumulators computes its norm sums), summed per token id by a sorted segment sum
+states (stats.accumulators.Rows: those of its norm sums), summed per token id by a sorted segment sum
 over the batch's sort of the ids (stats.accumulators.index_tokens: made once per batch with token
 stats; segment_sums in its associative-scan form, never an unordered scatter-add, so the sums are
 bit-reproducible), then TwoSum-added (accumulators._df_add) into the device's double-float sums of
@@ -46,19 +46,16 @@ class Sums(NamedTuple):
     lo_SxV: Any
 
 
-def init(on: int, num_groups: int, num_states: int, vocab_rows: int) -> Sums:
+def init(on: int, num_groups: int, num_states: int, vocab_rows: int, width: int = 0) -> Sums:
     import jax.numpy as jnp
     return Sums(jnp.zeros((num_states, vocab_rows), jnp.float32), jnp.zeros((num_states, vocab_rows), jnp.float32))
 
 
-def observe(sums: Sums, on: int, s, x_NxD, token_ids_N, valid_N, group, index) -> Sums:
-    """State s of one device's batch: its norms summed per token id (index: the batch's TokenIndex)."""
-    import jax.numpy as jnp
-
+def observe(sums: Sums, on: int, s, group, rows, index) -> Sums:
+    """State s of one device's batch: its norms (rows.norm_N) summed per token id (index: the batch's TokenIndex)."""
     from isojax.stats.accumulators import _df_add, segment_sums
     from isojax.stats.options import StatsOptions
-    x_NxD = jnp.where(valid_N[:, None], x_NxD.astype(jnp.float32), 0.0)
-    norm_N = jnp.sqrt(jnp.sum(x_NxD * x_NxD, axis=1))
+    norm_N = rows.norm_N
     n = norm_N.shape[0]
     seg_N = segment_sums(norm_N[index.order_N][:, None], index, n, StatsOptions(segment_sum="scan"))[:, 0]
     rows = (s, index.uniq_U)  # distinct ascending keys; padding keys >= V' are dropped

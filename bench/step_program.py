@@ -1,0 +1,124 @@
+"""Hashes of the step's compiled program, to show that a change to the statistics leaves the step alone:
+run on two commits (PYTHONPATH) and compare the lines.
+
+    PYTHONPATH=CHECKOUT python CHECKOUT2/bench/step_program.py [--devices 1 2] [--configs NAME ...] [--out DIR]
+
+(run by its path, from outside a checkout, so that `isojax` is PYTHONPATH's: the first line names it.)
+
+For each configuration (CONFIGS) of a tiny GPT-NeoX (D = 64, 2 layers, V = 512, rows 4 x 64 per device; its
+shapes only: the program does not depend on the weights): the jitted step the runner uses (device/runner.py
+Layout.step, as run.plan builds it: the module split by rows over the mesh, the statistics' options with the
+registry's default step measures), lowered from shapes and compiled (device/ahead.py compile_step), then its
+optimized HLO text canonicalized: metadata, the source locations' tables and the module's name left out,
+instruction, computation and parameter names numbered in order of appearance, so that only a change of the
+program itself changes the hash. The device count is a process setting: each count
+runs in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count (2 devices: the token part split
+over both, token_shards 2). --out writes each canonical text (to diff two commits' programs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+CONFIGS = {  # name -> (dtype, token_stats, groups, skip_positions, sample_size)
+    "f32": ("float32", True, 1, 0, 64),
+    "bf16": ("bfloat16", True, 1, 0, 64),
+    "f32-no-tokens": ("float32", False, 1, 0, 64),
+    "bf16-no-tokens": ("bfloat16", False, 1, 0, 64),
+    "f32-groups3": ("float32", True, 3, 0, 64),
+    "f32-skip2": ("float32", True, 1, 2, 64),
+    "bf16-skip2-groups2": ("bfloat16", True, 2, 2, 64),
+    "f32-no-sample": ("float32", True, 1, 0, 0),
+}
+TINY_NEOX = dict(model_type="gpt_neox", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=256, rotary_pct=0.25, use_parallel_residual=True, hidden_act="gelu",
+                 max_position_embeddings=2048, layer_norm_eps=1e-5)
+ROWS, ROW_LEN = 4, 64
+
+
+def canonical(hlo: str) -> str:
+    """The HLO text with what does not change the program left out (metadata, the source locations'
+    tables, the module's name) or numbered in order of appearance (instructions, computations, parameters)."""
+    hlo = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n.*?\n\n", "", hlo, flags=re.S | re.M)
+    hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
+    hlo = re.sub(r"^HloModule \S+", "HloModule m", hlo, flags=re.M)
+    names: dict[str, str] = {}
+
+    def rename(m):
+        return names.setdefault(m.group(1), f"n{len(names)}")
+
+    hlo = re.sub(r"^((?:ENTRY )?%[\w.\-]+ \()(.*)(\) -> )", lambda m: m.group(1) + re.sub(
+        r"([\w.\-]+): ", lambda p: f"%{p.group(1)}: ", m.group(2)) + m.group(3), hlo, flags=re.M)
+    return re.sub(r"%([\w.\-]+)", lambda m: "%" + rename(m), hlo)
+
+
+def program(name: str) -> str:
+    """The canonical optimized HLO of configuration `name` on this process's devices."""
+    import jax
+
+    from isojax.device import ahead
+    from isojax.device.mesh import make_mesh
+    from isojax.device.runner import Layout
+    from isojax.hf.family import from_hf_dict
+    from isojax.hf.loading import abstract_params, build_module
+    from isojax.run.plan import step_module
+    from isojax.stats.measures import step_settings
+    from isojax.stats.options import StatsOptions
+
+    dtype, token_stats, groups, skip, sample_size = CONFIGS[name]
+    cfg = from_hf_dict(TINY_NEOX, name="tiny-neox")
+    mesh = make_mesh()
+    module = step_module(build_module(cfg, dtype), mesh)
+    options = StatsOptions(skip_positions=skip, step_measures=step_settings({}, token_stats))
+    layout = Layout(module, mesh, token_stats=token_stats, num_groups=groups, sample_size=sample_size, options=options)
+    rows = ROWS * mesh.size
+    compiled, _ = ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), rows, ROW_LEN)
+    assert len(jax.devices()) == mesh.size
+    return canonical(compiled.as_text())
+
+
+def hashes(configs, out: str | None) -> dict[str, str]:
+    import jax
+    result = {}
+    for name in configs:
+        text = program(name)
+        result[name] = f"{hashlib.sha256(text.encode()).hexdigest()[:16]} ({len(text)} chars)"
+        if out:
+            with open(os.path.join(out, f"{name}-{len(jax.devices())}dev.hlo"), "w") as f:
+                f.write(text)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, nargs="*", default=[1, 2], help="device counts (default: 1 2)")
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
+                    help=f"of {', '.join(CONFIGS)} (default: all)")
+    ap.add_argument("--out", help="a folder to write each canonical HLO text into (to diff them)")
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a subprocess of that device count
+    args = ap.parse_args()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    if args.one:
+        print(json.dumps(hashes(args.configs, args.out)))
+        return
+    import isojax
+    print(f"isojax: {os.path.dirname(isojax.__file__)}", flush=True)
+    for n in args.devices:
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip())
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), "--configs", *args.configs,
+               *(["--out", args.out] if args.out else [])]
+        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+        for name, h in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            print(f"{n} device{'s' if n > 1 else ''} {name}: {h}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

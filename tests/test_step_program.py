@@ -1,0 +1,32 @@
+"""bench/step_program.py's canonical HLO: names, metadata and the source locations do not change a hash, a
+changed program does (what its main-vs-branch comparison of the step rests on)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from bench.step_program import canonical
+
+
+def _compiled(fn, name: str) -> str:
+    fn.__name__ = name  # the module's and the computations' names follow the function's
+    return jax.jit(fn).lower(jax.ShapeDtypeStruct((8, 4), jnp.float32)).compile().as_text()
+
+
+def test_only_a_changed_program_changes_the_canonical_text():
+    def one(x):
+        return jnp.sum(x * 2.0 + 1.0, axis=1)
+
+    def same(y):  # the same program from other source lines, names and argument names
+        z = y * 2.0
+        return jnp.sum(z + 1.0, axis=1)
+
+    def other(x):
+        return jnp.sum(x * 3.0 + 1.0, axis=1)
+
+    a, b, c = _compiled(one, "first"), _compiled(same, "second"), _compiled(other, "first")
+    assert a != b  # the raw texts differ (names, metadata) ...
+    assert canonical(a) == canonical(b)  # ... the programs do not
+    assert canonical(a) != canonical(c)
+    assert "first" not in canonical(a) and "metadata" not in canonical(a)
