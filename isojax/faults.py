@@ -28,7 +28,8 @@ in a background part of a run ends it with one `error:` line and no partial file
 Several faults at once: comma-separated (`sweep_saving:hold,checkpoint_written:3`).
 In-process tests order events with `hook(POINT, fn)`: fn() runs in every thread that reaches POINT
 (`weights_read`: the main thread about to read the weights, or take those read ahead; the two above; `sweep_saving`;
-`weights_ahead`; `plots_drawing`: the figures' thread about to draw its first).
+`weights_ahead`; `plots_drawing`: the figures' thread about to draw its first; `sample_identify`: the
+thread that recovers the sampled tokens' ids, about to start).
 Unset (every real run), `reached` costs two dictionary lookups."""
 
 from __future__ import annotations

@@ -94,3 +94,23 @@ def test_an_error_beside_the_main_thread_is_one_line_and_leaves_no_file(tmp_path
     assert "Traceback" not in err
     out = tmp_path / "out"
     assert not out.exists() or not [p for p in out.iterdir() if p.name != "checkpoint"], list(out.iterdir())
+
+
+def test_no_thread_that_may_outlive_measure_is_a_daemon(tmp_path, monkeypatch, inputs):
+    """measure() returns while the sampled tokens' ids are still recovered beside (a JAX program on
+    the host). That thread must hold the interpreter at exit: a daemon one still inside JAX when the
+    interpreter finalized aborted the process (SIGABRT, "terminate called ...") about every other
+    time a script ended right after measure(). The thread is held at its start here, so it is
+    surely alive when measure() returns."""
+    import isojax
+    monkeypatch.setenv("ISOJAX_CACHE", str(tmp_path / "cache"))
+    release = threading.Event()
+    with faults.hook("sample_identify", lambda: release.wait(WAIT_S)):
+        results = isojax.measure(str(inputs / "ckpt"), [str(inputs / "pile.jsonl")], seq_len=64, batch_tokens=512,
+                                 progress=False, sample_states=200)
+        beside = [t for t in threading.enumerate() if t.name.startswith("isojax-sample-ids")]
+        release.set()
+    assert beside and not any(t.daemon for t in beside), [(t.name, t.daemon) for t in beside]
+    ids = results.final["sample_tokens"].result()
+    assert len(ids["token_ids"]) == 200 and (ids["token_ids"] >= 0).all()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("isojax") and t.daemon and t.is_alive()]

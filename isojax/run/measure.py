@@ -446,7 +446,7 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
                                                  cache.source_names if has_sources else ())
         # the per-source reductions on the devices, while the host goes on (Results.save draws and writes)
         pending = None if finish_groups is None else in_background(
-            lambda: _timed_beside(timings, "finalize", finish_groups), daemon=True, name="isojax-sources")
+            lambda: _timed_beside(timings, "finalize", finish_groups), name="isojax-sources")
         if sampled is not None:
             count, states = sampled
             for layer, extra in zip(final["layers"], sample_metrics(states, count, state_names, intrinsic,
@@ -466,12 +466,19 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
 def _sample_identity(keys, cache):
     """A Future of the sampled tokens' sequence ids, positions and token ids (stats.sample.identify),
     recovered on a thread from the token cache while the run goes on; None in a multi-process run
-    (each process holds only its share of the tokens: samples.zarr has the keys only)."""
+    (each process holds only its share of the tokens: samples.zarr has the keys only). Not on a
+    daemon thread: measure() returns before it is done, and JAX still running on a daemon thread
+    when the interpreter finalizes aborts the process."""
     from isojax.data import TokenCache
     from isojax.stats.sample import identify
     if keys is None or not isinstance(cache, TokenCache):
         return None
-    return in_background(lambda: identify(keys, cache.offsets, cache.tokens), daemon=True, name="isojax-sample-ids")
+
+    def run():
+        faults.reached("sample_identify")
+        return identify(keys, cache.offsets, cache.tokens)
+
+    return in_background(run, name="isojax-sample-ids")
 
 
 def _timed_beside(timings, phase: str, fn) -> None:

@@ -46,10 +46,14 @@ class _Span:
 
 
 def in_background(fn, daemon: bool = False, name: str = "isojax") -> concurrent.futures.Future:
-    """fn() on a thread; its result, or its error, comes from the Future. daemon: a thread that
-    never holds the process at exit (one still opening the token cache or reading out when an
-    error ends the run: errors.exit_with), its error a KeyboardInterrupt included; else the
-    interpreter waits for it at a normal exit (a compile in the background is never cut short)."""
+    """fn() on a thread; its result, or its error, comes from the Future. By default the
+    interpreter waits for the thread at a normal exit: a job that may still be running when its
+    caller returns (the per-source read-out, the sample's token ids, a compile) must be one, since
+    a daemon thread still inside JAX or XLA when the interpreter finalizes aborts the process
+    ("terminate called ...", SIGABRT). daemon: a thread that may block for ever (on the token
+    stream) and is always done, its result taken, before a run returns; an error exit does not
+    wait for it (errors.exit_with skips finalization). Its error, a KeyboardInterrupt included,
+    comes from the Future."""
     if not daemon:
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
         future = pool.submit(fn)

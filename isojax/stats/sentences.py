@@ -165,17 +165,10 @@ class Probe:
 
     def compile_beside(self, finished) -> None:
         """compile(finished()) on a thread (while the devices measure); states() waits for it."""
-        import concurrent.futures
-        import threading
-        self._ahead = concurrent.futures.Future()
-
-        def run():
-            try:
-                self._ahead.set_result(self.compile(finished()))
-            except BaseException as e:  # settle() finds it and compiles at the call instead
-                self._ahead.set_exception(e)
-
-        threading.Thread(target=run, daemon=True, name="isojax-sentences").start()
+        from isojax.run.timings import in_background
+        # not a daemon: a compile still running at exit would abort the interpreter's finalization;
+        # one that failed is found by settle(), which compiles at the call instead
+        self._ahead = in_background(lambda: self.compile(finished()), name="isojax-sentences")
 
     def settle(self) -> None:
         """Wait for the compile beside, if any; one that failed is done again at the call."""
