@@ -22,10 +22,11 @@ def _keys(seq_N, pos_N, valid_N):
     return np.asarray(jax.jit(sample.token_keys)(jnp.asarray(seq_N), jnp.asarray(pos_N), jnp.asarray(valid_N)))
 
 
-def _init(s, d, k):
-    """Accumulators without token stats keeping a sample of k tokens (its step measure, sample_states)."""
+def _init(s, d, k, dtype="float32"):
+    """Accumulators without token stats keeping a sample of k tokens (its step measure, sample_states) of the
+    forward's dtype."""
     acc = stats.init_accumulators(s, d, 0, token_stats=False)
-    return acc.replace(step=measures.init_sums(((SAMPLE, k),), 1, s, 0, d)[1])
+    return acc.replace(step=measures.init_sums(((SAMPLE, k),), 1, s, 0, d, dtype)[1])
 
 
 def _feed(acc, x_SxNxD, seq_N, pos_N, valid_N, batch):
@@ -80,6 +81,21 @@ def test_fewer_tokens_than_slots_keeps_them_all():
     np.testing.assert_array_equal(np.sort(got[0, :, 0]), np.sort(x[0, :, 0]))
 
 
+def test_the_sample_keeps_the_states_as_the_forward_made_them():
+    """bfloat16 states (a bf16 forward's) are kept in bfloat16, bit for bit, whatever the statistics' float32
+    copy holds (skipped positions: their rows never enter)."""
+    rng = np.random.default_rng(3)
+    n, d, k = 400, 8, 64
+    seq, pos = np.repeat(np.arange(20), 20).astype(np.int32), np.tile(np.arange(20), 20).astype(np.int32)
+    x = jnp.asarray(rng.normal(size=(2, n, d)) * 1e3, jnp.bfloat16)
+    valid = pos >= 1  # as skip_positions 1 leaves them out
+    keys = _keys(seq, pos, valid)
+    want = np.asarray(x)[:, np.lexsort((keys[:, 1], keys[:, 0]))[:k]]
+    got = _sampled(_feed(_init(2, d, k, jnp.bfloat16), x, seq, pos, valid, 100))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_keys_are_uniform():
     """Positions of the sampled tokens in a 200k-token corpus: uniform (Kolmogorov-Smirnov
     distance to the uniform law well under its 1% critical value 1.63/sqrt(k))."""
@@ -126,7 +142,8 @@ def test_a_checkpoint_written_before_the_sample_was_a_step_measure_resumes_exact
     repo = Path(__file__).resolve().parents[1]
     old = tmp_path / "old"
     old.mkdir()
-    archive = subprocess.run(["git", "archive", "b4b826b", "isojax"], cwd=repo, capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "archive", "b4b826b", "isojax"], cwd=repo, capture_output=True,
+                             check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     loaded, mesh, batches = _runner_batches(tmp_path)
     on = (("massive_activations", 1), ("position_bands", 1), ("token_norms", 1))

@@ -62,7 +62,8 @@ def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: in
     from isojax.stats.measures.sample_states import sample_bytes
     need = per_device_accumulator_bytes(cfg, n, num_groups=num_groups, token_stats=token_stats, model_axis=model_axis,
                                         group_spectra=num_groups <= MAX_GROUP_SPECTRA)
-    return need + sample_bytes(cfg.num_states, cfg.hidden_size, sample_size, dtype), weight_bytes(cfg, dtype, model_axis)
+    need += sample_bytes(cfg.num_states, cfg.hidden_size, sample_size, dtype)
+    return need, weight_bytes(cfg, dtype, model_axis)
 
 
 def weight_bytes(cfg, dtype: str, model_axis: int = 1) -> int:

@@ -79,7 +79,8 @@ class Layout:
         options = options or StatsOptions()
         if sample_size:  # the sample's step measure, its setting K chosen by the planner (run/plan.py)
             on = dict(options.step_measures, **{SAMPLE: sample_size})
-            options = dataclasses.replace(options, step_measures=tuple((name, on[name]) for name in steps() if name in on))
+            options = dataclasses.replace(options, step_measures=tuple((name, on[name]) for name in steps()
+                                                                       if name in on))
         self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
         if not token_stats:  # a step measure that reads the token index is off without token stats
             self.options = dataclasses.replace(self.options, step_measures=tuple(
@@ -160,8 +161,10 @@ class Runner:
         """Bytes of accumulators on each device."""
         from isojax.stats.measures.sample_states import sample_bytes
         kw = {k: v for k, v in self.init_kwargs.items() if k != "gram_rows"}
-        return per_device_accumulator_bytes(self.cfg, self.num_devices, model_axis=self.mesh.shape["model"], **kw) \
-            + sample_bytes(self.cfg.num_states, self.cfg.hidden_size, self.sample_size, jnp.dtype(self.module.dtype).name)
+        sample = sample_bytes(self.cfg.num_states, self.cfg.hidden_size, self.sample_size,
+                              jnp.dtype(self.module.dtype).name)
+        return sample + per_device_accumulator_bytes(self.cfg, self.num_devices, model_axis=self.mesh.shape["model"],
+                                                     **kw)
 
     def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int, sequences_BxT=None) -> jax.Array:
         """Consume one batch (asynchronous). Arrays: this process's rows (parallel.local_rows) of
@@ -205,7 +208,8 @@ class Runner:
         out = {name: steps()[name].merged(jax.tree.map(lambda x: np.asarray(x)[None], sums), 1, self.cfg.vocab_size)
                for (name, _), sums in zip(layer, merged.layer_steps if layer else (), strict=True)}
         out.update({name: steps()[name].merged(jax.tree.map(_gather, sums), self.num_devices, self.cfg.vocab_size)
-                    for (name, _), sums in zip(other, self.acc.step, strict=True) if steps()[name].merged is not None})
+                    for (name, _), sums in zip(other, self.acc.step, strict=True)
+                    if steps()[name].merged is not None})  # None: read where they lie (the sample: `sample`)
         return {name: out[name] for name, _ in self.options.step_measures if name in out}
 
     def token_readout(self) -> tuple[np.ndarray, np.ndarray] | None:

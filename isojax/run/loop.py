@@ -148,7 +148,8 @@ def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
                                 "with --overwrite")
             # written before the sample became a step measure (issue 46): its leaves read under their older names
             older = any(name.startswith("sample_keys_Kx2.") for name in files)
-            acc = checkpointing.load(ckpt_dir, step, runner.abstract, runner.older_leaf if older else lambda leaf: leaf)
+            acc = checkpointing.load(ckpt_dir, step, runner.abstract,
+                                     runner.older_leaf if older else lambda leaf: leaf)
             damage = None
         except checkpointing.Damaged as e:
             acc, damage = None, str(e)

@@ -7,7 +7,8 @@ Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample 
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
 (report/measures.py). A "step" measure (its Step: base.py) is accumulated by the step where its setting
 turns it on (steps(), step_settings()), counted by the planner and read out by run.measure
-(step_readout()); massive_activations.py and position_bands.py, on by default, were the step's own streamed measures.
+(step_readout()); massive_activations.py and position_bands.py, on by default, were the step's own streamed measures,
+and sample_states.py is the sample (its K chosen by the planner; read out from the devices by Runner.sample).
 """
 
 from __future__ import annotations
