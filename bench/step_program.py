@@ -13,7 +13,8 @@ optimized HLO text canonicalized: metadata, the source locations' tables and the
 instruction, computation and parameter names numbered in order of appearance, so that only a change of the
 program itself changes the hash. The device count is a process setting: each count
 runs in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count (2 devices: the token part split
-over both, token_shards 2). --out writes each canonical text (to diff two commits' programs).
+over both, token_shards 2). --out writes each canonical text (to diff two commits' programs); --compare A B
+compares two such folders, telling apart programs that differ only by zero-size arrays passed through.
 """
 
 from __future__ import annotations
@@ -95,14 +96,55 @@ def hashes(configs, out: str | None) -> dict[str, str]:
     return result
 
 
+def without_empty(hlo: str) -> tuple[str, str, int]:
+    """(the text before ENTRY, ENTRY's body, the number of its instructions left out): the canonical text with
+    ENTRY's zero-size instructions (parameters, constants and copies of arrays with a 0 in their shape: an empty
+    accumulator field) left out, its signature line aside and its names numbered again, so that two programs
+    that differ only by empty arrays passed through compare equal (--compare)."""
+    head, entry = hlo.split("\nENTRY ", 1)
+    base = int(re.match(r"%n(\d+)", entry).group(1))
+    gone, kept = set(), []
+    for line in entry.split("\n")[1:]:
+        m = re.match(r"\s*(?:ROOT )?(%n\d+) = \w+\[([\d,]*)\]", line)
+        if m and "0" in m.group(2).split(","):
+            gone.add(m.group(1))
+            continue
+        kept.append(line)
+    body = "\n".join(kept)
+    body = re.sub(r"(%n\d+)\b(, )?", lambda m: "" if m.group(1) in gone else m.group(0), body)
+    body = re.sub(r"\w+\[[\d,]*\b0\b[\d,]*\]\{[\d,]*\}(, )?", "", re.sub(r"/\*index=\d+\*/", "", body))
+    body = re.sub(r"parameter\(\d+\)", "parameter()", re.sub(r", \)", ")", body))
+    names: dict[str, str] = {}
+    body = re.sub(r"%n(\d+)", lambda m: names.setdefault(m.group(0), f"%e{len(names)}")
+                  if int(m.group(1)) > base else m.group(0), body)
+    return head.split("\n", 1)[1], body, len(gone)
+
+
+def compare(a: str, b: str) -> None:
+    """Each canonical text of folder a (--out) against b's: the same, the same but for empty arrays, or not."""
+    for name in sorted(os.listdir(a)):
+        x, y = (open(os.path.join(d, name)).read() for d in (a, b))
+        if x == y:
+            print(f"{name}: the same")
+            continue
+        (hx, bx, nx), (hy, by, ny) = without_empty(x), without_empty(y)
+        print(f"{name}: " + (f"the same but for empty arrays ({nx} and {ny} zero-size instructions of ENTRY)"
+                             if (hx, bx) == (hy, by) else "differs"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, nargs="*", default=[1, 2], help="device counts (default: 1 2)")
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
                     help=f"of {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--out", help="a folder to write each canonical HLO text into (to diff them)")
+    ap.add_argument("--compare", nargs=2, metavar="DIR", help="compare two --out folders' texts (no compiling): "
+                    "the same, the same but for zero-size arrays passed through, or different")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a subprocess of that device count
     args = ap.parse_args()
+    if args.compare:
+        compare(*args.compare)
+        return
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     if args.one:

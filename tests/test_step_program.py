@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bench.step_program import canonical
+from bench.step_program import canonical, without_empty
 
 
 def _compiled(fn, name: str) -> str:
@@ -30,3 +30,23 @@ def test_only_a_changed_program_changes_the_canonical_text():
     assert canonical(a) == canonical(b)  # ... the programs do not
     assert canonical(a) != canonical(c)
     assert "first" not in canonical(a) and "metadata" not in canonical(a)
+
+
+def test_programs_that_differ_only_by_empty_arrays_passed_through_compare_equal_without_them():
+    """without_empty (--compare): a zero-size argument passed through to the outputs (an empty accumulator field)
+    is left out, and the program without it compares equal; a changed computation still differs."""
+    def with_empty(x, e):
+        return jnp.sum(x * 2.0 + 1.0, axis=1), x * 0.5, e
+
+    def without(x):
+        return jnp.sum(x * 2.0 + 1.0, axis=1), x * 0.5
+
+    def other(x, e):
+        return jnp.sum(x * 3.0 + 1.0, axis=1), x * 0.5, e
+
+    x, e = jax.ShapeDtypeStruct((8, 4), jnp.float32), jax.ShapeDtypeStruct((1, 0, 2), jnp.uint32)
+    text = lambda fn, *args: canonical(jax.jit(fn).lower(*args).compile().as_text())
+    a, b, c = text(with_empty, x, e), text(without, x), text(other, x, e)
+    assert a != b and without_empty(a)[2] > 0 == without_empty(b)[2]
+    assert without_empty(a)[:2] == without_empty(b)[:2]
+    assert without_empty(a)[:2] != without_empty(c)[:2]

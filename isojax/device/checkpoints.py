@@ -448,19 +448,21 @@ def latest(directory: Path) -> tuple[int, dict] | None:
     return None
 
 
-def load(directory: Path, step: int, abstract_acc):
+def load(directory: Path, step: int, abstract_acc, named=lambda leaf: leaf):
     """The accumulators of a checkpoint step. abstract_acc: their jax.ShapeDtypeStructs with
     shardings; each process reads back its own shards onto its devices, each checked against its
-    record (Damaged: missing, truncated, changed; UserError: written for other settings)."""
+    record (Damaged: missing, truncated, changed; UserError: written for other settings).
+    named(leaf): the name the step's files give a leaf (an older layout's: Runner.older_leaf)."""
     here = storage.path(directory) / str(step) / _process_dir()
     _, files = read_meta(directory, step)
     with storage.downloaded(here) if storage.is_remote(here) else contextlib.nullcontext(here) as local:
-        return _load(local, files, directory, step, abstract_acc)
+        return _load(local, files, directory, step, abstract_acc, named)
 
 
-def _load(here: Path, files: dict, directory, step: int, abstract_acc):
+def _load(here: Path, files: dict, directory, step: int, abstract_acc, named):
     leaves = []
-    for name, a in _leaves(abstract_acc):
+    for leaf, a in _leaves(abstract_acc):
+        name = named(leaf)
         if not a.size:  # save writes no empty leaves
             leaves.append(jax.make_array_from_callback(a.shape, a.sharding, lambda i, a=a: np.zeros(a.shape, a.dtype)[i]))
             continue

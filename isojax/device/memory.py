@@ -56,14 +56,13 @@ def step_bytes(cfg, dtype: str, tokens_per_device: int, model_axis: int, step_me
 
 def memory_per_device(cfg, token_stats: bool, dtype: str, num_groups: int, n: int, model_axis: int,
                       sample_size: int = 0):
-    """(accumulator bytes, weight bytes) on each of n devices with parameters (and Grams) split
-    model_axis ways."""
-    import jax.numpy as jnp
-
+    """(accumulator bytes, the sample's of sample_size tokens among them, weight bytes) on each of n devices
+    with parameters (and Grams) split model_axis ways."""
     from isojax.device.runner import MAX_GROUP_SPECTRA, per_device_accumulator_bytes
+    from isojax.stats.measures.sample_states import sample_bytes
     need = per_device_accumulator_bytes(cfg, n, num_groups=num_groups, token_stats=token_stats, model_axis=model_axis,
-                                        group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
-                                        sample_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+                                        group_spectra=num_groups <= MAX_GROUP_SPECTRA)
+    need += sample_bytes(cfg.num_states, cfg.hidden_size, sample_size, dtype)
     return need, weight_bytes(cfg, dtype, model_axis)
 
 

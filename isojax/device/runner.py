@@ -15,11 +15,11 @@ Global layout of the accumulators (a stats.Accumulators of global arrays):
               Grams (stats.update_state's reduce-scatter), so they cost 1/m per device.
   token part  tok_count [S, V'], tok_sum [S, V', D]: split over V' = V rounded up to a multiple
               of n; global row k * V'/n + j holds token id j * n + k (device/mesh.py).
-  sample      keys [n, K, 2], states [n, S, K, D]: each device's bottom-K sample (stats/sample.py),
-              merged on the host at the end (`sample`).
   step        the step measures' sums (StatsOptions.step_measures; stats/measures base.Step), each
               [n, ...] per device, added on the host at the end (`step_sums`); () when none is on; those
-              of Step.layer_part in the layer part (Accumulators.layer_steps), merged with it.
+              of Step.layer_part in the layer part (Accumulators.layer_steps), merged with it. The sample
+              (stats/measures/sample_states.py) is one: keys [n, K, 2], states [n, S, K, D], each device's
+              bottom-K sample, merged on the host at the end (`sample`).
 `merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
 over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the
 devices, in float64.
@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
 from isojax.stats import sample as sample_lib
-from isojax.stats.measures import init_sums, observer, split, steps
+from isojax.stats.measures import batch_planner, init_sums, observer, split, steps
 from isojax.model.decoder import Decoder
 from isojax.stats.options import StatsOptions
 from isojax.device.mesh import ALL
@@ -48,8 +48,8 @@ MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
                 "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "layer_steps")  # S is axis 1 of each leaf
 TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
-SAMPLE_FIELDS = ("sample_keys_Kx2", "sample_SxKxD")  # per device, like the layer part; merged bottom-K
-PER_DEVICE = LAYER_FIELDS + SAMPLE_FIELDS + ("step",)
+PER_DEVICE = LAYER_FIELDS + ("step",)
+SAMPLE = "sample_states"  # the sample's step measure (stats/measures/sample_states.py)
 
 
 def _map_fields(acc: stats.Accumulators, fields, fn) -> stats.Accumulators:
@@ -77,6 +77,10 @@ class Layout:
         cfg, n = module.cfg, mesh.size
         self.module, self.mesh, self.centered = module, mesh, centered
         options = options or StatsOptions()
+        if sample_size:  # the sample's step measure, its setting K chosen by the planner (run/plan.py)
+            on = dict(options.step_measures, **{SAMPLE: sample_size})
+            options = dataclasses.replace(options, step_measures=tuple((name, on[name]) for name in steps()
+                                                                       if name in on))
         self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
         if not token_stats:  # a step measure that reads the token index is off without token stats
             self.options = dataclasses.replace(self.options, step_measures=tuple(
@@ -86,8 +90,8 @@ class Layout:
             self.options = dataclasses.replace(self.options, gram_shards=mesh.shape["model"], gram_axis="model")
         # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
         self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=centered,
-                                group_spectra=num_groups <= MAX_GROUP_SPECTRA, sample_size=sample_size,
-                                sample_dtype=module.dtype, gram_rows=rows)
+                                group_spectra=num_groups <= MAX_GROUP_SPECTRA, gram_rows=rows)
+        self.sample_size = sample_size
         self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
         shapes = jax.eval_shape(self.init_global)
         self.specs = accumulator_specs(shapes)
@@ -99,7 +103,7 @@ class Layout:
         cfg, n = self.module.cfg, self.mesh.size
         acc = stats.init_accumulators(cfg.num_states, cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
         layer_steps, step = init_sums(self.options.step_measures, self.init_kwargs["num_groups"], cfg.num_states,
-                                      self.vocab_rows, cfg.hidden_size)
+                                      self.vocab_rows, cfg.hidden_size, self.module.dtype)
         acc = acc.replace(layer_steps=layer_steps, step=step)
         return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (n, *x.shape)))
 
@@ -129,6 +133,7 @@ class Runner:
         layout = Layout(module, self.mesh, token_stats=token_stats, num_groups=num_groups, centered=self.centered,
                         options=options, sample_size=sample_size)
         self.options, self.init_kwargs, self.vocab_rows = layout.options, layout.init_kwargs, layout.vocab_rows
+        self.sample_size = layout.sample_size
         self.specs, self.shardings, self.abstract = layout.specs, layout.shardings, layout.abstract
         self._init_global = layout.init_global
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
@@ -154,8 +159,12 @@ class Runner:
 
     def accumulator_bytes(self) -> int:
         """Bytes of accumulators on each device."""
+        from isojax.stats.measures.sample_states import sample_bytes
         kw = {k: v for k, v in self.init_kwargs.items() if k != "gram_rows"}
-        return per_device_accumulator_bytes(self.cfg, self.num_devices, model_axis=self.mesh.shape["model"], **kw)
+        sample = sample_bytes(self.cfg.num_states, self.cfg.hidden_size, self.sample_size,
+                              jnp.dtype(self.module.dtype).name)
+        return sample + per_device_accumulator_bytes(self.cfg, self.num_devices, model_axis=self.mesh.shape["model"],
+                                                     **kw)
 
     def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int, sequences_BxT=None) -> jax.Array:
         """Consume one batch (asynchronous). Arrays: this process's rows (parallel.local_rows) of
@@ -164,8 +173,7 @@ class Runner:
         ready when the devices have finished the step."""
         total = len(tokens_BxT) * self.num_devices // len(self.mesh.local_devices)
         if sequences_BxT is None:
-            if self.init_kwargs["sample_size"] or any(steps()[name].needs_sequences(setting)
-                                                      for name, setting in self.options.step_measures):
+            if any(steps()[name].needs_sequences(setting) for name, setting in self.options.step_measures):
                 raise ValueError("a Runner that keeps a sample or --logit-lens-every needs the batch's sequence indices")
             sequences_BxT = np.zeros_like(tokens_BxT)
         rows = [parallel.global_rows(np.asarray(a), self.mesh, total)
@@ -200,8 +208,9 @@ class Runner:
         out = {name: steps()[name].merged(jax.tree.map(lambda x: np.asarray(x)[None], sums), 1, self.cfg.vocab_size)
                for (name, _), sums in zip(layer, merged.layer_steps if layer else (), strict=True)}
         out.update({name: steps()[name].merged(jax.tree.map(_gather, sums), self.num_devices, self.cfg.vocab_size)
-                    for (name, _), sums in zip(other, self.acc.step, strict=True)})
-        return {name: out[name] for name, _ in self.options.step_measures}
+                    for (name, _), sums in zip(other, self.acc.step, strict=True)
+                    if steps()[name].merged is not None})  # None: read where they lie (the sample: `sample`)
+        return {name: out[name] for name, _ in self.options.step_measures if name in out}
 
     def token_readout(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(count_V int64, intra_sim_SxV float64) from the per-token sums, computed on the devices
@@ -246,13 +255,14 @@ class Runner:
         """(number of sampled tokens K', states(s) -> [K', D] float32 in key order: shuffled)
         of the merged sample over every device and process (a jax array on the devices, or numpy
         where other processes hold part of it); None without a sample."""
-        if not self.init_kwargs["sample_size"]:
+        if not self.sample_size:
             return None
-        keys = _gather(self.acc.sample_keys_Kx2)  # [n, K, 2]
+        sums = self._sample_sums()
+        keys = _gather(sums.keys_Kx2)  # [n, K, 2]
         part, slot = sample_lib.merge_host(keys)
 
         def states(s: int):
-            x = _state_sample(self.acc.sample_SxKxD, jnp.int32(s))  # [n, K, D]
+            x = _state_sample(sums.states_SxKxD, jnp.int32(s))  # [n, K, D]
             if x.is_fully_addressable:  # stays on the devices, where the batch anisotropy reads it
                 return _on_its_device(_take_sample(x, part, slot))
             return _gather(x)[part, slot].astype(np.float32)
@@ -263,11 +273,31 @@ class Runner:
         """[K', 2] uint32: the merged sample's keys (stats/sample.py token_keys: a hash of each token's
         sequence and position, high word first), ascending, in the order of sample()'s states; None
         without a sample. Every process calls it (a gather across processes)."""
-        if not self.init_kwargs["sample_size"]:
+        if not self.sample_size:
             return None
-        keys = _gather(self.acc.sample_keys_Kx2)  # [n, K, 2]
+        keys = _gather(self._sample_sums().keys_Kx2)  # [n, K, 2]
         part, slot = sample_lib.merge_host(keys)
         return keys[part, slot]
+
+    def older_leaf(self, leaf: str) -> str:
+        """The name a leaf of these accumulators had in a checkpoint written before the sample became a step
+        measure (issue 46; device/checkpoints.py names leaves by their path): the sample's keys and states were
+        the fields sample_keys_Kx2 and sample_SxKxD, and the step measures after it in Accumulators.step sat one
+        place earlier there."""
+        other = [name for name, _ in split(self.options.step_measures)[1]]
+        at = other.index(SAMPLE) if SAMPLE in other else len(other)
+        head, _, rest = leaf.partition("__")
+        if head != "step":
+            return leaf
+        i, _, field = rest.partition("__")
+        if int(i) == at:
+            return {"keys_Kx2": "sample_keys_Kx2", "states_SxKxD": "sample_SxKxD"}[field]
+        return f"step__{int(i) - (int(i) > at)}__{field}"
+
+    def _sample_sums(self):
+        """The sample's sums in the accumulators (stats/measures/sample_states.py Sums, global arrays)."""
+        other = [name for name, _ in split(self.options.step_measures)[1]]
+        return self.acc.step[other.index(SAMPLE)]
 
 
 def gram_rows(d: int, model_axis: int) -> int | None:
@@ -277,10 +307,10 @@ def gram_rows(d: int, model_axis: int) -> int | None:
 
 
 def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, model_axis: int = 1, **kw) -> int:
-    """Bytes on each of n devices: one layer part (its Grams split over model_axis: gram_rows)
-    and sample, plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators'
-    num_groups, centered, group_spectra, sample_*. (The step measures' sums are counted with what
-    they add to the step: device/memory.py step_bytes.)"""
+    """Bytes on each of n devices: one layer part (its Grams split over model_axis: gram_rows),
+    plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators' num_groups, centered,
+    group_spectra. (The step measures' sums are counted with what they add to the step: device/memory.py
+    step_bytes; the sample's by memory_per_device.)"""
     rows = vocab_rows(cfg.vocab_size, n) // n if token_stats else 0
     return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, token_stats=token_stats,
                                    gram_rows=gram_rows(cfg.hidden_size, model_axis), **kw)
@@ -318,10 +348,9 @@ def _state_sums(tok: stats.DF, s):
 
 
 def _layer_part(acc: stats.Accumulators) -> stats.Accumulators:
-    """acc with empty token, sample and step fields (what the merge of the layer part carries)."""
+    """acc with empty token and step fields (what the merge of the layer part carries)."""
     return acc.replace(step=(), tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
-        lambda x: x[:, :0], acc.tok_sum_SxVxD), sample_keys_Kx2=acc.sample_keys_Kx2[:, :0],
-        sample_SxKxD=acc.sample_SxKxD[:, :, :0])
+        lambda x: x[:, :0], acc.tok_sum_SxVxD))
 
 
 def _on_its_device(x: jax.Array) -> jax.Array:
@@ -348,40 +377,41 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
     on = [(i, steps()[name], setting) for i, (name, setting) in enumerate(split(options.step_measures)[1])]
     after = [(i, step, setting) for i, step, setting in on if step.after_forward is not None]
     observe = observer(options.step_measures)  # the step measures' per-state updates (base.Step.observe)
+    plan_batch = batch_planner(options.step_measures)  # and per-batch plans (base.Step.plan_batch)
 
-    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plan, group, centers):
+    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plans, group, centers):
         center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centered else None
         exchange, flat = jax.tree.map(lambda x: x[0], exchange), lambda x_BxT: x_BxT.reshape(-1)
         acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
-                                 group, center_D, index=index, opts=options, sample_plan=plan, exchange=exchange,
+                                 group, center_D, index=index, opts=options, plans=plans, exchange=exchange,
                                  positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT), observe=observe)
         return _stacked(acc)
 
     def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
-        """Once per batch and device: the sort of the ids (for all states) and the sample's plan."""
+        """Once per batch and device: the sort of the ids (for all states) and the step measures' plans (the
+        sample's: base.Step.plan_batch)."""
         acc, valid_N = _device_view(acc), seg_BxT.reshape(-1) != 0
         rows = acc.tok_count_SxV.shape[1] * n  # the padded vocabulary (0 without token stats)
         index = stats.index_tokens(tokens_BxT.reshape(-1), valid_N, rows, n) if rows else None
         exchange = stats.plan_exchange(index, rows // n, options) if rows and n > 1 else None
-        plan = None
-        if acc.sample_keys_Kx2.shape[0]:
-            keys_Nx2 = sample_lib.token_keys(seq_BxT.reshape(-1), pos_BxT.reshape(-1), valid_N)
-            keys, plan = sample_lib.plan(acc.sample_keys_Kx2, keys_Nx2)
-            acc = acc.replace(sample_keys_Kx2=keys)
+        plans = None
+        if plan_batch is not None:
+            acc, plans = plan_batch(acc, stats.Batch(tokens_BxT.reshape(-1), valid_N, pos_BxT.reshape(-1),
+                                                     seq_BxT.reshape(-1), index))
         exchange = jax.tree.map(lambda x: x[None], exchange)  # a leading axis of 1 per device
-        return _stacked(acc), index, exchange, plan
+        return _stacked(acc), index, exchange, plans
 
     def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, group, centers_SxD):
         # the statistics' segments (every sum, the token index, the sample's keys): the first skip_positions
         # positions of each sequence are padding there; the forward sees them all
         kept_BxT = jnp.where(pos_BxT >= options.skip_positions, seg_BxT, 0) if options.skip_positions else seg_BxT
-        acc, index, exchange, plan = jax.shard_map(
+        acc, index, exchange, plans = jax.shard_map(
             local_batch, mesh=mesh, in_specs=(specs, P(ALL), P(ALL), P(ALL), P(ALL)),
             out_specs=(specs, P(ALL), P(ALL), P(ALL)), check_vma=False)(acc, tokens_BxT, kept_BxT, pos_BxT, seq_BxT)
         update = jax.shard_map(local_update, mesh=mesh,
                                in_specs=(specs, P(), *[P(ALL)] * 8, P(), P()), out_specs=specs, check_vma=False)
         observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, kept_BxT, pos_BxT, seq_BxT, index,
-                                                 exchange, plan, group, centers_SxD)
+                                                 exchange, plans, group, centers_SxD)
         if after:  # every state kept for the step measures that read them after the forward
             acc = _after_forward_step(module, mesh, specs, after, params, acc, observe, tokens_BxT, seg_BxT, kept_BxT,
                                       pos_BxT, seq_BxT, group)

@@ -290,7 +290,8 @@ def section(res: Results, figs: Figures) -> Section:
                   "difference from step0 (Wei et al. 2024), InterSim by "
                   "position, linear CKA (Kornblith et al. 2019), "
                   + "; ".join(f"{', '.join(m.name for m in r.metrics)} ({r.paper})" for r in registered.MEASURES.values()
-                            if not (r.step and r.step.layer_part))  # massive activations, by position: named above
+                            # massive activations, by position: named above; the sample: no metric of its own
+                            if r.metrics and not (r.step and r.step.layer_part))
                   + "; README \"Measures\" defines each.")
     runs = finals(res.extract)
     series = _with_diff_erank(trainings(res.extract))

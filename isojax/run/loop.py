@@ -136,7 +136,7 @@ def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
         return None, done
     for step in steps:
         try:
-            meta, _ = checkpointing.read_meta(ckpt_dir, step)
+            meta, files = checkpointing.read_meta(ckpt_dir, step)
             if meta["settings"] != settings:
                 _refuse_older(meta["settings"], settings)
                 diff = [k for k in {**meta["settings"], **settings} if meta["settings"].get(k) != settings.get(k)]
@@ -146,7 +146,10 @@ def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
                                    if "step_measures" in diff else "")
                                 + "); rerun with the same arguments (and device and process counts) or start over "
                                 "with --overwrite")
-            acc = checkpointing.load(ckpt_dir, step, runner.abstract)
+            # written before the sample became a step measure (issue 46): its leaves read under their older names
+            older = any(name.startswith("sample_keys_Kx2.") for name in files)
+            acc = checkpointing.load(ckpt_dir, step, runner.abstract,
+                                     runner.older_leaf if older else lambda leaf: leaf)
             damage = None
         except checkpointing.Damaged as e:
             acc, damage = None, str(e)

@@ -27,7 +27,6 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from isojax.stats import sample
 from isojax.stats.options import StatsOptions
 
 DEFAULT_OPTIONS = StatsOptions()
@@ -97,10 +96,8 @@ class Accumulators:
     layer_steps: tuple
     tok_count_SxV: jax.Array  # int32 occurrences per token; V = 0 without token stats
     tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
-    sample_keys_Kx2: jax.Array  # uint32 keys of the K sampled tokens (stats/sample.py); K = 0: no sample
-    sample_SxKxD: jax.Array  # their states, in the forward's dtype
-    # the other step measures' sums (stats/measures base.Step), added on the host, in StatsOptions.step_measures'
-    # order; () (no leaves) when none is on
+    # the other step measures' sums (stats/measures base.Step), added on the host (the sample's, stats/measures/
+    # sample_states.py: merged bottom-K), in StatsOptions.step_measures' order; () (no leaves) when none is on
     step: tuple = ()
 
     def gram_slots(self) -> int:
@@ -129,11 +126,10 @@ def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_
 
 def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: int = 1,
                       token_stats: bool = True, centered: bool = False,
-                      group_spectra: bool = True, sample_size: int = 0,
-                      sample_dtype=jnp.float32, gram_rows: int | None = None) -> Accumulators:
+                      group_spectra: bool = True, gram_rows: int | None = None) -> Accumulators:
     """Zeroed accumulators. group_spectra=False shares one pair of [S, D, D] second moments
     among all groups (groups then report no anisotropy), which saves 4*S*D*D*4 bytes per
-    group beyond the first. sample_size K: a uniform sample of K tokens' states (stats/sample.py).
+    group beyond the first (the step measures' sums, the sample's among them: stats.measures.init_sums).
     gram_rows: rows of the second moments this device keeps (StatsOptions.gram_shards);
     None: all D."""
     sh = _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows)
@@ -146,20 +142,17 @@ def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: i
         unit_m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
         centered_sum_GxSxC=_df_zeros(sh["centered"]), layer_steps=(),
         tok_count_SxV=jnp.zeros(sh["tok_count"], jnp.int32),
-        tok_sum_SxVxD=_df_zeros(sh["tok_sum"]),
-        sample_keys_Kx2=jnp.full((sample_size, 2), sample.EMPTY, jnp.uint32),
-        sample_SxKxD=jnp.zeros((num_states, sample_size, d), sample_dtype))
+        tok_sum_SxVxD=_df_zeros(sh["tok_sum"]))
 
 
 def accumulator_bytes(num_states, d, vocab_size, *, num_groups=1, token_stats=True, centered=False,
-                      group_spectra=True, sample_size=0, sample_dtype=jnp.float32, gram_rows=None) -> int:
+                      group_spectra=True, gram_rows=None) -> int:
     """Device bytes of init_accumulators(...), without allocating. Every float sum is two
     float32 arrays (hi, lo), so the per-token part is 2 * S * V * D * 4 bytes: 21.4 GB for
     pythia-1.4b (S = 26, V = 50304, D = 2048)."""
     shaped = jax.eval_shape(lambda: init_accumulators(
         num_states, d, vocab_size, num_groups=num_groups, token_stats=token_stats,
-        centered=centered, group_spectra=group_spectra, sample_size=sample_size, sample_dtype=sample_dtype,
-        gram_rows=gram_rows))
+        centered=centered, group_spectra=group_spectra, gram_rows=gram_rows))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shaped))
 
 
@@ -311,27 +304,36 @@ class Rows(NamedTuple):
     valid_N: Any  # bool: the rows the statistics count (skipped positions and padding False)
     positions_N: Any  # int32: each row's position in its sequence
     sequences_N: Any  # int32: its sequence's index
+    state_NxD: Any  # the state as the forward made it (its dtype; rows not valid_N as they are): the sample's
+
+
+class Batch(NamedTuple):
+    """One device's batch as the step measures' plan_batch reads it (stats/measures base.Step), once per batch."""
+    token_ids_N: Any
+    valid_N: Any  # bool: the rows the statistics count (skipped positions and padding False)
+    positions_N: Any  # int32: each row's position in its sequence
+    sequences_N: Any  # int32: its sequence's index
+    index: Any  # the batch's TokenIndex (index_tokens), or None
 
 
 def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, center_D=None,
                  *, index: TokenIndex | None = None, opts: StatsOptions = DEFAULT_OPTIONS,
-                 sample_plan: sample.Plan | None = None, exchange: Exchange | None = None,
+                 plans=None, exchange: Exchange | None = None,
                  positions_N=None, sequences_N=None, observe=None) -> Accumulators:
     """Add state s of one batch. s, group: (traced) int32 scalars; padding rows
     (valid_N False) contribute nothing, whatever they hold (the caller masks skipped positions,
     StatsOptions.skip_positions, into valid_N). positions_N: each row's position in its sequence
     (None: the batch is one sequence, 0..N-1), sequences_N its sequence's
-    index (None: 0). observe(acc, s, group, rows: Rows, index) -> acc: the step measures' updates of this
-    state (stats.measures.observer), called once its Rows are made. `index` (from index_tokens)
-    lets a caller sort the ids once per batch instead of once per state; `sample_plan` (from
-    sample.plan, once per batch) says which rows enter the sample. With
+    index (None: 0). observe(acc, s, group, rows: Rows, index, plans) -> acc: the step measures' updates of this
+    state (stats.measures.observer), called once its Rows are made, with `plans`: their plans of the batch
+    (stats.measures.batch_planner, once per batch). `index` (from index_tokens)
+    lets a caller sort the ids once per batch instead of once per state. With
     opts.token_shards > 1 this runs inside shard_map: the per-token accumulators hold this
     device's share of the vocabulary and the batch's per-token sums are exchanged."""
     s, group = jnp.asarray(s, jnp.int32), jnp.asarray(group, jnp.int32)
     token_ids_N, valid_N = jnp.asarray(token_ids_N), jnp.asarray(valid_N)
     gram_dtype = jnp.bfloat16 if x_NxD.dtype == jnp.bfloat16 else jnp.float32
-    if sample_plan is not None:
-        acc = acc.replace(sample_SxKxD=sample.insert(acc.sample_SxKxD, s, x_NxD, sample_plan))
+    state_NxD = x_NxD
     x_NxD = jnp.where(valid_N[:, None], x_NxD.astype(jnp.float32), 0.0)
     n_b = jnp.sum(valid_N.astype(jnp.int32))
     n_bf = n_b.astype(jnp.float32)
@@ -375,7 +377,7 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     sequences_N = jnp.zeros(n, jnp.int32) if sequences_N is None else jnp.asarray(sequences_N, jnp.int32)
     if observe is not None:
         acc = observe(acc, s, group, Rows(x_NxD, norm_N, rowmax_N, unit_NxD, token_ids_N, valid_N, positions_N,
-                                          sequences_N), index)
+                                          sequences_N, state_NxD), index, plans)
 
     if acc.centered_sum_GxSxC.hi.shape[-1]:
         if center_D is None:
@@ -547,31 +549,33 @@ def _update_token_shards(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts
 
 
 def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
-           centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS, token_keys_Nx2=None,
-           positions_N=None, sequences_N=None, observe=None) -> Accumulators:
-    """Add all S states of one batch (ids sorted once, a fori_loop over states). token_keys:
-    the tokens' sample keys (sample.token_keys), needed when the accumulators keep a sample.
-    positions_N, sequences_N, observe: as update_state takes them; positions below opts.skip_positions
-    are left out."""
+           centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS,
+           positions_N=None, sequences_N=None, observe=None, plan=None) -> Accumulators:
+    """Add all S states of one batch (ids sorted once, a fori_loop over states). positions_N, sequences_N,
+    observe: as update_state takes them; positions below opts.skip_positions are left out. plan: the step
+    measures' per-batch hook (stats.measures.batch_planner), run once before the states; the sample's
+    (stats/measures/sample_states.py) keys tokens by positions_N and sequences_N."""
     vocab_size = acc.tok_count_SxV.shape[1] * opts.token_shards
     states_SxNxD, token_ids_N, valid_N = map(jnp.asarray, (states_SxNxD, token_ids_N, valid_N))
     if opts.skip_positions:
         if positions_N is None:
             raise ValueError("skip_positions needs the rows' positions")
         valid_N = valid_N & (jnp.asarray(positions_N) >= opts.skip_positions)
-        if token_keys_Nx2 is not None:
-            token_keys_Nx2 = jnp.where(valid_N[:, None], jnp.asarray(token_keys_Nx2), sample.EMPTY)
     centers_SxD = None if centers_SxD is None else jnp.asarray(centers_SxD)
     index = index_tokens(token_ids_N, valid_N, max(vocab_size, 1), opts.token_shards)
-    plan = None
-    if acc.sample_keys_Kx2.shape[0]:
-        keys, plan = sample.plan(acc.sample_keys_Kx2, jnp.asarray(token_keys_Nx2))
-        acc = acc.replace(sample_keys_Kx2=keys)
+    plans = None
+    if plan is not None:
+        n = token_ids_N.shape[0]
+        acc, plans = plan(acc, Batch(token_ids_N, valid_N,
+                                     jnp.arange(n, dtype=jnp.int32) if positions_N is None else
+                                     jnp.asarray(positions_N, jnp.int32),
+                                     jnp.zeros(n, jnp.int32) if sequences_N is None else
+                                     jnp.asarray(sequences_N, jnp.int32), index))
 
     def body(s, acc):
         center_D = None if centers_SxD is None else centers_SxD[s]
         return update_state(acc, s, states_SxNxD[s], token_ids_N, valid_N, group, center_D,
-                            index=index, opts=opts, sample_plan=plan, positions_N=positions_N,
+                            index=index, opts=opts, plans=plans, positions_N=positions_N,
                             sequences_N=sequences_N, observe=observe)
 
     return lax.fori_loop(0, states_SxNxD.shape[0], body, acc)
@@ -620,6 +624,4 @@ def merge(a: Accumulators, b: Accumulators, *, keep_m2: bool = False, m2_row0=No
         centered_sum_GxSxC=df_merge(a.centered_sum_GxSxC, b.centered_sum_GxSxC),
         layer_steps=tuple(x.merge(y) for x, y in zip(a.layer_steps, b.layer_steps, strict=True)),
         tok_count_SxV=a.tok_count_SxV + b.tok_count_SxV,
-        tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD),
-        **dict(zip(("sample_keys_Kx2", "sample_SxKxD"), sample.merge(
-            a.sample_keys_Kx2, a.sample_SxKxD, b.sample_keys_Kx2, b.sample_SxKxD))))
+        tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD))

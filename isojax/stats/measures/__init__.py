@@ -7,7 +7,8 @@ Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample 
 run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
 (report/measures.py). A "step" measure (its Step: base.py) is accumulated by the step where its setting
 turns it on (steps(), step_settings()), counted by the planner and read out by run.measure
-(step_readout()); massive_activations.py and position_bands.py, on by default, were the step's own streamed measures.
+(step_readout()); massive_activations.py and position_bands.py, on by default, were the step's own streamed measures,
+and sample_states.py is the sample (its K chosen by the planner; read out from the devices by Runner.sample).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 from isojax.stats.measures.base import Measure, Metric, Spectra, Step
 
 __all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_readout",
-           "with_steps_by_source", "step_settings", "check_step", "default_step_nulls", "split", "init_sums", "observer",
+           "with_steps_by_source", "step_settings", "check_step", "default_step_nulls", "split", "init_sums",
+           "batch_planner", "observer",
            "names", "columns", "nulls", "dict_valued", "labels", "spectral", "optional", "check_optional", "to_final",
            "sample_programs", "sample_readout", "sample_dispatch", "sample_values", "pairs_dispatch"]
 
@@ -75,23 +77,55 @@ def split(step_measures) -> tuple[list, list]:
     return [x for x in on if steps()[x[0]].layer_part], [x for x in on if not steps()[x[0]].layer_part]
 
 
-def init_sums(step_measures, num_groups: int, num_states: int, vocab_rows: int, width: int) -> tuple[tuple, tuple]:
-    """(layer_steps, step): one device's zero sums of the step measures on (Step.init)."""
-    return tuple(tuple(steps()[name].init(setting, num_groups, num_states, vocab_rows, width) for name, setting in part)
-                 for part in split(step_measures))
+def init_sums(step_measures, num_groups: int, num_states: int, vocab_rows: int, width: int,
+              dtype="float32") -> tuple[tuple, tuple]:
+    """(layer_steps, step): one device's zero sums of the step measures on (Step.init); dtype: the forward's."""
+    return tuple(tuple(steps()[name].init(setting, num_groups, num_states, vocab_rows, width, dtype)
+                       for name, setting in part) for part in split(step_measures))
+
+
+def batch_planner(step_measures):
+    """The per-batch hook of the step measures on (Step.plan_batch): plan(acc, batch) -> (acc, plans), once per
+    batch and device before the states (batch: a stats.accumulators.Batch); plans: one per step measure on, in
+    split()'s order (layer part first), None for those without plan_batch; observer's `observe` takes them.
+    None where none plans."""
+    parts = split(step_measures)
+    if not any(steps()[name].plan_batch for part in parts for name, _ in part):
+        return None
+
+    def plan(acc, batch):
+        plans = []
+
+        def run(sums, part):
+            out = []
+            for x, (name, setting) in zip(sums, part, strict=True):
+                hook = steps()[name].plan_batch
+                x, one = (x, None) if hook is None else hook(x, setting, batch)
+                out.append(x)
+                plans.append(one)
+            return tuple(out)
+
+        acc = acc.replace(layer_steps=run(acc.layer_steps, parts[0]), step=run(acc.step, parts[1]))
+        return acc, tuple(plans)
+
+    return plan
 
 
 def observer(step_measures):
     """stats.accumulators.update_state's `observe` of the step measures on (StatsOptions.step_measures): each
-    one's Step.observe on its sums in the accumulators; None where none observes the states."""
+    one's Step.observe on its sums in the accumulators, with its plan of the batch (batch_planner's plans, or
+    None); None where none observes the states."""
     parts = split(step_measures)
     if not any(steps()[name].observe for part in parts for name, _ in part):
         return None
 
-    def observe(acc, s, group, rows, index):
+    def observe(acc, s, group, rows, index, plans=None):
+        plans = iter(plans if plans is not None else [None] * sum(map(len, parts)))
+
         def run(sums, part):
-            return tuple(x if steps()[name].observe is None else steps()[name].observe(x, setting, s, group, rows, index)
-                         for x, (name, setting) in zip(sums, part, strict=True))
+            return tuple(x if steps()[name].observe is None else steps()[name].observe(x, setting, s, group, rows,
+                                                                                      index, plan)
+                         for x, (name, setting), plan in zip(sums, part, plans, strict=False))
         return acc.replace(layer_steps=run(acc.layer_steps, parts[0]), step=run(acc.step, parts[1]))
 
     return observe

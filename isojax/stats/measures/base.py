@@ -75,23 +75,35 @@ class Step:
     stays free of it).
 
     Its update is `observe` (each state of each batch inside the layer scan, per device, inside
-    stats.accumulators.update_state, from the state's Rows it computes once: x, |x|, max |x|, x/|x|)
+    stats.accumulators.update_state, from the state's Rows it computes once: x, |x|, max |x|, x/|x|),
+    after its `plan_batch` where it has one (once per batch and device, before the states: what every
+    state of the batch shares)
     or `after_forward` (each device's rows of every state, kept in a buffer [S, B, T, D] during the
     forward, after it)."""
     keyword: str  # its keyword of isojax.measure (MeasureConfig.build) taking the setting
     add_arguments: Callable  # (ap, positive_int): its command-line flags
     setting: Callable  # (args) -> int | None: its setting from the flags; None: not given (`default`)
-    init: Callable  # (setting, num_groups, num_states, vocab_rows, width) -> one device's zero sums
-    merged: Callable  # (per-device numpy sums, num_devices, vocab_size) -> its sums on the host, float64
+    init: Callable  # (setting, num_groups, num_states, vocab_rows, width, dtype) -> one device's zero sums;
+    # dtype: the forward's (the states' as the model produces them)
+    # (per-device numpy sums, num_devices, vocab_size) -> its sums on the host, float64; None: its sums are read
+    # where they lie, not by Runner.step_sums (the sample's: Runner.sample)
+    merged: Callable | None
     step_bytes: Callable  # (cfg, dtype, tokens_per_device, setting, model_axis) -> device bytes the step adds
     default: int = 0  # its setting where not given
     boolean: bool = False  # its setting is on or off: its keyword takes True and False too (1 and 0)
     needs_token_stats: bool = False  # on only with token stats (then `observe` gets the batch's TokenIndex)
     needs_sequences: Callable = lambda setting: False  # whether the step needs the rows' sequence indices
-    # (sums, setting, s, group, rows, index) -> sums: state s of one batch, per device; rows: its
+    # (sums, setting, s, group, rows, index, plan) -> sums: state s of one batch, per device; rows: its
     # stats.accumulators.Rows (float32, valid_N without the skipped positions; positions and sequence indices
-    # int32); index: the batch's TokenIndex (with token stats)
+    # int32; state_NxD the state as the forward made it); index: the batch's TokenIndex (with token stats);
+    # plan: what its plan_batch returned for this batch (None without plan_batch)
     observe: Callable | None = None
+    # (sums, setting, batch) -> (sums, plan): once per batch and device, before the states (stats.accumulators.
+    # Batch: the batch's token ids, valid rows, positions, sequence indices and TokenIndex, what every state
+    # shares); `plan` (None, or a pytree of arrays of rank 1 or more: the step passes it between its shard_maps split
+    # on the first axis) goes to each state's observe.
+    # The sample's: its slots' new keys and which rows enter which slots (sample_states.py)
+    plan_batch: Callable | None = None
     # its sums sit in the accumulators' layer part (Accumulators.layer_steps) and are merged with it on the
     # devices by their Sums.merge(other) (symmetric: partners agree bit for bit); `merged` then gets them merged,
     # with a device axis of 1. Else they are added on the host (`merged` gets every device's)

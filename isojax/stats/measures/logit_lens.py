@@ -80,7 +80,7 @@ class Sums(NamedTuple):
     count_hi_Gx2: Any
 
 
-def init(every_k: int, num_groups: int, num_states: int, vocab_rows: int = 0, width: int = 0) -> Sums:
+def init(every_k: int, num_groups: int, num_states: int, vocab_rows: int = 0, width: int = 0, dtype=None) -> Sums:
     import jax.numpy as jnp
     g, s = num_groups, num_states
     return Sums(*(jnp.zeros((g, s), jnp.float32) for _ in range(6)), *(jnp.zeros((g, s), jnp.int32) for _ in range(2)),

@@ -37,7 +37,7 @@ class Sums(NamedTuple):
         return Sums(*merge(self.max_GxS, self.at_GxSx4, other.max_GxS, other.at_GxSx4))
 
 
-def init(setting: int, num_groups: int, num_states: int, vocab_rows: int = 0, width: int = 0) -> Sums:
+def init(setting: int, num_groups: int, num_states: int, vocab_rows: int = 0, width: int = 0, dtype=None) -> Sums:
     import jax.numpy as jnp
     return Sums(jnp.full((num_groups, num_states), -1.0, jnp.float32),
                 jnp.full((num_groups, num_states, 4), -1, jnp.int32))
@@ -78,7 +78,7 @@ def batch_max(x_NxD, rowmax_N, valid_N, token_ids_N, positions_N, sequences_N):
     return top, jnp.stack([dim, token_ids_N[row], pos, seq]).astype(jnp.int32)
 
 
-def observe(sums: Sums, setting: int, s, group, rows, index) -> Sums:
+def observe(sums: Sums, setting: int, s, group, rows, index, plan=None) -> Sums:
     """State s of one batch, per device (base.Step.observe)."""
     import jax.numpy as jnp
     top, at_4 = batch_max(rows.x_NxD, rows.rowmax_N, rows.valid_N, rows.token_ids_N.astype(jnp.int32),

@@ -45,7 +45,7 @@ class Sums(NamedTuple):
         return Sums(lo, hi, sum_hi, self.sum_lo_BxSxD + other.sum_lo_BxSxD + err)
 
 
-def init(setting: int, num_groups: int, num_states: int, vocab_rows: int = 0, width: int = 0) -> Sums:
+def init(setting: int, num_groups: int, num_states: int, vocab_rows: int = 0, width: int = 0, dtype=None) -> Sums:
     import jax.numpy as jnp
     b = len(POSITION_BANDS)
     return Sums(jnp.zeros((b, num_states), jnp.int32), jnp.zeros((b, num_states), jnp.int32),
@@ -75,7 +75,7 @@ def position_band(positions_N):
     return sum((positions_N >= lo).astype(jnp.int32) for lo in POSITION_BANDS[1:])
 
 
-def observe(sums: Sums, setting: int, s, group, rows, index) -> Sums:
+def observe(sums: Sums, setting: int, s, group, rows, index, plan=None) -> Sums:
     """State s of one batch, per device (base.Step.observe): the bands' unit sums and counts."""
     import jax.numpy as jnp
 

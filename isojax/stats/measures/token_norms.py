@@ -46,12 +46,12 @@ class Sums(NamedTuple):
     lo_SxV: Any
 
 
-def init(on: int, num_groups: int, num_states: int, vocab_rows: int, width: int = 0) -> Sums:
+def init(on: int, num_groups: int, num_states: int, vocab_rows: int, width: int = 0, dtype=None) -> Sums:
     import jax.numpy as jnp
     return Sums(jnp.zeros((num_states, vocab_rows), jnp.float32), jnp.zeros((num_states, vocab_rows), jnp.float32))
 
 
-def observe(sums: Sums, on: int, s, group, rows, index) -> Sums:
+def observe(sums: Sums, on: int, s, group, rows, index, plan=None) -> Sums:
     """State s of one device's batch: its norms (rows.norm_N) summed per token id (index: the batch's TokenIndex)."""
     from isojax.stats.accumulators import _df_add, segment_sums
     from isojax.stats.options import StatsOptions
