@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from isojax.stats import accumulators as stats
+from isojax.stats import accumulators as stats, token_sums
 from isojax.stats.options import StatsOptions
 
 FAST_GRAM = lax.DotAlgorithmPreset.BF16_BF16_F32_X6  # ~float32 accuracy on tensor cores
@@ -68,7 +68,8 @@ def make_compensated(segment_sum):
 
     def update(acc, x_NxD, ids_N):
         index = stats.index_tokens(ids_N, jnp.ones(ids_N.shape, bool), acc.tok_count_SxV.shape[1])
-        return stats._update_tokens(acc, 0, _unit(x_NxD), index, opts)
+        count, tok = token_sums._add_batch(acc.tok_count_SxV, acc.tok_sum_SxVxD, 0, _unit(x_NxD), index, opts)
+        return acc.replace(tok_count_SxV=count, tok_sum_SxVxD=tok)
     return update
 
 

@@ -6,7 +6,7 @@ The forward is plain jit code that XLA partitions from the shardings of its inpu
 all devices, parameters replicated or over "model": device/mesh.py). The observer the layer scan
 calls with each state runs the statistics per device under shard_map: each device adds its rows
 to its own partial of the layer part and sends its per-token sums to the tokens' owners
-(stats._update_token_shards).
+(stats/token_sums.py).
 
 Global layout of the accumulators (a stats.Accumulators of global arrays):
   layer part  counts, sums, Grams, centered sums: [n, ...], one partial per device (axis 0 split).
@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
 from isojax.stats import sample as sample_lib
+from isojax.stats import token_sums
 from isojax.stats.measures import batch_planner, init_sums, observer, split, steps
 from isojax.model.decoder import Decoder
 from isojax.stats.options import StatsOptions
@@ -230,7 +231,7 @@ class Runner:
     def token_sums(self, s: int) -> np.ndarray:
         """Per-token unit-vector sums of state s, hi + lo in float64, [V, D] in token order."""
         with jax.enable_x64(True):
-            sums = _gather(_state_sums(self.acc.tok_sum_SxVxD, jnp.int32(s)))
+            sums = _gather(token_sums.state_sums(self.acc.tok_sum_SxVxD, jnp.int32(s)))
         n, d = self.num_devices, sums.shape[-1]
         return sums.reshape(n, -1, d).transpose(1, 0, 2).reshape(-1, d)[:self.cfg.vocab_size]
 
@@ -342,11 +343,6 @@ def _take_sample(x_nxKxD, part_K, slot_K):
     return x_nxKxD[part_K, slot_K].astype(jnp.float32)
 
 
-@jax.jit
-def _state_sums(tok: stats.DF, s):
-    return tok.hi[s].astype(jnp.float64) + tok.lo[s].astype(jnp.float64)
-
-
 def _layer_part(acc: stats.Accumulators) -> stats.Accumulators:
     """acc with empty token and step fields (what the merge of the layer part carries)."""
     return acc.replace(step=(), tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
@@ -393,7 +389,7 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
         acc, valid_N = _device_view(acc), seg_BxT.reshape(-1) != 0
         rows = acc.tok_count_SxV.shape[1] * n  # the padded vocabulary (0 without token stats)
         index = stats.index_tokens(tokens_BxT.reshape(-1), valid_N, rows, n) if rows else None
-        exchange = stats.plan_exchange(index, rows // n, options) if rows and n > 1 else None
+        exchange = token_sums.plan_exchange(index, rows // n, options) if rows and n > 1 else None
         plans = None
         if plan_batch is not None:
             acc, plans = plan_batch(acc, stats.Batch(tokens_BxT.reshape(-1), valid_N, pos_BxT.reshape(-1),
@@ -501,24 +497,8 @@ def _compiled_merge(mesh, specs, num_states: int, split_grams: bool):
 
 @functools.cache
 def _compiled_readout(mesh, rows: int):
-    """IntraSim of every token row, in float64 (call under jax.enable_x64): (|hi + lo|^2 - c) /
-    (c^2 - c), NaN where c < 2. Each device reads out its first `rows` rows with c >= 2 (rows:
-    at least as many as any device has), one state at a time."""
-
-    def local(count_SxV, tok):
-        c_V = count_SxV[0]
-        held = c_V.shape[0]
-        idx_R = jnp.nonzero(c_V >= 2, size=rows, fill_value=held)[0]  # padding: out of range
-
-        def one(s):
-            pick = lambda x: x[s].at[idx_R].get(mode="fill", fill_value=0.0).astype(jnp.float64)
-            sum_RxD = pick(tok.hi) + pick(tok.lo)
-            return jnp.einsum("rd,rd->r", sum_RxD, sum_RxD)
-
-        sq_SxR = lax.map(one, jnp.arange(count_SxV.shape[0]))
-        c_R = c_V.at[idx_R].get(mode="fill", fill_value=0).astype(jnp.float64)
-        intra_SxR = (sq_SxR - c_R) / jnp.where(c_R >= 2, c_R * c_R - c_R, 1.0)
-        return jnp.full(count_SxV.shape, jnp.nan, jnp.float64).at[:, idx_R].set(intra_SxR, mode="drop")
-
+    """IntraSim of every token row, in float64 (call under jax.enable_x64), each device of its own rows
+    (stats/token_sums.py intra_sim: its first `rows` rows with two or more occurrences)."""
+    local = functools.partial(token_sums.intra_sim, rows=rows)
     tok_spec = stats.DF(P(None, ALL, None), P(None, ALL, None))
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, ALL), tok_spec), out_specs=P(None, ALL)))
