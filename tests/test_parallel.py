@@ -244,6 +244,7 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
         from jax.sharding import PartitionSpec as P
         from isojax.device import mesh as parallel
         from isojax.stats import accumulators as stats, token_sums
+        from isojax.stats.measures import intra_sim
         from isojax.stats.options import StatsOptions
         from isojax.device.runner import vocab_rows
         from isojax.stats.accumulators import token_order
@@ -263,8 +264,7 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
             opts = StatsOptions(token_shards=n, token_axes=parallel.ALL, exchange_rows=exchange_rows)
 
             def local(x_BxNxD, ids_BxN, valid_BxN):
-                acc = stats.init_accumulators(1, D, rows // n)
-                count, tok = acc.tok_count_SxV, acc.tok_sum_SxVxD
+                count, tok = intra_sim.init(1, 1, 1, rows // n, D)
                 for b in range(3):
                     index = stats.index_tokens(ids_BxN[b], valid_BxN[b], rows, n)
                     count, tok = token_sums._add_batch_sharded(
@@ -327,12 +327,12 @@ def test_grams_split_over_model_equal_float64(tmp_path):
         opts = StatsOptions(gram_shards=4, gram_axis="model")
 
         def local(x_BxNxD, valid_BxN):
-            acc = stats.init_accumulators(1, D, 0, token_stats=False, gram_rows=D // 4)
+            acc = stats.init_accumulators(1, D, gram_rows=D // 4)
             for b in range(B):
                 acc = stats.update_state(acc, 0, x_BxNxD[b], jnp.zeros(N, jnp.int32), valid_BxN[b], 0, opts=opts)
             return jax.tree.map(lambda a: a[None], acc)
 
-        shapes = jax.eval_shape(lambda: stats.init_accumulators(1, D, 0, token_stats=False, gram_rows=D // 4))
+        shapes = jax.eval_shape(lambda: stats.init_accumulators(1, D, gram_rows=D // 4))
         specs = jax.tree.map(lambda _: P(parallel.ALL), shapes)
         acc = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, parallel.ALL), P(None, parallel.ALL)),
                                     out_specs=specs, check_vma=False))(x, valid)

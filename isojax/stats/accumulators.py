@@ -94,10 +94,9 @@ class Accumulators:
     # the sums of the step measures merged with this layer part on the devices (stats/measures base.Step.
     # layer_part: massive activations, position bands), in StatsOptions.step_measures' order; () when none is on
     layer_steps: tuple
-    tok_count_SxV: jax.Array  # int32 occurrences per token; V = 0 without token stats
-    tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
     # the other step measures' sums (stats/measures base.Step), added on the host (the sample's, stats/measures/
-    # sample_states.py: merged bottom-K), in StatsOptions.step_measures' order; () (no leaves) when none is on
+    # sample_states.py: merged bottom-K) or split over the vocabulary (IntraSim's per-token sums, stats/measures/
+    # intra_sim.py), in StatsOptions.step_measures' order; () (no leaves) when none is on
     step: tuple = ()
 
     def gram_slots(self) -> int:
@@ -116,23 +115,21 @@ class Accumulators:
         return sums / self.layer_count().astype(np.float64)[:, None]
 
 
-def _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows):
+def _shapes(num_states, d, num_groups, centered, group_spectra, gram_rows):
     g, s, h = num_groups, num_states, num_groups if group_spectra else 1
-    v = vocab_size if token_stats else 0
-    return dict(
-        count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d),
-        centered=(g, s, d if centered else 0), tok_count=(s, v), tok_sum=(s, v, d))
+    return dict(count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d),
+                centered=(g, s, d if centered else 0))
 
 
-def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: int = 1,
-                      token_stats: bool = True, centered: bool = False,
+def init_accumulators(num_states: int, d: int, *, num_groups: int = 1, centered: bool = False,
                       group_spectra: bool = True, gram_rows: int | None = None) -> Accumulators:
     """Zeroed accumulators. group_spectra=False shares one pair of [S, D, D] second moments
     among all groups (groups then report no anisotropy), which saves 4*S*D*D*4 bytes per
-    group beyond the first (the step measures' sums, the sample's among them: stats.measures.init_sums).
+    group beyond the first (the step measures' sums, the sample's and the per-token ones among them:
+    stats.measures.init_sums).
     gram_rows: rows of the second moments this device keeps (StatsOptions.gram_shards);
     None: all D."""
-    sh = _shapes(num_states, d, vocab_size, num_groups, token_stats, centered, group_spectra, gram_rows)
+    sh = _shapes(num_states, d, num_groups, centered, group_spectra, gram_rows)
     return Accumulators(
         count_lo_GxS=jnp.zeros(sh["count"], jnp.int32),
         count_hi_GxS=jnp.zeros(sh["count"], jnp.int32),
@@ -140,19 +137,14 @@ def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: i
         norm_sum_GxS=_df_zeros(sh["norm"]),
         m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
         unit_m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
-        centered_sum_GxSxC=_df_zeros(sh["centered"]), layer_steps=(),
-        tok_count_SxV=jnp.zeros(sh["tok_count"], jnp.int32),
-        tok_sum_SxVxD=_df_zeros(sh["tok_sum"]))
+        centered_sum_GxSxC=_df_zeros(sh["centered"]), layer_steps=())
 
 
-def accumulator_bytes(num_states, d, vocab_size, *, num_groups=1, token_stats=True, centered=False,
-                      group_spectra=True, gram_rows=None) -> int:
-    """Device bytes of init_accumulators(...), without allocating. Every float sum is two
-    float32 arrays (hi, lo), so the per-token part is 2 * S * V * D * 4 bytes: 21.4 GB for
-    pythia-1.4b (S = 26, V = 50304, D = 2048)."""
+def accumulator_bytes(num_states, d, *, num_groups=1, centered=False, group_spectra=True, gram_rows=None) -> int:
+    """Device bytes of init_accumulators(...), without allocating (every float sum is two float32 arrays, hi
+    and lo)."""
     shaped = jax.eval_shape(lambda: init_accumulators(
-        num_states, d, vocab_size, num_groups=num_groups, token_stats=token_stats,
-        centered=centered, group_spectra=group_spectra, gram_rows=gram_rows))
+        num_states, d, num_groups=num_groups, centered=centered, group_spectra=group_spectra, gram_rows=gram_rows))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shaped))
 
 
@@ -306,8 +298,7 @@ class Batch(NamedTuple):
 
 def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, center_D=None,
                  *, index: TokenIndex | None = None, opts: StatsOptions = DEFAULT_OPTIONS,
-                 plans=None, exchange=None,
-                 positions_N=None, sequences_N=None, observe=None) -> Accumulators:
+                 plans=None, positions_N=None, sequences_N=None, observe=None) -> Accumulators:
     """Add state s of one batch. s, group: (traced) int32 scalars; padding rows
     (valid_N False) contribute nothing, whatever they hold (the caller masks skipped positions,
     StatsOptions.skip_positions, into valid_N). positions_N: each row's position in its sequence
@@ -316,8 +307,8 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     state (stats.measures.observer), called once its Rows are made, with `plans`: their plans of the batch
     (stats.measures.batch_planner, once per batch). `index` (from index_tokens)
     lets a caller sort the ids once per batch instead of once per state. With
-    opts.token_shards > 1 this runs inside shard_map: the per-token accumulators hold this
-    device's share of the vocabulary and the batch's per-token sums are exchanged."""
+    opts.token_shards > 1 this runs inside shard_map: the step measures' per-token sums (IntraSim's)
+    hold this device's share of the vocabulary and the batch's per-token sums are exchanged."""
     s, group = jnp.asarray(s, jnp.int32), jnp.asarray(group, jnp.int32)
     token_ids_N, valid_N = jnp.asarray(token_ids_N), jnp.asarray(valid_N)
     gram_dtype = jnp.bfloat16 if x_NxD.dtype == jnp.bfloat16 else jnp.float32
@@ -376,11 +367,6 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
         acc = acc.replace(centered_sum_GxSxC=_df_slot_add(
             acc.centered_sum_GxSxC, gs, pairwise_sum(dunit_NxD)))
 
-    if acc.tok_count_SxV.shape[1]:
-        from isojax.stats import token_sums  # it builds on this module's arithmetic
-        count, tok = token_sums.update(acc.tok_count_SxV, acc.tok_sum_SxVxD, s, unit_NxD, token_ids_N, valid_N,
-                                       index, opts, exchange)
-        acc = acc.replace(tok_sum_SxVxD=tok, tok_count_SxV=count)
     return acc
 
 
@@ -404,19 +390,20 @@ def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int, opts: StatsOption
 
 def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
            centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS,
-           positions_N=None, sequences_N=None, observe=None, plan=None) -> Accumulators:
+           positions_N=None, sequences_N=None, observe=None, plan=None, vocab_rows: int = 0) -> Accumulators:
     """Add all S states of one batch (ids sorted once, a fori_loop over states). positions_N, sequences_N,
     observe: as update_state takes them; positions below opts.skip_positions are left out. plan: the step
     measures' per-batch hook (stats.measures.batch_planner), run once before the states; the sample's
-    (stats/measures/sample_states.py) keys tokens by positions_N and sequences_N."""
-    vocab_size = acc.tok_count_SxV.shape[1] * opts.token_shards
+    (stats/measures/sample_states.py) keys tokens by positions_N and sequences_N. vocab_rows: the padded
+    vocabulary V' the token measures' sums hold (IntraSim's, stats/measures/intra_sim.py), which the batch's
+    token index keys into (0: none)."""
     states_SxNxD, token_ids_N, valid_N = map(jnp.asarray, (states_SxNxD, token_ids_N, valid_N))
     if opts.skip_positions:
         if positions_N is None:
             raise ValueError("skip_positions needs the rows' positions")
         valid_N = valid_N & (jnp.asarray(positions_N) >= opts.skip_positions)
     centers_SxD = None if centers_SxD is None else jnp.asarray(centers_SxD)
-    index = index_tokens(token_ids_N, valid_N, max(vocab_size, 1), opts.token_shards)
+    index = index_tokens(token_ids_N, valid_N, max(vocab_rows, 1), opts.token_shards)
     plans = None
     if plan is not None:
         n = token_ids_N.shape[0]
@@ -476,6 +463,4 @@ def merge(a: Accumulators, b: Accumulators, *, keep_m2: bool = False, m2_row0=No
         unit_m2_HxSxDxD=m2_merge(a.unit_m2_HxSxDxD, b.unit_m2_HxSxDxD, a.unit_sum_GxSxD,
                                  b.unit_sum_GxSxD),
         centered_sum_GxSxC=df_merge(a.centered_sum_GxSxC, b.centered_sum_GxSxC),
-        layer_steps=tuple(x.merge(y) for x, y in zip(a.layer_steps, b.layer_steps, strict=True)),
-        tok_count_SxV=a.tok_count_SxV + b.tok_count_SxV,
-        tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD))
+        layer_steps=tuple(x.merge(y) for x, y in zip(a.layer_steps, b.layer_steps, strict=True)))

@@ -1,7 +1,7 @@
 """The per-token unit sums of IntraSim (Ethayarajh 2019; Machina & Mercer 2024: the mean cosine of the states
-of one token id, per state), their update and their float64 read-out on the devices: one numerical unit, apart
-from the other streamed sums (stats/accumulators.py, which keeps them, as its fields tok_count_SxV [S, V'] and
-tok_sum_SxVxD [S, V', D], and whose double-float arithmetic, token index and segment sums they use).
+of one token id, per state), their update and their float64 read-out on the devices: the algorithms of the step
+measure stats/measures/intra_sim.py (which declares the sums, count [S, V'] and sums [S, V', D], and calls these),
+built on stats/accumulators.py's double-float arithmetic, token index and segment sums.
 
 Per state and batch (update): segment-sum the batch's unit vectors sorted by token id (accumulators.index_tokens,
 segment_sums), then TwoSum-add the batch's distinct rows into the double-float sums, a chunk of rows at a time
