@@ -58,8 +58,7 @@ def _map_fields(acc: stats.Accumulators, fields, fn) -> stats.Accumulators:
 
 
 def split_over_vocab(options: StatsOptions) -> tuple[bool, ...]:
-    """For each entry of Accumulators.step: whether its sums are split over the vocabulary (Step.placement
-    "vocab"), else each device's own, with a device axis."""
+    """Per entry of Accumulators.step: split over the vocabulary (Step.placement "vocab"), else per device."""
     return tuple(steps()[name].placement == "vocab" for name, _ in split(options.step_measures)[1])
 
 
@@ -91,8 +90,7 @@ class Layout:
         cfg, n = module.cfg, mesh.size
         self.module, self.mesh, self.centered = module, mesh, centered
         options = options or StatsOptions()
-        # the sample's step measure, its setting K chosen by the planner (run/plan.py), and those on exactly with
-        # token stats (Step.with_token_stats: IntraSim's per-token sums)
+        # the sample (K chosen by the planner, run/plan.py) and those on with token stats (Step.with_token_stats)
         added = {**({SAMPLE: sample_size} if sample_size else {}),
                  **({name: 1 for name, step in steps().items() if step.with_token_stats} if token_stats else {})}
         if added:
@@ -297,11 +295,9 @@ class Runner:
         return keys[part, slot]
 
     def older_leaf(self, leaf: str, sample: bool = False, tokens: bool = False) -> str:
-        """The name a leaf of these accumulators had in a checkpoint written before a part of them became a step
-        measure (issue 46; device/checkpoints.py names leaves by their path). tokens: before IntraSim's per-token
-        sums did (their fields were tok_count_SxV and tok_sum_SxVxD; the step measures after them in
-        Accumulators.step sat one place earlier); sample: before the sample did (its keys and states were the
-        fields sample_keys_Kx2 and sample_SxKxD; the step measures after it sat one place earlier)."""
+        """The name a leaf of these accumulators had in a checkpoint written before the per-token sums (`tokens`;
+        fields tok_count_SxV, tok_sum_SxVxD) or the sample (fields sample_keys_Kx2, sample_SxKxD) became step measures
+        (issue 46; checkpoints name leaves by their path); the step measures after either sat one place earlier."""
         other = [name for name, _ in split(self.options.step_measures)[1]]
         head, _, rest = leaf.partition("__")
         if head != "step":

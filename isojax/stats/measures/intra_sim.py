@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from isojax.stats.measures.base import Measure, Metric, Step
+from isojax.stats.measures.base import Measure, Step
 
 
 class Sums(NamedTuple):
