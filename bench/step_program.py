@@ -8,7 +8,8 @@ run on two commits (PYTHONPATH) and compare the lines.
 For each configuration (CONFIGS) of a tiny GPT-NeoX (D = 64, 2 layers, V = 512, rows 4 x 64 per device; its
 shapes only: the program does not depend on the weights): the jitted step the runner uses (device/runner.py
 Layout.step, as run.plan builds it: the module split by rows over the mesh, the statistics' options with the
-registry's default step measures), lowered from shapes and compiled (device/ahead.py compile_step), then its
+registry's default step measures; a "-centered" one: the second pass of --centered after that first pass, as
+Runner.second_pass builds it), lowered from shapes and compiled (device/ahead.py compile_step), then its
 optimized HLO text canonicalized: metadata, the source locations' tables and the module's name left out,
 instruction, computation and parameter names numbered in order of appearance, so that only a change of the
 program itself changes the hash. The device count is a process setting: each count
@@ -27,15 +28,20 @@ import re
 import subprocess
 import sys
 
-CONFIGS = {  # name -> (dtype, token_stats, groups, skip_positions, sample_size)
-    "f32": ("float32", True, 1, 0, 64),
-    "bf16": ("bfloat16", True, 1, 0, 64),
-    "f32-no-tokens": ("float32", False, 1, 0, 64),
-    "bf16-no-tokens": ("bfloat16", False, 1, 0, 64),
-    "f32-groups3": ("float32", True, 3, 0, 64),
-    "f32-skip2": ("float32", True, 1, 2, 64),
-    "bf16-skip2-groups2": ("bfloat16", True, 2, 2, 64),
-    "f32-no-sample": ("float32", True, 1, 0, 0),
+CONFIGS = {  # name -> (dtype, token_stats, groups, skip_positions, sample_size, centered)
+    "f32": ("float32", True, 1, 0, 64, False),
+    "bf16": ("bfloat16", True, 1, 0, 64, False),
+    "f32-no-tokens": ("float32", False, 1, 0, 64, False),
+    "bf16-no-tokens": ("bfloat16", False, 1, 0, 64, False),
+    "f32-groups3": ("float32", True, 3, 0, 64, False),
+    "f32-skip2": ("float32", True, 1, 2, 64, False),
+    "bf16-skip2-groups2": ("bfloat16", True, 2, 2, 64, False),
+    "f32-no-sample": ("float32", True, 1, 0, 0, False),
+    # the second pass of --centered after the first pass of these settings (Runner.second_pass: no token stats,
+    # no sample, no step measure of the first pass; the centers [S, D] an argument)
+    "f32-centered": ("float32", True, 1, 0, 64, True),
+    "bf16-centered": ("bfloat16", True, 1, 0, 64, True),
+    "bf16-skip2-groups2-centered": ("bfloat16", True, 2, 2, 64, True),
 }
 TINY_NEOX = dict(model_type="gpt_neox", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=256, rotary_pct=0.25, use_parallel_residual=True, hidden_act="gelu",
@@ -72,14 +78,28 @@ def program(name: str) -> str:
     from isojax.stats.measures import step_settings
     from isojax.stats.options import StatsOptions
 
-    dtype, token_stats, groups, skip, sample_size = CONFIGS[name]
+    dtype, token_stats, groups, skip, sample_size, centered = CONFIGS[name]
     cfg = from_hf_dict(TINY_NEOX, name="tiny-neox")
     mesh = make_mesh()
     module = step_module(build_module(cfg, dtype), mesh)
     options = StatsOptions(skip_positions=skip, step_measures=step_settings({}, token_stats))
     layout = Layout(module, mesh, token_stats=token_stats, num_groups=groups, sample_size=sample_size, options=options)
     rows = ROWS * mesh.size
-    compiled, _ = ahead.compile_step(layout, abstract_params(cfg, dtype, mesh), rows, ROW_LEN)
+    params = abstract_params(cfg, dtype, mesh)
+    if centered:  # Runner.second_pass's layout, its step compiled for centers [S, D] (compile_step's are [S, 0])
+        import dataclasses
+
+        import numpy as np
+
+        from isojax.device import mesh as parallel
+        from isojax.device.runner import signature
+        layout = Layout(module, mesh, token_stats=False, num_groups=groups, centered=True,
+                        options=dataclasses.replace(layout.options, step_measures=()))
+        centers = jax.ShapeDtypeStruct((cfg.num_states, cfg.hidden_size), np.float32,
+                                       sharding=parallel.replicated(mesh))
+        compiled = layout.step().lower(*signature(params, layout.abstract, mesh, rows, ROW_LEN, centers)).compile()
+    else:
+        compiled, _ = ahead.compile_step(layout, params, rows, ROW_LEN)
     assert len(jax.devices()) == mesh.size
     return canonical(compiled.as_text())
 
