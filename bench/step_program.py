@@ -15,7 +15,8 @@ instruction, computation and parameter names numbered in order of appearance, so
 program itself changes the hash. The device count is a process setting: each count
 runs in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count (2 devices: the token part split
 over both, token_shards 2). --out writes each canonical text (to diff two commits' programs); --compare A B
-compares two such folders, telling apart programs that differ only by zero-size arrays passed through.
+compares two such folders, telling apart programs that differ only by zero-size arrays passed through (and, with
+them gone, by the order in which ENTRY runs instructions that do not depend on each other).
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ def hashes(configs, out: str | None) -> dict[str, str]:
 def without_empty(hlo: str) -> tuple[str, str, int]:
     """(the text before ENTRY, ENTRY's body, the number of its instructions left out): the canonical text with
     ENTRY's zero-size instructions (parameters, constants and copies of arrays with a 0 in their shape: an empty
-    accumulator field) left out, its signature line aside and its names numbered again, so that two programs
-    that differ only by empty arrays passed through compare equal (--compare)."""
+    accumulator field) left out, its signature line aside and its names and parameters numbered again (the
+    parameters in the order of their numbers), so that two programs that differ only by empty arrays passed
+    through compare equal (--compare)."""
     head, entry = hlo.split("\nENTRY ", 1)
     base = int(re.match(r"%n(\d+)", entry).group(1))
     gone, kept = set(), []
@@ -133,23 +135,55 @@ def without_empty(hlo: str) -> tuple[str, str, int]:
     body = "\n".join(kept)
     body = re.sub(r"(%n\d+)\b(, )?", lambda m: "" if m.group(1) in gone else m.group(0), body)
     body = re.sub(r"\w+\[[\d,]*\b0\b[\d,]*\]\{[\d,]*\}(, )?", "", re.sub(r"/\*index=\d+\*/", "", body))
-    body = re.sub(r"parameter\(\d+\)", "parameter()", re.sub(r", \)", ")", body))
+    body = re.sub(r", \)", ")", body)
+    ranks = {n: i for i, n in enumerate(sorted({int(n) for n in re.findall(r"parameter\((\d+)\)", body)}))}
+    body = re.sub(r"parameter\((\d+)\)", lambda m: f"parameter({ranks[int(m.group(1))]})", body)
     names: dict[str, str] = {}
     body = re.sub(r"%n(\d+)", lambda m: names.setdefault(m.group(0), f"%e{len(names)}")
                   if int(m.group(1)) > base else m.group(0), body)
     return head.split("\n", 1)[1], body, len(gone)
 
 
+def _dataflow(body: str) -> list[str]:
+    """ENTRY's body (without_empty's) as its instructions, each with its own name left out and its operands' names
+    replaced by a hash of what computes them (opcode, shape, attributes and, in turn, their operands), in the
+    order they run: two bodies with equal sorted lists compute the same instructions on the same operands, in
+    another order at most (a schedule's order of instructions that do not depend on each other)."""
+    hashes: dict[str, str] = {}
+    out = []
+    for line in body.split("\n"):
+        m = re.match(r"(\s*(?:ROOT )?)(%e\d+) = (.*)$", line)
+        if not m:
+            out.append(line)
+            continue
+        text = m.group(1) + re.sub(r"%e\d+\b", lambda o: hashes.get(o.group(0), o.group(0)), m.group(3))
+        hashes[m.group(2)] = "#" + hashlib.sha256(text.strip().encode()).hexdigest()[:16]
+        out.append(text)
+    return out
+
+
+def reordered(bx: str, by: str) -> int | None:
+    """The number of places where two ENTRY bodies (without_empty's) run other instructions, if they compute the
+    same instructions on the same operands (_dataflow); None where they do not."""
+    x, y = _dataflow(bx), _dataflow(by)
+    return sum(a != b for a, b in zip(x, y)) if sorted(x) == sorted(y) else None
+
+
 def compare(a: str, b: str) -> None:
-    """Each canonical text of folder a (--out) against b's: the same, the same but for empty arrays, or not."""
+    """Each canonical text of folder a (--out) against b's: the same; the same but for empty arrays; the same but
+    for empty arrays and the order in which ENTRY runs instructions that do not depend on each other (a
+    schedule's tie, moved by the empty ones' absence: the same instructions on the same operands); or not."""
     for name in sorted(os.listdir(a)):
         x, y = (open(os.path.join(d, name)).read() for d in (a, b))
         if x == y:
             print(f"{name}: the same")
             continue
         (hx, bx, nx), (hy, by, ny) = without_empty(x), without_empty(y)
-        print(f"{name}: " + (f"the same but for empty arrays ({nx} and {ny} zero-size instructions of ENTRY)"
-                             if (hx, bx) == (hy, by) else "differs"))
+        moved = reordered(bx, by) if hx == hy else None
+        empty = f"empty arrays ({nx} and {ny} zero-size instructions of ENTRY)"
+        print(f"{name}: " + (f"the same but for {empty}" if bx == by and hx == hy else
+                             f"the same but for {empty} and the order of {moved} independent instructions of ENTRY"
+                             if moved is not None else "differs"))
 
 
 def main() -> None:
