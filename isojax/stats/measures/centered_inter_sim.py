@@ -89,8 +89,8 @@ MEASURE = Measure(
     metrics=(Metric("centered_inter_sim", "cosine", "centered InterSim", only_where_on=True),),
     reads="step", readout=readout, on_by_default=False, step=STEP,
     paper="Machina & Mercer 2024 (InterSim, §3.6); centering: Biś et al. 2021 (Too Much in Common)",
-    readme_row="| `centered_inter_sim` | **`--centered` only** (a second pass over the data with the first pass's mean: "
-               "twice the time); InterSim of x − c, c the state's mean over every measured token: (‖Σu‖² − n)/(n² − n), "
-               "u = (x − c)/‖x − c‖ (0 where x = c), from double-float sums in float64; per layer (a source's layers "
-               "carry none), absent without `--centered` | Machina & Mercer 2024 (InterSim, §3.6); centering: Biś et "
-               "al. 2021 (Too Much in Common) |")
+    readme_row="| `centered_inter_sim` | **`--centered` only** (a second pass over the data with the first pass's "
+               "mean: twice the time); InterSim of x − c, c the state's mean over every measured token: "
+               "(‖Σu‖² − n)/(n² − n), u = (x − c)/‖x − c‖ (0 where x = c), from double-float sums in float64; per "
+               "layer (a source's layers carry none), absent without `--centered` | Machina & Mercer 2024 (InterSim, "
+               "§3.6); centering: Biś et al. 2021 (Too Much in Common) |")
