@@ -9,7 +9,7 @@ to its own partial of the layer part and sends its per-token sums to the tokens'
 (stats._update_token_shards).
 
 Global layout of the accumulators (a stats.Accumulators of global arrays):
-  layer part  counts, sums, Grams, centered sums: [n, ...], one partial per device (axis 0 split).
+  layer part  counts, sums, Grams: [n, ...], one partial per device (axis 0 split).
               With a "model" axis of m > 1 (and m dividing D), the devices of one model group
               pool their rows for the Grams: each keeps D/m rows [H, S, D/m, D] of the group's
               Grams (stats.update_state's reduce-scatter), so they cost 1/m per device.
@@ -46,10 +46,10 @@ from isojax.device.mesh import ALL
 
 MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
-                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "layer_steps")  # S is axis 1 of each leaf
+                "m2_HxSxDxD", "unit_m2_HxSxDxD", "layer_steps")  # S is axis 1 of each leaf
 TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
 PER_DEVICE = LAYER_FIELDS + ("step",)
-SAMPLE = "sample_states"  # the sample's step measure (stats/measures/sample_states.py)
+SAMPLE, CENTERED = "sample_states", "centered_inter_sim"  # the sample's and the centered pass's step measures
 
 
 def _map_fields(acc: stats.Accumulators, fields, fn) -> stats.Accumulators:
@@ -75,12 +75,12 @@ class Layout:
     def __init__(self, module: Decoder, mesh, *, token_stats: bool, num_groups: int, centered: bool = False,
                  options: StatsOptions | None = None, sample_size: int = 0):
         cfg, n = module.cfg, mesh.size
-        self.module, self.mesh, self.centered = module, mesh, centered
+        self.module, self.mesh = module, mesh
         options = options or StatsOptions()
-        if sample_size:  # the sample's step measure, its setting K chosen by the planner (run/plan.py)
-            on = dict(options.step_measures, **{SAMPLE: sample_size})
+        if sample_size or centered:  # the sample's step measure (K: chosen by run/plan.py); the centered pass's
+            on = dict(options.step_measures, **{SAMPLE: sample_size, CENTERED: int(centered)})
             options = dataclasses.replace(options, step_measures=tuple((name, on[name]) for name in steps()
-                                                                       if name in on))
+                                                                       if on.get(name)))
         self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
         if not token_stats:  # a step measure that reads the token index is off without token stats
             self.options = dataclasses.replace(self.options, step_measures=tuple(
@@ -89,7 +89,7 @@ class Layout:
         if rows:
             self.options = dataclasses.replace(self.options, gram_shards=mesh.shape["model"], gram_axis="model")
         # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
-        self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats, centered=centered,
+        self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats,
                                 group_spectra=num_groups <= MAX_GROUP_SPECTRA, gram_rows=rows)
         self.sample_size = sample_size
         self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
@@ -110,7 +110,7 @@ class Layout:
     def step(self):
         """The jitted step: one per module, mesh, options and layout in a process (a sweep's
         checkpoints share it, and its compiles)."""
-        return _compiled_step(self.module, self.mesh, self.options, self.specs, self.centered)
+        return _compiled_step(self.module, self.mesh, self.options, self.specs)
 
 
 def signature(params, acc, mesh, rows: int, row_len: int, centers_SxD) -> tuple:
@@ -129,16 +129,15 @@ class Runner:
         self.module, self.cfg = module, cfg
         self.mesh = mesh if mesh is not None else parallel.make_mesh()
         self.num_devices = self.mesh.size
-        self.centered = centers_SxD is not None
-        layout = Layout(module, self.mesh, token_stats=token_stats, num_groups=num_groups, centered=self.centered,
-                        options=options, sample_size=sample_size)
+        layout = Layout(module, self.mesh, token_stats=token_stats, num_groups=num_groups,
+                        centered=centers_SxD is not None, options=options, sample_size=sample_size)
         self.options, self.init_kwargs, self.vocab_rows = layout.options, layout.init_kwargs, layout.vocab_rows
         self.sample_size = layout.sample_size
         self.specs, self.shardings, self.abstract = layout.specs, layout.shardings, layout.abstract
         self._init_global = layout.init_global
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
-        self.centers_SxD = jax.device_put(
-            np.asarray(centers_SxD, np.float32) if self.centered else np.zeros((cfg.num_states, 0), np.float32),
+        self.centers_SxD = jax.device_put(np.asarray(  # the centered pass's centers; [S, 0] outside it
+            np.zeros((cfg.num_states, 0)) if centers_SxD is None else centers_SxD, np.float32),
             parallel.replicated(self.mesh))
         self.acc = self.fresh_accumulators()
         self._step = layout.step()
@@ -308,7 +307,7 @@ def gram_rows(d: int, model_axis: int) -> int | None:
 
 def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, model_axis: int = 1, **kw) -> int:
     """Bytes on each of n devices: one layer part (its Grams split over model_axis: gram_rows),
-    plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators' num_groups, centered,
+    plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators' num_groups,
     group_spectra. (The step measures' sums are counted with what they add to the step: device/memory.py
     step_bytes; the sample's by memory_per_device.)"""
     rows = vocab_rows(cfg.vocab_size, n) // n if token_stats else 0
@@ -372,7 +371,7 @@ def _stacked(acc):
 
 
 @functools.cache
-def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered: bool):
+def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs):
     d, n = module.cfg.hidden_size, mesh.size
     on = [(i, steps()[name], setting) for i, (name, setting) in enumerate(split(options.step_measures)[1])]
     after = [(i, step, setting) for i, step, setting in on if step.after_forward is not None]
@@ -380,7 +379,7 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
     plan_batch = batch_planner(options.step_measures)  # and per-batch plans (base.Step.plan_batch)
 
     def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plans, group, centers):
-        center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centered else None
+        center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centers.shape[1] else None
         exchange, flat = jax.tree.map(lambda x: x[0], exchange), lambda x_BxT: x_BxT.reshape(-1)
         acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
                                  group, center_D, index=index, opts=options, plans=plans, exchange=exchange,
