@@ -331,17 +331,35 @@ def test_groups_and_their_combination(group_spectra):
 
 
 def test_centered_inter_sim_second_pass():
+    """The centered pass's step measure (stats/measures/centered_inter_sim.py) against float64: its sums in the
+    layer part, updated from each state's Rows.center_D, merged halves (Sums.merge) as one pass."""
+    from isojax.stats import measures
+    from isojax.stats.measures import centered_inter_sim as centered
     rng = np.random.default_rng(8)
     n, d = 1 << 17, 16
     x = (rng.normal(size=(n, d)) * 0.05 + rng.normal(size=d)).astype(np.float32)
     center = x.astype(np.float64).mean(0).astype(np.float32)  # the first pass's mean
-    acc = stats.init_accumulators(1, d, centered=True)
-    acc = _feed(acc, x[None], np.zeros(n, np.int32), np.ones(n, bool), centers_SxD=center[None])
-    out = fz.finalize(acc, ["s"])
+    on = (("centered_inter_sim", 1),)
+    update = jax.jit(functools.partial(stats.update, observe=measures.observer(on)))
+    halves = []
+    for part in (x[: n // 2], x[n // 2:]):
+        acc = stats.init_accumulators(1, d).replace(
+            layer_steps=measures.init_sums(on, 1, 1, 0, d)[0])
+        for start in range(0, len(part), 8192):
+            rows = part[start:start + 8192]
+            acc = update(acc, rows[None], np.zeros(len(rows), np.int32), np.ones(len(rows), bool), 0, center[None])
+        halves.append(acc)
+    acc = jax.block_until_ready(stats.merge(*halves))
+    got = centered.readout(centered.merged(jax.tree.map(lambda v: np.asarray(v)[None], acc.layer_steps[0])),
+                           acc.layer_count())
     ref = _ref(x, center_D=center)
     assert ref["inter_sim"] > 0.99 and abs(ref["centered_inter_sim"]) < 1e-3
-    _check(out["layers"][0], ref)
-    assert out["layers"][0]["intra_sim"] is None and "token" not in out
+    assert abs(got[0]["centered_inter_sim"] - ref["centered_inter_sim"]) < TOL
+    out = fz.finalize(acc, ["s"])  # the rest of the layer part as usual; centered_inter_sim is the measure's
+    _check(out["layers"][0], {k: v for k, v in ref.items() if k != "centered_inter_sim"})
+    assert "centered_inter_sim" not in out["layers"][0] and out["layers"][0]["intra_sim"] is None
+    with pytest.raises(ValueError, match="center"):  # the measure on, no centers
+        update(acc, x[None, :8], np.zeros(8, np.int32), np.ones(8, bool), 0)
 
 
 def test_bfloat16_states_and_update_state_in_a_scan():
@@ -376,8 +394,8 @@ def test_bfloat16_states_and_update_state_in_a_scan():
 
 def test_accumulator_bytes():
     from isojax.stats.measures.intra_sim import sums_bytes
-    acc = stats.init_accumulators(3, 8, num_groups=2, centered=True)
-    assert stats.accumulator_bytes(3, 8, num_groups=2, centered=True) == sum(
+    acc = stats.init_accumulators(3, 8, num_groups=2)
+    assert stats.accumulator_bytes(3, 8, num_groups=2) == sum(
         leaf.nbytes for leaf in jax.tree.leaves(acc))
     s, v, d = 26, 50304, 2048  # pythia-1.4b; eval_shape, nothing allocated
     tokens = jax.eval_shape(lambda: measures.init_sums(INTRA, 1, s, v, d)[1])

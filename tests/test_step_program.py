@@ -50,3 +50,24 @@ def test_programs_that_differ_only_by_empty_arrays_passed_through_compare_equal_
     assert a != b and without_empty(a)[2] > 0 == without_empty(b)[2]
     assert without_empty(a)[:2] == without_empty(b)[:2]
     assert without_empty(a)[:2] != without_empty(c)[:2]
+
+
+def test_instructions_run_in_another_order_compare_equal_and_a_changed_operand_does_not():
+    """reordered (--compare): ENTRY running two instructions that do not depend on each other in the other order (a
+    schedule's tie, as two 2-device programs of bench/RESULTS.md 18f once the empty accumulator field was gone) is
+    the same computation; the same instructions with one operand swapped are not, even of equal shapes."""
+    from bench.step_program import reordered
+
+    def text(*lines):
+        return canonical("HloModule m\n\n%f (a: s32[]) -> s32[] {\n  ROOT %a = s32[] parameter(0)\n}\n\n"
+                         "ENTRY %main (p: s32[], q: s32[]) -> (s32[], s32[], s32[4]) {\n"
+                         "  %p = s32[] parameter(0)\n  %q = s32[] parameter(1)\n" + "\n".join(lines) + "\n}\n")
+
+    copy, again, wide = "  %c = s32[] copy(%p)", "  %d = s32[] copy(%q)", "  %w = s32[4]{0} broadcast(%p), dimensions={}"
+    root = "  ROOT %t = (s32[], s32[], s32[4]{0}) tuple(%c, %d, %w)"
+    one, other = text(copy, again, wide, root), text(wide, again, copy, root)
+    swapped = text(copy.replace("%p", "%q"), again.replace("%q", "%p"), wide, root)  # each copy of the other one
+    (ha, ba, _), (hb, bb, _), (hc, bc, _) = (without_empty(t) for t in (one, other, swapped))
+    assert ha == hb == hc and ba != bb and ba != bc
+    assert reordered(ba, ba) == 0 and reordered(ba, bb) == 2
+    assert reordered(ba, bc) is None

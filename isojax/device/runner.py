@@ -9,7 +9,7 @@ to its own partial of the layer part and sends its per-token sums to the tokens'
 (stats/token_sums.py).
 
 Global layout of the accumulators (a stats.Accumulators of global arrays):
-  layer part  counts, sums, Grams, centered sums: [n, ...], one partial per device (axis 0 split).
+  layer part  counts, sums, Grams: [n, ...], one partial per device (axis 0 split).
               With a "model" axis of m > 1 (and m dividing D), the devices of one model group
               pool their rows for the Grams: each keeps D/m rows [H, S, D/m, D] of the group's
               Grams (stats.update_state's reduce-scatter), so they cost 1/m per device.
@@ -48,8 +48,8 @@ from isojax.device.mesh import ALL
 
 MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
-                "m2_HxSxDxD", "unit_m2_HxSxDxD", "centered_sum_GxSxC", "layer_steps")  # S is axis 1 of each leaf
-SAMPLE = "sample_states"  # the sample's step measure (stats/measures/sample_states.py)
+                "m2_HxSxDxD", "unit_m2_HxSxDxD", "layer_steps")  # S is axis 1 of each leaf
+SAMPLE, CENTERED = "sample_states", "centered_inter_sim"  # the sample's and the centered pass's step measures
 INTRA = "intra_sim"  # IntraSim's per-token sums (stats/measures/intra_sim.py)
 
 
@@ -88,15 +88,16 @@ class Layout:
     def __init__(self, module: Decoder, mesh, *, token_stats: bool, num_groups: int, centered: bool = False,
                  options: StatsOptions | None = None, sample_size: int = 0):
         cfg, n = module.cfg, mesh.size
-        self.module, self.mesh, self.centered = module, mesh, centered
+        self.module, self.mesh = module, mesh
         options = options or StatsOptions()
-        # the sample (K chosen by the planner, run/plan.py) and those on with token stats (Step.with_token_stats)
-        added = {**({SAMPLE: sample_size} if sample_size else {}),
+        # the sample (K chosen by the planner, run/plan.py), the centered pass's, those on with token stats
+        # (Step.with_token_stats: IntraSim's per-token sums)
+        added = {SAMPLE: sample_size, CENTERED: int(centered),
                  **({name: 1 for name, step in steps().items() if step.with_token_stats} if token_stats else {})}
-        if added:
+        if any(added.values()):
             on = dict(options.step_measures, **added)
             options = dataclasses.replace(options, step_measures=tuple((name, on[name]) for name in steps()
-                                                                       if name in on))
+                                                                       if on.get(name)))
         self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
         if not token_stats:  # a step measure that reads the token index is off without token stats
             self.options = dataclasses.replace(self.options, step_measures=tuple(
@@ -105,7 +106,7 @@ class Layout:
         if rows:
             self.options = dataclasses.replace(self.options, gram_shards=mesh.shape["model"], gram_axis="model")
         # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
-        self.init_kwargs = dict(num_groups=num_groups, centered=centered,
+        self.init_kwargs = dict(num_groups=num_groups,
                                 group_spectra=num_groups <= MAX_GROUP_SPECTRA, gram_rows=rows)
         self.token_stats, self.sample_size = token_stats, sample_size
         self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
@@ -127,7 +128,7 @@ class Layout:
     def step(self):
         """The jitted step: one per module, mesh, options and layout in a process (a sweep's
         checkpoints share it, and its compiles)."""
-        return _compiled_step(self.module, self.mesh, self.options, self.specs, self.centered, self.vocab_rows)
+        return _compiled_step(self.module, self.mesh, self.options, self.specs, self.vocab_rows)
 
 
 def signature(params, acc, mesh, rows: int, row_len: int, centers_SxD) -> tuple:
@@ -146,16 +147,15 @@ class Runner:
         self.module, self.cfg = module, cfg
         self.mesh = mesh if mesh is not None else parallel.make_mesh()
         self.num_devices = self.mesh.size
-        self.centered = centers_SxD is not None
-        layout = Layout(module, self.mesh, token_stats=token_stats, num_groups=num_groups, centered=self.centered,
-                        options=options, sample_size=sample_size)
+        layout = Layout(module, self.mesh, token_stats=token_stats, num_groups=num_groups,
+                        centered=centers_SxD is not None, options=options, sample_size=sample_size)
         self.options, self.init_kwargs, self.vocab_rows = layout.options, layout.init_kwargs, layout.vocab_rows
         self.sample_size, self.token_stats = layout.sample_size, layout.token_stats
         self.specs, self.shardings, self.abstract = layout.specs, layout.shardings, layout.abstract
         self._init_global = layout.init_global
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
-        self.centers_SxD = jax.device_put(
-            np.asarray(centers_SxD, np.float32) if self.centered else np.zeros((cfg.num_states, 0), np.float32),
+        self.centers_SxD = jax.device_put(np.asarray(  # the centered pass's centers; [S, 0] outside it
+            np.zeros((cfg.num_states, 0)) if centers_SxD is None else centers_SxD, np.float32),
             parallel.replicated(self.mesh))
         self.acc = self.fresh_accumulators()
         self._step = layout.step()
@@ -329,7 +329,7 @@ def gram_rows(d: int, model_axis: int) -> int | None:
 
 def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, model_axis: int = 1, **kw) -> int:
     """Bytes on each of n devices: one layer part (its Grams split over model_axis: gram_rows),
-    plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators' num_groups, centered,
+    plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators' num_groups,
     group_spectra. (The step measures' sums are counted with what they add to the step: device/memory.py
     step_bytes; the sample's by memory_per_device.)"""
     from isojax.stats.measures.intra_sim import sums_bytes
@@ -388,7 +388,7 @@ def _stacked(acc, vocab=()):
 
 
 @functools.cache
-def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered: bool, vocab_rows: int):
+def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, vocab_rows: int):
     """vocab_rows: the padded vocabulary V' the token index keys into (0 without token stats)."""
     d = module.cfg.hidden_size
     on = [(i, steps()[name], setting) for i, (name, setting) in enumerate(split(options.step_measures)[1])]
@@ -398,7 +398,7 @@ def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, centered
     plan_batch = batch_planner(options.step_measures, options)  # and per-batch plans (base.Step.plan_batch)
 
     def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, plans, group, centers):
-        center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centered else None
+        center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centers.shape[1] else None
         flat = lambda x_BxT: x_BxT.reshape(-1)
         acc = stats.update_state(_device_view(acc, vocab), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT),
                                  flat(seg_BxT) != 0, group, center_D, index=index, opts=options, plans=plans,

@@ -459,7 +459,7 @@ def _read_out(runner, state_names, cache, timings, config: MeasureConfig, has_so
                 final["sample"], final["sample_keys"] = states, runner.sample_keys()
                 final["sample_tokens"] = _sample_identity(final["sample_keys"], cache)
     if config.stats.centered:
-        final = centered_pass(final, acc, runner, state_names, cache, rows, row_len, local, timings, config.progress)
+        final = centered_pass(final, acc, runner, cache, rows, row_len, local, timings, config.progress)
     return final, pending
 
 

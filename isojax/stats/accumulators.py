@@ -90,9 +90,9 @@ class Accumulators:
     norm_sum_GxS: DF  # Sum |x|
     m2_HxSxDxD: DFPair  # Sum (x - mean)(x - mean)^T over the H-slot's population
     unit_m2_HxSxDxD: DFPair  # the same for unit vectors
-    centered_sum_GxSxC: DF  # Sum (x-c)/|x-c| for centered InterSim; C = D or 0
     # the sums of the step measures merged with this layer part on the devices (stats/measures base.Step.
-    # layer_part: massive activations, position bands), in StatsOptions.step_measures' order; () when none is on
+    # layer_part: massive activations, position bands; centered InterSim in the centered pass), in
+    # StatsOptions.step_measures' order; () when none is on
     layer_steps: tuple
     # the other step measures' sums (stats/measures base.Step), added on the host (the sample's, stats/measures/
     # sample_states.py: merged bottom-K) or split over the vocabulary (IntraSim's per-token sums, stats/measures/
@@ -115,21 +115,20 @@ class Accumulators:
         return sums / self.layer_count().astype(np.float64)[:, None]
 
 
-def _shapes(num_states, d, num_groups, centered, group_spectra, gram_rows):
+def _shapes(num_states, d, num_groups, group_spectra, gram_rows):
     g, s, h = num_groups, num_states, num_groups if group_spectra else 1
-    return dict(count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d),
-                centered=(g, s, d if centered else 0))
+    return dict(count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d))
 
 
-def init_accumulators(num_states: int, d: int, *, num_groups: int = 1, centered: bool = False,
-                      group_spectra: bool = True, gram_rows: int | None = None) -> Accumulators:
+def init_accumulators(num_states: int, d: int, *, num_groups: int = 1, group_spectra: bool = True,
+                      gram_rows: int | None = None) -> Accumulators:
     """Zeroed accumulators. group_spectra=False shares one pair of [S, D, D] second moments
     among all groups (groups then report no anisotropy), which saves 4*S*D*D*4 bytes per
     group beyond the first (the step measures' sums, the sample's and the per-token ones among them:
     stats.measures.init_sums).
     gram_rows: rows of the second moments this device keeps (StatsOptions.gram_shards);
     None: all D."""
-    sh = _shapes(num_states, d, num_groups, centered, group_spectra, gram_rows)
+    sh = _shapes(num_states, d, num_groups, group_spectra, gram_rows)
     return Accumulators(
         count_lo_GxS=jnp.zeros(sh["count"], jnp.int32),
         count_hi_GxS=jnp.zeros(sh["count"], jnp.int32),
@@ -137,14 +136,14 @@ def init_accumulators(num_states: int, d: int, *, num_groups: int = 1, centered:
         norm_sum_GxS=_df_zeros(sh["norm"]),
         m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
         unit_m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
-        centered_sum_GxSxC=_df_zeros(sh["centered"]), layer_steps=())
+        layer_steps=())
 
 
-def accumulator_bytes(num_states, d, *, num_groups=1, centered=False, group_spectra=True, gram_rows=None) -> int:
+def accumulator_bytes(num_states, d, *, num_groups=1, group_spectra=True, gram_rows=None) -> int:
     """Device bytes of init_accumulators(...), without allocating (every float sum is two float32 arrays, hi
     and lo)."""
     shaped = jax.eval_shape(lambda: init_accumulators(
-        num_states, d, num_groups=num_groups, centered=centered, group_spectra=group_spectra, gram_rows=gram_rows))
+        num_states, d, num_groups=num_groups, group_spectra=group_spectra, gram_rows=gram_rows))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shaped))
 
 
@@ -285,6 +284,7 @@ class Rows(NamedTuple):
     positions_N: Any  # int32: each row's position in its sequence
     sequences_N: Any  # int32: its sequence's index
     state_NxD: Any  # the state as the forward made it (its dtype; rows not valid_N as they are): the sample's
+    center_D: Any = None  # the centered pass's center of this state, [D] (stats/measures/centered_inter_sim.py)
 
 
 class Batch(NamedTuple):
@@ -303,7 +303,8 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     (valid_N False) contribute nothing, whatever they hold (the caller masks skipped positions,
     StatsOptions.skip_positions, into valid_N). positions_N: each row's position in its sequence
     (None: the batch is one sequence, 0..N-1), sequences_N its sequence's
-    index (None: 0). observe(acc, s, group, rows: Rows, index, plans) -> acc: the step measures' updates of this
+    index (None: 0); center_D: the centered pass's center of state s (Rows.center_D). observe(acc, s, group, rows:
+    Rows, index, plans) -> acc: the step measures' updates of this
     state (stats.measures.observer), called once its Rows are made, with `plans`: their plans of the batch
     (stats.measures.batch_planner, once per batch). `index` (from index_tokens)
     lets a caller sort the ids once per batch instead of once per state. With
@@ -356,17 +357,7 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     sequences_N = jnp.zeros(n, jnp.int32) if sequences_N is None else jnp.asarray(sequences_N, jnp.int32)
     if observe is not None:
         acc = observe(acc, s, group, Rows(x_NxD, norm_N, rowmax_N, unit_NxD, token_ids_N, valid_N, positions_N,
-                                          sequences_N, state_NxD), index, plans)
-
-    if acc.centered_sum_GxSxC.hi.shape[-1]:
-        if center_D is None:
-            raise ValueError("accumulators were made with centered=True: pass center_D")
-        dev_NxD = jnp.where(valid_N[:, None], x_NxD - center_D.astype(jnp.float32), 0.0)
-        dnorm_N = jnp.sqrt(jnp.sum(dev_NxD * dev_NxD, axis=1))
-        dunit_NxD = dev_NxD / jnp.where(dnorm_N > 0, dnorm_N, 1.0)[:, None]
-        acc = acc.replace(centered_sum_GxSxC=_df_slot_add(
-            acc.centered_sum_GxSxC, gs, pairwise_sum(dunit_NxD)))
-
+                                          sequences_N, state_NxD, center_D), index, plans)
     return acc
 
 
@@ -462,5 +453,4 @@ def merge(a: Accumulators, b: Accumulators, *, keep_m2: bool = False, m2_row0=No
         m2_HxSxDxD=m2_merge(a.m2_HxSxDxD, b.m2_HxSxDxD, a.sum_GxSxD, b.sum_GxSxD),
         unit_m2_HxSxDxD=m2_merge(a.unit_m2_HxSxDxD, b.unit_m2_HxSxDxD, a.unit_sum_GxSxD,
                                  b.unit_sum_GxSxD),
-        centered_sum_GxSxC=df_merge(a.centered_sum_GxSxC, b.centered_sum_GxSxC),
         layer_steps=tuple(x.merge(y) for x, y in zip(a.layer_steps, b.layer_steps, strict=True)))

@@ -435,8 +435,6 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     sum_GxSxD, unit_sum_GxSxD = _f64(acc.sum_GxSxD), _f64(acc.unit_sum_GxSxD)
     norm_GxS = _f64(acc.norm_sum_GxS)
     per_group_m2 = m2_HxSxDxD.hi.shape[0] == num_groups and num_groups > 1
-    csum_GxSxC = _f64(acc.centered_sum_GxSxC)
-    centered = csum_GxSxC.shape[-1] > 0
     if token is None:
         token = token_readout(acc)
     if token is not None:  # a mean cosine is at most 1; rounding can pass it by ~1e-8 (identical vectors)
@@ -466,9 +464,6 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         layer = {"name": name, **out}
         for key, eig in zip(spectra, whole[0] if n_G.sum() else (None,) * 3):
             spectra[key].append(eig)
-        if centered:
-            csum_D = csum_GxSxC[:, s].sum(0)
-            layer["centered_inter_sim"] = float(_mean_cos(csum_D @ csum_D, n_G.sum()))
         if token_stats:
             count_V, intra_V = token[0], token[1][s]
             seen = count_V >= 2
@@ -531,9 +526,6 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
                 out = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s], norm_GxS[g, s],
                                eigs_GxS[g][s], isoscore_zeta, bf16, shrunk_D=shrunk_GxS[g][s])
                 _log_nulls(f"{name} in {gname}", out)
-                if centered:
-                    c = csum_GxSxC[g, s]
-                    out["centered_inter_sim"] = float(_mean_cos(c @ c, n_GxS[g, s]))
                 glayers.append({"name": name, **out})
             by_name[gname] = {"tokens": int(n_GxS[g, 0]), "layers": glayers}
         result["groups"].update(by_name)

@@ -165,10 +165,12 @@ class Probe:
 
     def compile_beside(self, finished) -> None:
         """compile(finished()) on a thread (while the devices measure); states() waits for it."""
-        from isojax.run.timings import in_background
-        # not a daemon: a compile still running at exit would abort the interpreter's finalization;
-        # one that failed is found by settle(), which compiles at the call instead
-        self._ahead = in_background(lambda: self.compile(finished()), name="isojax-sentences")
+        import concurrent.futures
+        # not a daemon thread: a compile still running at exit would abort the interpreter's
+        # finalization; one that failed is found by settle(), which compiles at the call instead
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="isojax-sentences")
+        self._ahead = pool.submit(lambda: self.compile(finished()))
+        pool.shutdown(wait=False)
 
     def settle(self) -> None:
         """Wait for the compile beside, if any; one that failed is done again at the call."""

@@ -8,7 +8,8 @@ run.results.flat_layer (a run that lacks a measure reads it as null), the report
 (report/measures.py). A "step" measure (its Step: base.py) is accumulated by the step where its setting
 turns it on (steps(), step_settings()), counted by the planner and read out by run.measure
 (step_readout()); massive_activations.py and position_bands.py, on by default, were the step's own streamed measures,
-and sample_states.py is the sample (its K chosen by the planner; read out from the devices by Runner.sample).
+sample_states.py is the sample (its K chosen by the planner; read out from the devices by Runner.sample), and
+centered_inter_sim.py is the centered pass's (on in that pass alone; read out by run/centered.py).
 """
 
 from __future__ import annotations
@@ -205,8 +206,10 @@ def step_settings(given, token_stats: bool) -> tuple[tuple[str, int], ...]:
 
 
 def _of_layers(m: Measure) -> list[Metric]:
-    """m's metrics of a layer (in metrics.json's layers and layers.csv), not its per-token arrays nor identifiers."""
-    return [metric for metric in m.metrics if not (metric.per_token or metric.identifier or metric.listed)]
+    """m's metrics of every layer (in metrics.json's layers and layers.csv, null where not measured), not its
+    per-token arrays, identifiers, lists nor those only in a run that measures them (Metric.only_where_on)."""
+    return [metric for metric in m.metrics
+            if not (metric.per_token or metric.identifier or metric.listed or metric.only_where_on)]
 
 
 def per_token() -> list[Metric]:

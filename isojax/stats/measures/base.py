@@ -38,6 +38,8 @@ class Metric:
     # in metrics.json and layers.csv, but not drawn, correlated nor among names() and columns()
     listed: bool = False  # a list of dicts (inter_sim_by_position's bands), flattened into columns of its own by
     # run.results.flat_layer: not among names() and columns()
+    only_where_on: bool = False  # in a layer only where its measure is on (centered_inter_sim: a --centered run),
+    # absent elsewhere, not null: not among names(), columns() and nulls()
 
     def columns(self) -> list[str]:
         """Its columns in layers.csv / sweep.csv."""
