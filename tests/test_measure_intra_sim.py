@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-MAIN_BEFORE = "8205f59"  # main before the per-token sums became a step measure (after the sample did)
+MAIN_BEFORE = "9a499c9"  # main before the per-token sums became a step measure (after the sample and centered InterSim did)
 
 
 def test_a_checkpoint_written_before_the_per_token_sums_were_a_step_measure_resumes_exactly(tmp_path):
