@@ -171,7 +171,7 @@ def main() -> int:
     ap.add_argument("--attention", default=None, choices=["xla", "cudnn", "packed", "auto"],
                     help="ForwardOptions.attention (default: cudnn on GPUs, else xla; auto: packed where it applies)")
     ap.add_argument("--exchange-rows", type=int, default=None,
-                    help="StatsOptions.exchange_rows (default: accumulators.exchange_cap's)")
+                    help="StatsOptions.exchange_rows (default: token_sums.exchange_cap's)")
     ap.add_argument("--mfu", action="store_true", help="measure the card's bf16 matrix rate and give each run's MFU")
     ap.add_argument("--no-reserve", action="store_true",
                     help="do not grow the page-locked pool before the first checkpoint (Checkpointer.reserve)")

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from isojax.stats import accumulators as stats
+from isojax.stats import accumulators as stats, token_sums
+from isojax.stats.measures import intra_sim
 from isojax.stats.options import StatsOptions
 
 FAST_GRAM = lax.DotAlgorithmPreset.BF16_BF16_F32_X6  # ~float32 accuracy on tensor cores
@@ -67,8 +68,8 @@ def make_compensated(segment_sum):
     opts = StatsOptions(segment_sum=segment_sum)
 
     def update(acc, x_NxD, ids_N):
-        index = stats.index_tokens(ids_N, jnp.ones(ids_N.shape, bool), acc.tok_count_SxV.shape[1])
-        return stats._update_tokens(acc, 0, _unit(x_NxD), index, opts)
+        index = stats.index_tokens(ids_N, jnp.ones(ids_N.shape, bool), acc.count_SxV.shape[1])
+        return intra_sim.Sums(*token_sums._add_batch(acc.count_SxV, acc.sum_SxVxD, 0, _unit(x_NxD), index, opts))
     return update
 
 
@@ -185,7 +186,7 @@ def main():
                              ("segment_sum_V (fresh [V,D])", tok_segment_sum_v),
                              ("segsum_set", tok_segsum_set)]:
                 attempt(name, lambda: time_fn(fn, table(), (x, ids), repeats, True), arrays=1)
-            acc = lambda: stats.init_accumulators(1, d, vocab)
+            acc = lambda: intra_sim.init(1, 1, 1, vocab, d)  # IntraSim's per-token sums
             for mode in ("scatter", "scan"):
                 attempt(f"compensated ({mode} segsum)",
                         lambda: time_fn(make_compensated(mode), acc(), (x, ids), repeats, True),

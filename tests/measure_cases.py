@@ -32,7 +32,7 @@ def finalized(family: str, bf16: bool) -> tuple[np.ndarray, list[dict], dict]:
     x = hf_points(family)
     x = x.astype(ml_dtypes.bfloat16) if bf16 else x
     s, n, d = x.shape
-    acc = stats.init_accumulators(s, d, 8, num_groups=2, token_stats=False)
+    acc = stats.init_accumulators(s, d, num_groups=2)
     acc = _feed(acc, x, np.zeros(n, np.int32), np.ones(n, bool), groups=[0, 1], batch=n // 2)
     out = fz.finalize(acc, [f"s{i}" for i in range(s)], ["a", "b"], bf16=bf16)
     return x.astype(np.float64), out["layers"], out["groups"]

@@ -76,7 +76,7 @@ def test_spectral_measures_equal_float64_references_of_the_papers(tmp_path, fami
     s, n, d = x32.shape
     for bf16 in (False, True):
         x = x32.astype(ml_dtypes.bfloat16) if bf16 else x32
-        acc = stats.init_accumulators(s, d, 8, token_stats=False)
+        acc = stats.init_accumulators(s, d)
         acc = _feed(acc, x, np.zeros(n, np.int32), np.ones(n, bool))
         layers = fz.finalize(acc, [f"s{i}" for i in range(s)], bf16=bf16)["layers"]
         for i, layer in enumerate(layers):

@@ -243,7 +243,8 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
         from isojax.device import mesh as parallel
-        from isojax.stats import accumulators as stats
+        from isojax.stats import accumulators as stats, token_sums
+        from isojax.stats.measures import intra_sim
         from isojax.stats.options import StatsOptions
         from isojax.device.runner import vocab_rows
         from isojax.stats.accumulators import token_order
@@ -263,13 +264,12 @@ def test_token_exchange_in_one_round_and_in_many_equals_float64(tmp_path):
             opts = StatsOptions(token_shards=n, token_axes=parallel.ALL, exchange_rows=exchange_rows)
 
             def local(x_BxNxD, ids_BxN, valid_BxN):
-                acc = stats.init_accumulators(1, D, rows // n)
+                count, tok = intra_sim.init(1, 1, 1, rows // n, D)
                 for b in range(3):
                     index = stats.index_tokens(ids_BxN[b], valid_BxN[b], rows, n)
-                    acc = stats._update_token_shards(acc, 0, jnp.where(valid_BxN[b][:, None], x_BxNxD[b], 0.0),
-                                                     index, opts)
-                tok = acc.tok_sum_SxVxD
-                return acc.tok_count_SxV, tok.hi.astype(jnp.float64) + tok.lo.astype(jnp.float64)
+                    count, tok = token_sums._add_batch_sharded(
+                        count, tok, 0, jnp.where(valid_BxN[b][:, None], x_BxNxD[b], 0.0), index, opts)
+                return count, tok.hi.astype(jnp.float64) + tok.lo.astype(jnp.float64)
 
             f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, parallel.ALL),) * 3,
                                       out_specs=(P(None, parallel.ALL), P(None, parallel.ALL)), check_vma=False))
@@ -292,7 +292,7 @@ def test_exchange_cap_pads_less_than_a_quarter_of_large_batches():
     """A round's rows per owner: a quarter of a batch of up to 65,536 split over the owners, then
     growing as n^0.6 (what 262,144-token batches of text hold), never more than an owner holds."""
     from isojax.device import mesh as parallel
-    from isojax.stats.accumulators import exchange_cap
+    from isojax.stats.token_sums import exchange_cap
     from isojax.stats.options import StatsOptions
     for shards in (2, 4, 8):
         opts, held = StatsOptions(token_shards=shards, token_axes=parallel.ALL), -(-50304 // shards)
@@ -327,12 +327,12 @@ def test_grams_split_over_model_equal_float64(tmp_path):
         opts = StatsOptions(gram_shards=4, gram_axis="model")
 
         def local(x_BxNxD, valid_BxN):
-            acc = stats.init_accumulators(1, D, 0, token_stats=False, gram_rows=D // 4)
+            acc = stats.init_accumulators(1, D, gram_rows=D // 4)
             for b in range(B):
                 acc = stats.update_state(acc, 0, x_BxNxD[b], jnp.zeros(N, jnp.int32), valid_BxN[b], 0, opts=opts)
             return jax.tree.map(lambda a: a[None], acc)
 
-        shapes = jax.eval_shape(lambda: stats.init_accumulators(1, D, 0, token_stats=False, gram_rows=D // 4))
+        shapes = jax.eval_shape(lambda: stats.init_accumulators(1, D, gram_rows=D // 4))
         specs = jax.tree.map(lambda _: P(parallel.ALL), shapes)
         acc = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, parallel.ALL), P(None, parallel.ALL)),
                                     out_specs=specs, check_vma=False))(x, valid)

@@ -20,7 +20,7 @@ def test_layer_count_and_means_against_float64_numpy():
     from isojax.stats import accumulators as stats
     rng = np.random.default_rng(0)
     s, d, n = 3, 8, 300
-    acc = stats.init_accumulators(s, d, 0, num_groups=2, token_stats=False)
+    acc = stats.init_accumulators(s, d, num_groups=2)
     fed = []
     for group in (0, 1, 0):
         x = (rng.integers(-40, 60, (s, n, d)) / 2).astype(np.float32)

@@ -25,7 +25,7 @@ def _keys(seq_N, pos_N, valid_N):
 def _init(s, d, k, dtype="float32"):
     """Accumulators without token stats keeping a sample of k tokens (its step measure, sample_states) of the
     forward's dtype."""
-    acc = stats.init_accumulators(s, d, 0, token_stats=False)
+    acc = stats.init_accumulators(s, d)
     return acc.replace(step=measures.init_sums(((SAMPLE, k),), 1, s, 0, d, dtype)[1])
 
 

@@ -72,7 +72,7 @@ def test_finalize_geometry_of_layers_and_sources(how, monkeypatch):
     x = rng.normal(size=(n, d)) * np.linspace(0.2, 2.0, d) + 3 * rng.normal(size=(3, d))[row_group]
     x[:, 5] += 6.0  # a rogue dimension
     x = np.stack([x, np.abs(x) ** 1.5]).astype(np.float32)
-    acc = stats.init_accumulators(2, d, 10, num_groups=3, token_stats=False)
+    acc = stats.init_accumulators(2, d, num_groups=3)
     acc = _feed(acc, x, np.zeros(n, np.int32), np.ones(n, bool), groups)
     if how == "tridiagonal":  # the accelerators' read-out, run here on the CPU
         monkeypatch.setattr(fz.jax, "default_backend", lambda: "gpu")
@@ -91,7 +91,7 @@ def test_finalize_geometry_of_few_tokens():
     Gram's diagonal, rebuilt from the unit covariance) must not drop its S_i^2 / n."""
     rng = np.random.default_rng(12)
     x = (rng.normal(size=(12, 16)) + 2.0 * rng.normal(size=16)).astype(np.float32)
-    acc = stats.init_accumulators(1, 16, 4, token_stats=False)
+    acc = stats.init_accumulators(1, 16)
     acc = _feed(acc, x[None], np.zeros(12, np.int32), np.ones(12, bool), batch=64)
     out = fz.finalize(acc, ["s"])
     layer = out["layers"][0]
@@ -102,7 +102,7 @@ def test_finalize_geometry_of_few_tokens():
 def test_constant_and_single_token_states_are_null(capsys):
     d = 8
     x = np.stack([np.ones((3, d)), np.r_[np.ones((1, d)), np.zeros((2, d))]]).astype(np.float32)
-    acc = stats.init_accumulators(2, d, 4, token_stats=False)
+    acc = stats.init_accumulators(2, d)
     acc = _feed(acc, x[:, :1], np.zeros(1, np.int32), np.ones(1, bool), batch=64)
     layers = fz.finalize(acc, ["s", "t"])["layers"]
     for layer in layers:

@@ -11,12 +11,33 @@ import pytest
 from isojax.stats import finalize as fz
 from isojax.stats import sample_readout as sr
 from isojax.stats import accumulators as stats
+from isojax.stats import measures
 from isojax.stats.options import StatsOptions
 
 TOL = 2e-5  # absolute, for dimensionless metrics (cosines, ratios)
 RTOL = 2e-6  # relative, for metrics that carry the states' scale (norms, spectra)
+INTRA = (("intra_sim", 1),)  # IntraSim's per-token sums: a step measure (stats/measures/intra_sim.py)
 
-_update = jax.jit(stats.update, donate_argnums=0)
+
+def _init(s, d, v, **kw):
+    """Zeroed accumulators with IntraSim's per-token sums of v token ids."""
+    acc = stats.init_accumulators(s, d, **kw)
+    return acc.replace(step=measures.init_sums(INTRA, kw.get("num_groups", 1), s, v, d)[1])
+
+
+def _with_tokens(acc, *args, opts=StatsOptions(), **kw):
+    """stats.update with IntraSim's per-token sums where acc holds them (_init)."""
+    on = INTRA if acc.step else ()
+    return stats.update(acc, *args, opts=opts, observe=measures.observer(on, opts), plan=measures.batch_planner(on, opts),
+                        vocab_rows=acc.step[0].count_SxV.shape[1] if acc.step else 0, **kw)
+
+
+def _merge(a, b):
+    """stats.merge, and the per-token sums' (intra_sim.py Sums.merge)."""
+    return stats.merge(a, b).replace(step=tuple(x.merge(y) for x, y in zip(a.step, b.step, strict=True)))
+
+
+_update = jax.jit(_with_tokens, donate_argnums=0)
 
 
 def _feed(acc, x_SxNxD, ids_N, valid_N, groups=None, centers_SxD=None, batch=8192):
@@ -94,7 +115,7 @@ def test_o_n_formulas_match_pairwise_definitions():
     n, d, v = 1500, 16, 64
     x = (rng.normal(size=(n, d)) + rng.normal(size=d)).astype(np.float32)
     ids = rng.integers(0, 7, n).astype(np.int32)
-    acc = _feed(stats.init_accumulators(1, d, v), x[None], ids, np.ones(n, bool))
+    acc = _feed(_init(1, d, v), x[None], ids, np.ones(n, bool))
     layer = fz.finalize(acc, ["s"])["layers"][0]
     x64 = x.astype(np.float64)
     u = x64 / np.linalg.norm(x64, axis=1, keepdims=True)
@@ -120,7 +141,7 @@ def test_million_vectors_every_metric(kind):
         x = rng.normal(size=(n, d)) * rng.uniform(0.5, 2.0, size=d)
     x = x.astype(np.float32)
     ids = _zipf_ids(rng, n, v)
-    acc = _feed(stats.init_accumulators(1, d, v), x[None], ids, np.ones(n, bool))
+    acc = _feed(_init(1, d, v), x[None], ids, np.ones(n, bool))
     out = fz.finalize(acc, ["s"])
     ref = _ref(x, ids, v)
     if kind == "parallel":
@@ -146,10 +167,10 @@ def test_long_stream_of_nearly_equal_vectors_does_not_drift():
     @jax.jit
     def feed(acc, x_BxNxD, ids_BxN):
         def body(acc, xs):
-            return stats.update(acc, xs[0][None], xs[1], jnp.ones(n, bool)), None
+            return _with_tokens(acc, xs[0][None], xs[1], jnp.ones(n, bool)), None
         return jax.lax.scan(body, acc, (x_BxNxD, ids_BxN))[0]
 
-    acc = feed(stats.init_accumulators(1, d, v), x.reshape(batches, n, d),
+    acc = feed(_init(1, d, v), x.reshape(batches, n, d),
                ids.reshape(batches, n))
     out = fz.finalize(acc, ["s"])
     ref = _ref(x, ids, v)
@@ -168,7 +189,7 @@ def test_zipf_per_token_intra_sim_and_bands():
     x = np.stack([5 * dirs[ids] + rng.normal(size=(n, d)),
                   dirs[ids] + 0.02 * rng.normal(size=(n, d))]).astype(np.float32)
     # Three groups (all data in group 0) only to share the compiled shape of the group tests.
-    acc = _feed(stats.init_accumulators(s, d, v, num_groups=3), x, ids, np.ones(n, bool))
+    acc = _feed(_init(s, d, v, num_groups=3), x, ids, np.ones(n, bool))
     out = fz.finalize(acc, ["a", "b"])
     for k in range(s):
         ref = _ref(x[k], ids, v)
@@ -201,8 +222,8 @@ def test_segment_sum_modes_token_chunks_and_gram_blocks(segment_sum, token_chunk
     assert StatsOptions().segment_sum_mode() == "scan"  # the CPU default
     opts = StatsOptions(segment_sum=segment_sum, token_chunk=token_chunk, gram_block=gram_block,
                         sorted_scatter_max_d=sorted_max_d)  # 0: no sorted hint (as for D > 1024)
-    update = jax.jit(functools.partial(stats.update, opts=opts))
-    acc = stats.init_accumulators(1, d, v)
+    update = jax.jit(functools.partial(_with_tokens, opts=opts))
+    acc = _init(1, d, v)
     for start in range(0, n, batch):
         sl = slice(start, start + batch)
         acc = update(acc, x[None, sl], ids[sl], valid[sl])
@@ -239,13 +260,13 @@ def test_merge_of_halves_equals_one_pass():
     groups = rng.integers(0, 3, n // 8192)
     names = ["p", "q", "r"]
     for group_spectra in (True, False):
-        init = lambda: stats.init_accumulators(s, d, v, num_groups=3,
+        init = lambda: _init(s, d, v, num_groups=3,
                                                group_spectra=group_spectra)
         whole = fz.finalize(_feed(init(), x, ids, valid, groups), ["a", "b"], names)
         h = n // 2
         first = _feed(init(), x[:, :h], ids[:h], valid[:h], groups[: h // 8192])
         second = _feed(init(), x[:, h:], ids[h:], valid[h:], groups[h // 8192:])
-        merged = fz.finalize(jax.jit(stats.merge)(first, second), ["a", "b"], names)
+        merged = fz.finalize(jax.jit(_merge)(first, second), ["a", "b"], names)
         for layer_w, layer_m in zip(whole["layers"], merged["layers"]):
             for key, val in layer_w.items():
                 if key != "intra_sim_by_band":
@@ -271,7 +292,7 @@ def test_valid_mask_excludes_padding():
     valid = rng.random(n) < 0.7
     x_pad = x.copy()  # padding holds garbage that must not leak: huge, inf, nan
     x_pad[~valid] = rng.choice([1e30, np.inf, np.nan], size=(int((~valid).sum()), 1))
-    acc = _feed(stats.init_accumulators(1, d, v), x_pad[None], ids, valid)
+    acc = _feed(_init(1, d, v), x_pad[None], ids, valid)
     out = fz.finalize(acc, ["s"])
     ref = _ref(x[valid], ids[valid], v)
     _check(out["layers"][0], ref, out["spectra"]["centered_SxD"][0])
@@ -290,7 +311,7 @@ def test_groups_and_their_combination(group_spectra):
     x = (rng.normal(size=(n, d)) + offsets[row_group]).astype(np.float32)
     x = np.stack([x, np.abs(x)])
     ids = rng.integers(0, v, n).astype(np.int32)
-    acc = stats.init_accumulators(2, d, v, num_groups=3, group_spectra=group_spectra)
+    acc = _init(2, d, v, num_groups=3, group_spectra=group_spectra)
     out = fz.finalize(_feed(acc, x, ids, np.ones(n, bool), groups), ["s", "t"],
                       ["a", "b", "c"])
     for k in range(2):
@@ -322,7 +343,7 @@ def test_centered_inter_sim_second_pass():
     update = jax.jit(functools.partial(stats.update, observe=measures.observer(on)))
     halves = []
     for part in (x[: n // 2], x[n // 2:]):
-        acc = stats.init_accumulators(1, d, 10, token_stats=False).replace(
+        acc = stats.init_accumulators(1, d).replace(
             layer_steps=measures.init_sums(on, 1, 1, 0, d)[0])
         for start in range(0, len(part), 8192):
             rows = part[start:start + 8192]
@@ -351,10 +372,11 @@ def test_bfloat16_states_and_update_state_in_a_scan():
     @jax.jit
     def scan_update(acc, x_SxNxD, ids_N, valid_N):  # as the model step calls it: traced s
         def body(acc, s_and_x):
-            return stats.update_state(acc, s_and_x[0], s_and_x[1], ids_N, valid_N, 0), None
+            return stats.update_state(acc, s_and_x[0], s_and_x[1], ids_N, valid_N, 0,
+                                      observe=measures.observer(INTRA)), None
         return jax.lax.scan(body, acc, (jnp.arange(s), x_SxNxD))[0]
 
-    acc = stats.init_accumulators(s, d, v)
+    acc = _init(s, d, v)
     for half in (slice(0, n // 2), slice(n // 2, n)):
         acc = scan_update(acc, x[:, half], ids[half], valid[half])
     out = fz.finalize(acc, ["a", "b", "c"])
@@ -371,13 +393,14 @@ def test_bfloat16_states_and_update_state_in_a_scan():
 
 
 def test_accumulator_bytes():
-    acc = stats.init_accumulators(3, 8, 20, num_groups=2)
-    assert stats.accumulator_bytes(3, 8, 20, num_groups=2) == sum(
+    from isojax.stats.measures.intra_sim import sums_bytes
+    acc = stats.init_accumulators(3, 8, num_groups=2)
+    assert stats.accumulator_bytes(3, 8, num_groups=2) == sum(
         leaf.nbytes for leaf in jax.tree.leaves(acc))
     s, v, d = 26, 50304, 2048  # pythia-1.4b; eval_shape, nothing allocated
-    full = stats.accumulator_bytes(s, d, v)
-    no_tokens = stats.accumulator_bytes(s, d, v, token_stats=False)
-    assert full - no_tokens == 2 * s * v * d * 4 + s * v * 4
+    tokens = jax.eval_shape(lambda: measures.init_sums(INTRA, 1, s, v, d)[1])
+    assert sums_bytes(s, d, v) == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tokens)) \
+        == 2 * s * v * d * 4 + s * v * 4
 
 
 @pytest.mark.slow
@@ -399,7 +422,7 @@ def test_the_compiled_step_updates_grams_and_token_sums_in_place():
     rows = [np.ones((4, 16), np.int32)] * 4
     hlo = runner._step.lower(runner.params, runner.acc, *rows, jnp.int32(0), runner.centers_SxD).compile().as_text()
     gram = ",".join(map(str, runner.acc.m2_HxSxDxD.hl.shape[-4:]))  # H, S, D, D, 2 without the device axis
-    tokens = ",".join(map(str, runner.acc.tok_sum_SxVxD.hi.shape))
+    tokens = ",".join(map(str, runner.acc.step[0].sum_SxVxD.hi.shape))  # IntraSim's per-token sums
     copies = [line for line in hlo.splitlines() if re.search(r"\bcopy\(", line) and (gram in line or tokens in line)]
     assert not copies, copies[:4]
 

@@ -68,7 +68,7 @@ def _packed(rng, lengths, n):
 def _init(s, d, vocab_size):
     """Accumulators with the streamed measures' sums in their layer part (as device/runner.py makes them)."""
     layer_steps, _ = measures.init_sums(STREAMED_ON, 1, s, vocab_size, d)
-    return stats.init_accumulators(s, d, vocab_size).replace(layer_steps=layer_steps)
+    return stats.init_accumulators(s, d).replace(layer_steps=layer_steps)
 
 
 def _feed(acc, x, pos, seq, valid, batch, opts):

@@ -6,20 +6,21 @@ The forward is plain jit code that XLA partitions from the shardings of its inpu
 all devices, parameters replicated or over "model": device/mesh.py). The observer the layer scan
 calls with each state runs the statistics per device under shard_map: each device adds its rows
 to its own partial of the layer part and sends its per-token sums to the tokens' owners
-(stats._update_token_shards).
+(stats/token_sums.py).
 
 Global layout of the accumulators (a stats.Accumulators of global arrays):
   layer part  counts, sums, Grams: [n, ...], one partial per device (axis 0 split).
               With a "model" axis of m > 1 (and m dividing D), the devices of one model group
               pool their rows for the Grams: each keeps D/m rows [H, S, D/m, D] of the group's
               Grams (stats.update_state's reduce-scatter), so they cost 1/m per device.
-  token part  tok_count [S, V'], tok_sum [S, V', D]: split over V' = V rounded up to a multiple
-              of n; global row k * V'/n + j holds token id j * n + k (device/mesh.py).
   step        the step measures' sums (StatsOptions.step_measures; stats/measures base.Step), each
               [n, ...] per device, added on the host at the end (`step_sums`); () when none is on; those
               of Step.layer_part in the layer part (Accumulators.layer_steps), merged with it. The sample
               (stats/measures/sample_states.py) is one: keys [n, K, 2], states [n, S, K, D], each device's
-              bottom-K sample, merged on the host at the end (`sample`).
+              bottom-K sample, merged on the host at the end (`sample`). Those of placement "vocab" (the
+              per-token sums, stats/measures/intra_sim.py: count [S, V'], sums [S, V', D]) are split over
+              V' = V rounded up to a multiple of n instead; global row k * V'/n + j holds token id j * n + k
+              (device/mesh.py).
 `merged_layers` merges the partials on the devices (a butterfly of ppermutes over "model", then
 over "data", one state at a time); `token_readout` turns the per-token sums into IntraSim on the
 devices, in float64.
@@ -39,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from isojax.device import mesh as parallel
 from isojax.stats import accumulators as stats
 from isojax.stats import sample as sample_lib
+from isojax.stats import token_sums
 from isojax.stats.measures import batch_planner, init_sums, observer, split, steps
 from isojax.model.decoder import Decoder
 from isojax.stats.options import StatsOptions
@@ -47,20 +49,31 @@ from isojax.device.mesh import ALL
 MAX_GROUP_SPECTRA = 8
 LAYER_FIELDS = ("count_lo_GxS", "count_hi_GxS", "sum_GxSxD", "unit_sum_GxSxD", "norm_sum_GxS",
                 "m2_HxSxDxD", "unit_m2_HxSxDxD", "layer_steps")  # S is axis 1 of each leaf
-TOKEN_FIELDS = ("tok_count_SxV", "tok_sum_SxVxD")
-PER_DEVICE = LAYER_FIELDS + ("step",)
 SAMPLE, CENTERED = "sample_states", "centered_inter_sim"  # the sample's and the centered pass's step measures
+INTRA = "intra_sim"  # IntraSim's per-token sums (stats/measures/intra_sim.py)
 
 
 def _map_fields(acc: stats.Accumulators, fields, fn) -> stats.Accumulators:
     return acc.replace(**{f: jax.tree.map(fn, getattr(acc, f)) for f in fields})
 
 
-def accumulator_specs(acc: stats.Accumulators) -> stats.Accumulators:
-    """PartitionSpecs of the global layout (module docstring)."""
+def split_over_vocab(options: StatsOptions) -> tuple[bool, ...]:
+    """Per entry of Accumulators.step: split over the vocabulary (Step.placement "vocab"), else per device."""
+    return tuple(steps()[name].placement == "vocab" for name, _ in split(options.step_measures)[1])
+
+
+def _map_per_device(acc: stats.Accumulators, vocab: tuple[bool, ...], fn) -> stats.Accumulators:
+    """fn on every leaf with a device axis: the layer part's and those of the step measures placed per device."""
+    acc = _map_fields(acc, LAYER_FIELDS, fn)
+    return acc.replace(step=tuple(x if v else jax.tree.map(fn, x)
+                                  for x, v in zip(acc.step, vocab or (False,) * len(acc.step), strict=True)))
+
+
+def accumulator_specs(acc: stats.Accumulators, vocab: tuple[bool, ...]) -> stats.Accumulators:
+    """PartitionSpecs of the global layout (module docstring); vocab: split_over_vocab's."""
     specs = jax.tree.map(lambda _: P(ALL), acc)
-    return specs.replace(tok_count_SxV=P(None, ALL),
-                         tok_sum_SxVxD=jax.tree.map(lambda _: P(None, ALL, None), acc.tok_sum_SxVxD))
+    return specs.replace(step=tuple(jax.tree.map(lambda x: P(None, ALL, *[None] * (x.ndim - 2)), x) if v else spec
+                                    for x, spec, v in zip(acc.step, specs.step, vocab, strict=True)))
 
 
 def vocab_rows(vocab_size: int, n: int) -> int:
@@ -77,8 +90,12 @@ class Layout:
         cfg, n = module.cfg, mesh.size
         self.module, self.mesh = module, mesh
         options = options or StatsOptions()
-        if sample_size or centered:  # the sample's step measure (K: chosen by run/plan.py); the centered pass's
-            on = dict(options.step_measures, **{SAMPLE: sample_size, CENTERED: int(centered)})
+        # the sample (K chosen by the planner, run/plan.py), the centered pass's, those on with token stats
+        # (Step.with_token_stats: IntraSim's per-token sums)
+        added = {SAMPLE: sample_size, CENTERED: int(centered),
+                 **({name: 1 for name, step in steps().items() if step.with_token_stats} if token_stats else {})}
+        if any(added.values()):
+            on = dict(options.step_measures, **added)
             options = dataclasses.replace(options, step_measures=tuple((name, on[name]) for name in steps()
                                                                        if on.get(name)))
         self.options = dataclasses.replace(options, token_shards=n, token_axes=ALL) if n > 1 else options
@@ -89,28 +106,29 @@ class Layout:
         if rows:
             self.options = dataclasses.replace(self.options, gram_shards=mesh.shape["model"], gram_axis="model")
         # Per-source spectra cost 2 x S x D x D x 8 bytes per source: kept for up to 8 sources.
-        self.init_kwargs = dict(num_groups=num_groups, token_stats=token_stats,
+        self.init_kwargs = dict(num_groups=num_groups,
                                 group_spectra=num_groups <= MAX_GROUP_SPECTRA, gram_rows=rows)
-        self.sample_size = sample_size
+        self.token_stats, self.sample_size = token_stats, sample_size
         self.vocab_rows = vocab_rows(cfg.vocab_size, n) if token_stats else 0
+        self.vocab = split_over_vocab(self.options)
         shapes = jax.eval_shape(self.init_global)
-        self.specs = accumulator_specs(shapes)
+        self.specs = accumulator_specs(shapes, self.vocab)
         self.shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs)
         self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                      shapes, self.shardings)
 
     def init_global(self) -> stats.Accumulators:
         cfg, n = self.module.cfg, self.mesh.size
-        acc = stats.init_accumulators(cfg.num_states, cfg.hidden_size, self.vocab_rows, **self.init_kwargs)
+        acc = stats.init_accumulators(cfg.num_states, cfg.hidden_size, **self.init_kwargs)
         layer_steps, step = init_sums(self.options.step_measures, self.init_kwargs["num_groups"], cfg.num_states,
                                       self.vocab_rows, cfg.hidden_size, self.module.dtype)
         acc = acc.replace(layer_steps=layer_steps, step=step)
-        return _map_fields(acc, PER_DEVICE, lambda x: jnp.broadcast_to(x[None], (n, *x.shape)))
+        return _map_per_device(acc, self.vocab, lambda x: jnp.broadcast_to(x[None], (n, *x.shape)))
 
     def step(self):
         """The jitted step: one per module, mesh, options and layout in a process (a sweep's
         checkpoints share it, and its compiles)."""
-        return _compiled_step(self.module, self.mesh, self.options, self.specs)
+        return _compiled_step(self.module, self.mesh, self.options, self.specs, self.vocab_rows)
 
 
 def signature(params, acc, mesh, rows: int, row_len: int, centers_SxD) -> tuple:
@@ -132,7 +150,7 @@ class Runner:
         layout = Layout(module, self.mesh, token_stats=token_stats, num_groups=num_groups,
                         centered=centers_SxD is not None, options=options, sample_size=sample_size)
         self.options, self.init_kwargs, self.vocab_rows = layout.options, layout.init_kwargs, layout.vocab_rows
-        self.sample_size = layout.sample_size
+        self.sample_size, self.token_stats = layout.sample_size, layout.token_stats
         self.specs, self.shardings, self.abstract = layout.specs, layout.shardings, layout.abstract
         self._init_global = layout.init_global
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh))
@@ -163,7 +181,7 @@ class Runner:
         sample = sample_bytes(self.cfg.num_states, self.cfg.hidden_size, self.sample_size,
                               jnp.dtype(self.module.dtype).name)
         return sample + per_device_accumulator_bytes(self.cfg, self.num_devices, model_axis=self.mesh.shape["model"],
-                                                     **kw)
+                                                     token_stats=self.token_stats, **kw)
 
     def step(self, tokens_BxT, segment_ids_BxT, positions_BxT, group: int, sequences_BxT=None) -> jax.Array:
         """Consume one batch (asynchronous). Arrays: this process's rows (parallel.local_rows) of
@@ -193,9 +211,7 @@ class Runner:
         if self.options.gram_shards > 1:
             merged = merged.replace(**dict(zip(("m2_HxSxDxD", "unit_m2_HxSxDxD"),
                                                [stats.DFPair(model_rows(self.mesh, x.hl)) for x in m2])))
-        merged = _map_fields(merged, [f for f in LAYER_FIELDS if "m2" not in f], np.asarray)
-        return merged.replace(step=(), tok_count_SxV=np.zeros((self.cfg.num_states, 0), np.int32), tok_sum_SxVxD=stats.DF(
-            *(np.zeros((self.cfg.num_states, 0, self.cfg.hidden_size), np.float32),) * 2))
+        return _map_fields(merged, [f for f in LAYER_FIELDS if "m2" not in f], np.asarray)
 
     def step_sums(self, merged: stats.Accumulators | None = None) -> dict:
         """{name: sums} of each step measure on (its Step.merged), in the registry's order: those of the
@@ -216,20 +232,20 @@ class Runner:
         in float64 one state at a time; None without token stats."""
         if not self.vocab_rows:
             return None
-        n, v = self.num_devices, self.cfg.vocab_size
-        count = _gather(self.acc.tok_count_SxV[:1])  # every state counts the same tokens
+        n, v, sums = self.num_devices, self.cfg.vocab_size, self._step_sums(INTRA)
+        count = _gather(sums.count_SxV[:1])  # every state counts the same tokens
         # only rows with two or more occurrences have an IntraSim: read out that many per device,
         # rounded up to a power of two (few compiles); a short run sees a small part of V
         most = int((count[0] >= 2).reshape(n, -1).sum(1).max())
         rows = min(1 << max(0, most - 1).bit_length(), self.vocab_rows // n)
         with jax.enable_x64(True):
-            intra = _gather(_compiled_readout(self.mesh, rows)(self.acc.tok_count_SxV, self.acc.tok_sum_SxVxD))
+            intra = _gather(_compiled_readout(self.mesh, rows)(sums.count_SxV, sums.sum_SxVxD))
         return stats.token_order(count, n, v)[0].astype(np.int64), stats.token_order(intra, n, v)
 
     def token_sums(self, s: int) -> np.ndarray:
         """Per-token unit-vector sums of state s, hi + lo in float64, [V, D] in token order."""
         with jax.enable_x64(True):
-            sums = _gather(_state_sums(self.acc.tok_sum_SxVxD, jnp.int32(s)))
+            sums = _gather(token_sums.state_sums(self._step_sums(INTRA).sum_SxVxD, jnp.int32(s)))
         n, d = self.num_devices, sums.shape[-1]
         return sums.reshape(n, -1, d).transpose(1, 0, 2).reshape(-1, d)[:self.cfg.vocab_size]
 
@@ -256,7 +272,7 @@ class Runner:
         where other processes hold part of it); None without a sample."""
         if not self.sample_size:
             return None
-        sums = self._sample_sums()
+        sums = self._step_sums(SAMPLE)
         keys = _gather(sums.keys_Kx2)  # [n, K, 2]
         part, slot = sample_lib.merge_host(keys)
 
@@ -274,29 +290,35 @@ class Runner:
         without a sample. Every process calls it (a gather across processes)."""
         if not self.sample_size:
             return None
-        keys = _gather(self._sample_sums().keys_Kx2)  # [n, K, 2]
+        keys = _gather(self._step_sums(SAMPLE).keys_Kx2)  # [n, K, 2]
         part, slot = sample_lib.merge_host(keys)
         return keys[part, slot]
 
-    def older_leaf(self, leaf: str) -> str:
-        """The name a leaf of these accumulators had in a checkpoint written before the sample became a step
-        measure (issue 46; device/checkpoints.py names leaves by their path): the sample's keys and states were
-        the fields sample_keys_Kx2 and sample_SxKxD, and the step measures after it in Accumulators.step sat one
-        place earlier there."""
+    def older_leaf(self, leaf: str, sample: bool = False, tokens: bool = False) -> str:
+        """The name a leaf of these accumulators had in a checkpoint written before the per-token sums (`tokens`;
+        fields tok_count_SxV, tok_sum_SxVxD) or the sample (fields sample_keys_Kx2, sample_SxKxD) became step measures
+        (issue 46; checkpoints name leaves by their path); the step measures after either sat one place earlier."""
         other = [name for name, _ in split(self.options.step_measures)[1]]
-        at = other.index(SAMPLE) if SAMPLE in other else len(other)
         head, _, rest = leaf.partition("__")
         if head != "step":
             return leaf
         i, _, field = rest.partition("__")
-        if int(i) == at:
-            return {"keys_Kx2": "sample_keys_Kx2", "states_SxKxD": "sample_SxKxD"}[field]
-        return f"step__{int(i) - (int(i) > at)}__{field}"
+        i = int(i)
+        for older, name in ((tokens, INTRA), (sample, SAMPLE)):  # the newer layout's change undone first
+            if not older or name not in other:
+                continue
+            at = other.index(name)
+            if i == at:
+                return "tok_" + field if name == INTRA else {"keys_Kx2": "sample_keys_Kx2",
+                                                              "states_SxKxD": "sample_SxKxD"}[field]
+            other, i = other[:at] + other[at + 1:], i - (i > at)
+        return f"step__{i}__{field}"
 
-    def _sample_sums(self):
-        """The sample's sums in the accumulators (stats/measures/sample_states.py Sums, global arrays)."""
-        other = [name for name, _ in split(self.options.step_measures)[1]]
-        return self.acc.step[other.index(SAMPLE)]
+    def _step_sums(self, name: str):
+        """The sums of step measure `name` (not of the layer part) in the accumulators, global arrays: the
+        sample's (stats/measures/sample_states.py Sums), IntraSim's (intra_sim.py Sums)."""
+        other = [x for x, _ in split(self.options.step_measures)[1]]
+        return self.acc.step[other.index(name)]
 
 
 def gram_rows(d: int, model_axis: int) -> int | None:
@@ -310,9 +332,10 @@ def per_device_accumulator_bytes(cfg, n: int, *, token_stats=True, model_axis: i
     plus 1/n of the per-token part (rounded up). kw: stats.init_accumulators' num_groups,
     group_spectra. (The step measures' sums are counted with what they add to the step: device/memory.py
     step_bytes; the sample's by memory_per_device.)"""
+    from isojax.stats.measures.intra_sim import sums_bytes
     rows = vocab_rows(cfg.vocab_size, n) // n if token_stats else 0
-    return stats.accumulator_bytes(cfg.num_states, cfg.hidden_size, rows, token_stats=token_stats,
-                                   gram_rows=gram_rows(cfg.hidden_size, model_axis), **kw)
+    return sums_bytes(cfg.num_states, cfg.hidden_size, rows) + stats.accumulator_bytes(
+        cfg.num_states, cfg.hidden_size, gram_rows=gram_rows(cfg.hidden_size, model_axis), **kw)
 
 
 def model_rows(mesh, x: jax.Array) -> jax.Array:
@@ -341,15 +364,9 @@ def _take_sample(x_nxKxD, part_K, slot_K):
     return x_nxKxD[part_K, slot_K].astype(jnp.float32)
 
 
-@jax.jit
-def _state_sums(tok: stats.DF, s):
-    return tok.hi[s].astype(jnp.float64) + tok.lo[s].astype(jnp.float64)
-
-
 def _layer_part(acc: stats.Accumulators) -> stats.Accumulators:
-    """acc with empty token and step fields (what the merge of the layer part carries)."""
-    return acc.replace(step=(), tok_count_SxV=acc.tok_count_SxV[:, :0], tok_sum_SxVxD=jax.tree.map(
-        lambda x: x[:, :0], acc.tok_sum_SxVxD))
+    """acc without the step measures' sums (what the merge of the layer part carries)."""
+    return acc.replace(step=())
 
 
 def _on_its_device(x: jax.Array) -> jax.Array:
@@ -362,62 +379,59 @@ def _on_its_device(x: jax.Array) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, SingleDeviceSharding(device), [x])
 
 
-def _device_view(acc):
-    return _map_fields(acc, PER_DEVICE, lambda x: x[0])
+def _device_view(acc, vocab=()):
+    return _map_per_device(acc, vocab, lambda x: x[0])
 
 
-def _stacked(acc):
-    return _map_fields(acc, PER_DEVICE, lambda x: x[None])
+def _stacked(acc, vocab=()):
+    return _map_per_device(acc, vocab, lambda x: x[None])
 
 
 @functools.cache
-def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs):
-    d, n = module.cfg.hidden_size, mesh.size
+def _compiled_step(module: Decoder, mesh, options: StatsOptions, specs, vocab_rows: int):
+    """vocab_rows: the padded vocabulary V' the token index keys into (0 without token stats)."""
+    d = module.cfg.hidden_size
     on = [(i, steps()[name], setting) for i, (name, setting) in enumerate(split(options.step_measures)[1])]
     after = [(i, step, setting) for i, step, setting in on if step.after_forward is not None]
-    observe = observer(options.step_measures)  # the step measures' per-state updates (base.Step.observe)
-    plan_batch = batch_planner(options.step_measures)  # and per-batch plans (base.Step.plan_batch)
+    vocab = split_over_vocab(options)
+    observe = observer(options.step_measures, options)  # the step measures' per-state updates (base.Step.observe)
+    plan_batch = batch_planner(options.step_measures, options)  # and per-batch plans (base.Step.plan_batch)
 
-    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, exchange, plans, group, centers):
+    def local_update(acc, s, x_BxTxD, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, index, plans, group, centers):
         center_D = lax.dynamic_index_in_dim(centers, s, 0, keepdims=False) if centers.shape[1] else None
-        exchange, flat = jax.tree.map(lambda x: x[0], exchange), lambda x_BxT: x_BxT.reshape(-1)
-        acc = stats.update_state(_device_view(acc), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT), flat(seg_BxT) != 0,
-                                 group, center_D, index=index, opts=options, plans=plans, exchange=exchange,
+        flat = lambda x_BxT: x_BxT.reshape(-1)
+        acc = stats.update_state(_device_view(acc, vocab), s, x_BxTxD.reshape(-1, d), flat(tokens_BxT),
+                                 flat(seg_BxT) != 0, group, center_D, index=index, opts=options, plans=plans,
                                  positions_N=flat(pos_BxT), sequences_N=flat(seq_BxT), observe=observe)
-        return _stacked(acc)
+        return _stacked(acc, vocab)
 
     def local_batch(acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT):
         """Once per batch and device: the sort of the ids (for all states) and the step measures' plans (the
-        sample's: base.Step.plan_batch)."""
-        acc, valid_N = _device_view(acc), seg_BxT.reshape(-1) != 0
-        rows = acc.tok_count_SxV.shape[1] * n  # the padded vocabulary (0 without token stats)
-        index = stats.index_tokens(tokens_BxT.reshape(-1), valid_N, rows, n) if rows else None
-        exchange = stats.plan_exchange(index, rows // n, options) if rows and n > 1 else None
+        sample's, the per-token sums' exchange: base.Step.plan_batch)."""
+        acc, valid_N = _device_view(acc, vocab), seg_BxT.reshape(-1) != 0
+        index = stats.index_tokens(tokens_BxT.reshape(-1), valid_N, vocab_rows, mesh.size) if vocab_rows else None
         plans = None
         if plan_batch is not None:
             acc, plans = plan_batch(acc, stats.Batch(tokens_BxT.reshape(-1), valid_N, pos_BxT.reshape(-1),
                                                      seq_BxT.reshape(-1), index))
-        exchange = jax.tree.map(lambda x: x[None], exchange)  # a leading axis of 1 per device
-        return _stacked(acc), index, exchange, plans
+        return _stacked(acc, vocab), index, plans
 
     def step(params, acc, tokens_BxT, seg_BxT, pos_BxT, seq_BxT, group, centers_SxD):
         # the statistics' segments (every sum, the token index, the sample's keys): the first skip_positions
         # positions of each sequence are padding there; the forward sees them all
         kept_BxT = jnp.where(pos_BxT >= options.skip_positions, seg_BxT, 0) if options.skip_positions else seg_BxT
-        acc, index, exchange, plans = jax.shard_map(
+        acc, index, plans = jax.shard_map(
             local_batch, mesh=mesh, in_specs=(specs, P(ALL), P(ALL), P(ALL), P(ALL)),
-            out_specs=(specs, P(ALL), P(ALL), P(ALL)), check_vma=False)(acc, tokens_BxT, kept_BxT, pos_BxT, seq_BxT)
+            out_specs=(specs, P(ALL), P(ALL)), check_vma=False)(acc, tokens_BxT, kept_BxT, pos_BxT, seq_BxT)
         update = jax.shard_map(local_update, mesh=mesh,
-                               in_specs=(specs, P(), *[P(ALL)] * 8, P(), P()), out_specs=specs, check_vma=False)
+                               in_specs=(specs, P(), *[P(ALL)] * 7, P(), P()), out_specs=specs, check_vma=False)
         observe = lambda acc, s, x_BxTxD: update(acc, s, x_BxTxD, tokens_BxT, kept_BxT, pos_BxT, seq_BxT, index,
-                                                 exchange, plans, group, centers_SxD)
+                                                 plans, group, centers_SxD)
         if after:  # every state kept for the step measures that read them after the forward
             acc = _after_forward_step(module, mesh, specs, after, params, acc, observe, tokens_BxT, seg_BxT, kept_BxT,
                                       pos_BxT, seq_BxT, group)
         else:
             acc = module.apply({"params": params}, tokens_BxT, seg_BxT, pos_BxT, acc, observe)
-        if not acc.tok_count_SxV.size:  # empty fields out of shard_map come back "manual": fresh ones
-            acc = acc.replace(**{f: jax.tree.map(jnp.zeros_like, getattr(acc, f)) for f in TOKEN_FIELDS})
         return acc, acc.count_lo_GxS[:, 0, 0]  # one number per device, ready when its step is
 
     # the accumulators come back where they came from: XLA would put the empty ones (no sample,
@@ -500,24 +514,8 @@ def _compiled_merge(mesh, specs, num_states: int, split_grams: bool):
 
 @functools.cache
 def _compiled_readout(mesh, rows: int):
-    """IntraSim of every token row, in float64 (call under jax.enable_x64): (|hi + lo|^2 - c) /
-    (c^2 - c), NaN where c < 2. Each device reads out its first `rows` rows with c >= 2 (rows:
-    at least as many as any device has), one state at a time."""
-
-    def local(count_SxV, tok):
-        c_V = count_SxV[0]
-        held = c_V.shape[0]
-        idx_R = jnp.nonzero(c_V >= 2, size=rows, fill_value=held)[0]  # padding: out of range
-
-        def one(s):
-            pick = lambda x: x[s].at[idx_R].get(mode="fill", fill_value=0.0).astype(jnp.float64)
-            sum_RxD = pick(tok.hi) + pick(tok.lo)
-            return jnp.einsum("rd,rd->r", sum_RxD, sum_RxD)
-
-        sq_SxR = lax.map(one, jnp.arange(count_SxV.shape[0]))
-        c_R = c_V.at[idx_R].get(mode="fill", fill_value=0).astype(jnp.float64)
-        intra_SxR = (sq_SxR - c_R) / jnp.where(c_R >= 2, c_R * c_R - c_R, 1.0)
-        return jnp.full(count_SxV.shape, jnp.nan, jnp.float64).at[:, idx_R].set(intra_SxR, mode="drop")
-
+    """IntraSim of every token row, in float64 (call under jax.enable_x64), each device of its own rows
+    (stats/token_sums.py intra_sim: its first `rows` rows with two or more occurrences)."""
+    local = functools.partial(token_sums.intra_sim, rows=rows)
     tok_spec = stats.DF(P(None, ALL, None), P(None, ALL, None))
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, ALL), tok_spec), out_specs=P(None, ALL)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import signal
 import sys
 import threading
@@ -146,10 +147,13 @@ def resume(runner, ckpt_dir: Path, settings: dict, done: dict):
                                    if "step_measures" in diff else "")
                                 + "); rerun with the same arguments (and device and process counts) or start over "
                                 "with --overwrite")
-            # written before the sample became a step measure (issue 46): its leaves read under their older names
-            older = any(name.startswith("sample_keys_Kx2.") for name in files)
+            # written before the sample or the per-token sums became step measures (issue 46): their leaves read
+            # under their older names
+            older = {k: any(name.startswith(f"{leaf}.") for name in files)
+                     for k, leaf in (("sample", "sample_keys_Kx2"), ("tokens", "tok_count_SxV"))}
             acc = checkpointing.load(ckpt_dir, step, runner.abstract,
-                                     runner.older_leaf if older else lambda leaf: leaf)
+                                     functools.partial(runner.older_leaf, **older) if any(older.values())
+                                     else lambda leaf: leaf)
             damage = None
         except checkpointing.Damaged as e:
             acc, damage = None, str(e)

@@ -94,10 +94,9 @@ class Accumulators:
     # layer_part: massive activations, position bands; centered InterSim in the centered pass), in
     # StatsOptions.step_measures' order; () when none is on
     layer_steps: tuple
-    tok_count_SxV: jax.Array  # int32 occurrences per token; V = 0 without token stats
-    tok_sum_SxVxD: DF  # Sum x/|x| per token (IntraSim)
     # the other step measures' sums (stats/measures base.Step), added on the host (the sample's, stats/measures/
-    # sample_states.py: merged bottom-K), in StatsOptions.step_measures' order; () (no leaves) when none is on
+    # sample_states.py: merged bottom-K) or split over the vocabulary (IntraSim's per-token sums, stats/measures/
+    # intra_sim.py), in StatsOptions.step_measures' order; () (no leaves) when none is on
     step: tuple = ()
 
     def gram_slots(self) -> int:
@@ -116,23 +115,20 @@ class Accumulators:
         return sums / self.layer_count().astype(np.float64)[:, None]
 
 
-def _shapes(num_states, d, vocab_size, num_groups, token_stats, group_spectra, gram_rows):
+def _shapes(num_states, d, num_groups, group_spectra, gram_rows):
     g, s, h = num_groups, num_states, num_groups if group_spectra else 1
-    v = vocab_size if token_stats else 0
-    return dict(
-        count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d),
-        tok_count=(s, v), tok_sum=(s, v, d))
+    return dict(count=(g, s), sum=(g, s, d), norm=(g, s), m2=(h, s, gram_rows or d, d))
 
 
-def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: int = 1,
-                      token_stats: bool = True, group_spectra: bool = True,
+def init_accumulators(num_states: int, d: int, *, num_groups: int = 1, group_spectra: bool = True,
                       gram_rows: int | None = None) -> Accumulators:
     """Zeroed accumulators. group_spectra=False shares one pair of [S, D, D] second moments
     among all groups (groups then report no anisotropy), which saves 4*S*D*D*4 bytes per
-    group beyond the first (the step measures' sums, the sample's among them: stats.measures.init_sums).
+    group beyond the first (the step measures' sums, the sample's and the per-token ones among them:
+    stats.measures.init_sums).
     gram_rows: rows of the second moments this device keeps (StatsOptions.gram_shards);
     None: all D."""
-    sh = _shapes(num_states, d, vocab_size, num_groups, token_stats, group_spectra, gram_rows)
+    sh = _shapes(num_states, d, num_groups, group_spectra, gram_rows)
     return Accumulators(
         count_lo_GxS=jnp.zeros(sh["count"], jnp.int32),
         count_hi_GxS=jnp.zeros(sh["count"], jnp.int32),
@@ -140,19 +136,14 @@ def init_accumulators(num_states: int, d: int, vocab_size: int, *, num_groups: i
         norm_sum_GxS=_df_zeros(sh["norm"]),
         m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
         unit_m2_HxSxDxD=DFPair(jnp.zeros((*sh["m2"], 2), jnp.float32)),
-        layer_steps=(),
-        tok_count_SxV=jnp.zeros(sh["tok_count"], jnp.int32),
-        tok_sum_SxVxD=_df_zeros(sh["tok_sum"]))
+        layer_steps=())
 
 
-def accumulator_bytes(num_states, d, vocab_size, *, num_groups=1, token_stats=True, group_spectra=True,
-                      gram_rows=None) -> int:
-    """Device bytes of init_accumulators(...), without allocating. Every float sum is two
-    float32 arrays (hi, lo), so the per-token part is 2 * S * V * D * 4 bytes: 21.4 GB for
-    pythia-1.4b (S = 26, V = 50304, D = 2048)."""
+def accumulator_bytes(num_states, d, *, num_groups=1, group_spectra=True, gram_rows=None) -> int:
+    """Device bytes of init_accumulators(...), without allocating (every float sum is two float32 arrays, hi
+    and lo)."""
     shaped = jax.eval_shape(lambda: init_accumulators(
-        num_states, d, vocab_size, num_groups=num_groups, token_stats=token_stats,
-        group_spectra=group_spectra, gram_rows=gram_rows))
+        num_states, d, num_groups=num_groups, group_spectra=group_spectra, gram_rows=gram_rows))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shaped))
 
 
@@ -211,18 +202,6 @@ def index_tokens(token_ids_N, valid_N, vocab_size, shards: int = 1) -> TokenInde
     count_U = jax.ops.segment_sum((sorted_N < vocab_size).astype(jnp.int32), rank_N,
                                   num_segments=n, indices_are_sorted=True)
     return TokenIndex(order_N, starts_N, rank_N, uniq_U, count_U)
-
-
-@struct.dataclass
-class Exchange:
-    """What one batch's per-token exchange needs beyond the rows (inside shard_map, once per
-    batch: the same for every state). Segment j of the batch's sort belongs to owner o for
-    bounds_O1[o] <= j < bounds_O1[o + 1]; round r sends segments bounds_O1[o] + r * cap + c."""
-
-    bounds_O1: jax.Array
-    rounds: jax.Array  # the most segments any device sends to any owner, over cap; >= 1 (a pmax)
-    recv_local_OxC: jax.Array  # round 0, received: sender o's rows land on these local rows
-    recv_count_OxC: jax.Array  # ... with these token counts
 
 
 def _add_count(lo, hi, n):
@@ -319,8 +298,7 @@ class Batch(NamedTuple):
 
 def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, center_D=None,
                  *, index: TokenIndex | None = None, opts: StatsOptions = DEFAULT_OPTIONS,
-                 plans=None, exchange: Exchange | None = None,
-                 positions_N=None, sequences_N=None, observe=None) -> Accumulators:
+                 plans=None, positions_N=None, sequences_N=None, observe=None) -> Accumulators:
     """Add state s of one batch. s, group: (traced) int32 scalars; padding rows
     (valid_N False) contribute nothing, whatever they hold (the caller masks skipped positions,
     StatsOptions.skip_positions, into valid_N). positions_N: each row's position in its sequence
@@ -330,8 +308,8 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     state (stats.measures.observer), called once its Rows are made, with `plans`: their plans of the batch
     (stats.measures.batch_planner, once per batch). `index` (from index_tokens)
     lets a caller sort the ids once per batch instead of once per state. With
-    opts.token_shards > 1 this runs inside shard_map: the per-token accumulators hold this
-    device's share of the vocabulary and the batch's per-token sums are exchanged."""
+    opts.token_shards > 1 this runs inside shard_map: the step measures' per-token sums (IntraSim's)
+    hold this device's share of the vocabulary and the batch's per-token sums are exchanged."""
     s, group = jnp.asarray(s, jnp.int32), jnp.asarray(group, jnp.int32)
     token_ids_N, valid_N = jnp.asarray(token_ids_N), jnp.asarray(valid_N)
     gram_dtype = jnp.bfloat16 if x_NxD.dtype == jnp.bfloat16 else jnp.float32
@@ -380,16 +358,6 @@ def update_state(acc: Accumulators, s, x_NxD, token_ids_N, valid_N, group, cente
     if observe is not None:
         acc = observe(acc, s, group, Rows(x_NxD, norm_N, rowmax_N, unit_NxD, token_ids_N, valid_N, positions_N,
                                           sequences_N, state_NxD, center_D), index, plans)
-
-    rows = acc.tok_count_SxV.shape[1]
-    if rows:
-        shards = opts.token_shards
-        if index is None:
-            index = index_tokens(token_ids_N, valid_N, rows * shards, shards)
-        if shards == 1:
-            acc = _update_tokens(acc, s, unit_NxD, index, opts)
-        else:
-            acc = _update_token_shards(acc, s, unit_NxD, index, opts, exchange)
     return acc
 
 
@@ -411,151 +379,22 @@ def segment_sums(sorted_NxD, index: TokenIndex, num_rows: int, opts: StatsOption
         prefix_NxD, mode="drop", unique_indices=True, indices_are_sorted=True)
 
 
-def _update_tokens(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts: StatsOptions) -> Accumulators:
-    """Per-token unit sums: segment-sum the sorted batch (a fresh [M, D], M <= min(N, V + 1)
-    rounded up to the chunk, never [V, D] per batch), then, opts.token_chunk distinct tokens at
-    a time, gather their accumulator rows, TwoSum-add and scatter-set them back in place. Only
-    ceil(U / chunk) rounds run (a dynamic trip count), so the gathers and scatters move ~U
-    rows, not N: U ~ 15k distinct ids in a 65k-token batch of text."""
-    n = unit_NxD.shape[0]
-    vocab_size = acc.tok_count_SxV.shape[1]
-    chunk = opts.token_chunk if n % opts.token_chunk == 0 else n
-    # U <= V + 1 (the distinct ids and one padding segment): a batch longer than the
-    # vocabulary needs no more rows than that
-    num_rows = min(n, -(-(vocab_size + 1) // chunk) * chunk)
-    seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows, opts)
-    n_unique = index.rank_N[-1] + 1
-    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
-
-    def add_chunk(c, carry):
-        hi_SxVxD, lo_SxVxD, count_SxV = carry
-        take = lambda x: lax.dynamic_slice_in_dim(x, c * chunk, chunk)
-        rows = (s, take(index.uniq_U))
-        hi_CxD = hi_SxVxD.at[rows].get(mode="fill", fill_value=0.0)
-        lo_CxD = lo_SxVxD.at[rows].get(mode="fill", fill_value=0.0)
-        hi_CxD, lo_CxD = _df_add(hi_CxD, lo_CxD, take(seg_MxD))
-        cnt_C = count_SxV.at[rows].get(mode="fill", fill_value=0) + take(index.count_U)
-        return (hi_SxVxD.at[rows].set(hi_CxD, **kw), lo_SxVxD.at[rows].set(lo_CxD, **kw),
-                count_SxV.at[rows].set(cnt_C, **kw))
-
-    tok = acc.tok_sum_SxVxD
-    hi, lo, count = lax.fori_loop(0, (n_unique + chunk - 1) // chunk, add_chunk,
-                                  (tok.hi, tok.lo, acc.tok_count_SxV))
-    return acc.replace(tok_sum_SxVxD=DF(hi, lo), tok_count_SxV=count)
-
-
-def _add_owned_rows(carry, s, rows_KxD, local_K, count_K):
-    """TwoSum-add K rows of partial sums to this device's token rows local_K: distinct and
-    ascending (one sender's share of a round); slots >= the rows held are dropped."""
-    hi_SxVxD, lo_SxVxD, count_SxV = carry
-    rows = (s, local_K)
-    kw = dict(mode="drop", unique_indices=True, indices_are_sorted=True)
-    hi_KxD, lo_KxD = _df_add(hi_SxVxD.at[rows].get(mode="fill", fill_value=0.0),
-                             lo_SxVxD.at[rows].get(mode="fill", fill_value=0.0), rows_KxD)
-    return (hi_SxVxD.at[rows].set(hi_KxD, **kw), lo_SxVxD.at[rows].set(lo_KxD, **kw),
-            count_SxV.at[rows].set(count_SxV.at[rows].get(mode="fill", fill_value=0) + count_K, **kw))
-
-
-BATCH_OF_QUARTER = 65536  # device batches up to this send a quarter of their rows per round
-
-
-def exchange_cap(opts: StatsOptions, n: int, held: int) -> int:
-    """Segments sent to each owner per round, for a device batch of n rows and owners of `held`
-    token rows each. Every round is padded to it, so it is the traffic: by default a quarter of
-    the batch up to 65,536 rows (15.2k distinct tokens of 65k on the Zipf workload of bench/, 8.2k
-    in a book), then growing as n^0.6, as distinct tokens do (Heaps' law: 32.6k of 262k on the
-    Zipf workload, 15.3k in a book; a quarter would pad 410m's exchange to twice what it carries,
-    bench/RESULTS.md 7f); never more than `held`, the most distinct rows an owner can receive."""
-    rows = opts.exchange_rows or (max(1, n // 4) if n <= BATCH_OF_QUARTER
-                                  else int(BATCH_OF_QUARTER // 4 * (n / BATCH_OF_QUARTER) ** 0.6))
-    return max(1, min(rows // opts.token_shards, held))
-
-
-def _round_meta(index: TokenIndex, bounds_O1, r, cap: int, held: int):
-    """(segments j_OxC, ok_OxC, local rows, counts) that round r sends to each owner; unused
-    slots get distinct local rows >= held (dropped on arrival)."""
-    shards = bounds_O1.shape[0] - 1
-    j_OxC = bounds_O1[:-1, None] + r * cap + jnp.arange(cap, dtype=jnp.int32)[None]
-    ok_OxC = j_OxC < bounds_O1[1:, None]
-    unused_OxC = held + jnp.arange(shards * cap, dtype=jnp.int32).reshape(shards, cap)
-    local_OxC = jnp.where(ok_OxC, index.uniq_U.at[j_OxC].get(mode="fill", fill_value=0) % held, unused_OxC)
-    count_OxC = jnp.where(ok_OxC, index.count_U.at[j_OxC].get(mode="fill", fill_value=0), 0)
-    return j_OxC, ok_OxC, local_OxC, count_OxC
-
-
-def plan_exchange(index: TokenIndex, held: int, opts: StatsOptions) -> Exchange:
-    """The batch's Exchange: owner bounds, round count, and round 0's metadata, exchanged once."""
-    shards, axes, cap = opts.token_shards, opts.token_axes, exchange_cap(opts, index.order_N.shape[0], held)
-    bounds_O1 = jnp.searchsorted(index.uniq_U, jnp.arange(shards + 1, dtype=jnp.int32) * held).astype(jnp.int32)
-    most = jnp.max(bounds_O1[1:] - bounds_O1[:-1])
-    rounds = jnp.maximum(1, lax.pmax((most + cap - 1) // cap, axes))
-    _, _, local_OxC, count_OxC = _round_meta(index, bounds_O1, 0, cap, held)
-    recv_OxCx2 = lax.all_to_all(jnp.stack([local_OxC, count_OxC], -1), axes, 0, 0)
-    return Exchange(bounds_O1, rounds, recv_OxCx2[..., 0], recv_OxCx2[..., 1])
-
-
-def _exchange_rows(carry, s, rows_OxCxD, recv_local_OxC, recv_count_OxC, opts: StatsOptions):
-    """Send rows_OxCxD[o] to owner o and TwoSum-add what every sender sent here, sender by
-    sender (each sender's rows are distinct and ascending: no sort). n - 1 ppermutes (shift k:
-    to device me + k, from me - k); this device's own share stays in place. Ppermutes, not one
-    all_to_all of every share, because they scale better over devices (bench/RESULTS.md 7b)."""
-    shards, axes = opts.token_shards, opts.token_axes
-    me = lax.axis_index(axes)
-    take = lambda x, o: lax.dynamic_index_in_dim(x, o % shards, 0, keepdims=False)
-    carry = _add_owned_rows(carry, s, take(rows_OxCxD, me), take(recv_local_OxC, me), take(recv_count_OxC, me))
-    for k in range(1, shards):
-        got_CxD = lax.ppermute(take(rows_OxCxD, me + k), axes, [(i, (i + k) % shards) for i in range(shards)])
-        carry = _add_owned_rows(carry, s, got_CxD, take(recv_local_OxC, me - k), take(recv_count_OxC, me - k))
-    return carry
-
-
-def _update_token_shards(acc: Accumulators, s, unit_NxD, index: TokenIndex, opts: StatsOptions,
-                         exchange: Exchange | None = None) -> Accumulators:
-    """Per-token unit sums with the vocabulary split over opts.token_shards devices (inside
-    shard_map). Each device segment-sums its rows of the batch (keys grouped by owner), then
-    sends up to cap = exchange_rows / shards segments to every owner (_exchange_rows); their
-    local rows and counts went once per batch (plan_exchange). The first round is
-    unconditional, so that XLA may overlap it with the next block's compute; further rounds
-    (usually none) run in a loop and carry their own metadata. The traffic is each device's ~U
-    distinct-token rows, once, padded to cap per owner."""
-    n, d = unit_NxD.shape
-    held = acc.tok_count_SxV.shape[1]  # token rows this device owns: V / shards
-    cap = exchange_cap(opts, n, held)
-    num_rows = min(n, opts.token_shards * held + 1)  # >= the segments of the batch (distinct keys + padding)
-    seg_MxD = segment_sums(unit_NxD[index.order_N], index, num_rows, opts)
-    ex = exchange if exchange is not None else plan_exchange(index, held, opts)
-
-    def rows(j_OxC, ok_OxC):
-        return jnp.where(ok_OxC[..., None], seg_MxD.at[j_OxC].get(mode="fill", fill_value=0.0), 0.0)
-
-    def later_round(r, carry):
-        j_OxC, ok_OxC, local_OxC, count_OxC = _round_meta(index, ex.bounds_O1, r, cap, held)
-        recv_OxCx2 = lax.all_to_all(jnp.stack([local_OxC, count_OxC], -1), opts.token_axes, 0, 0)
-        return _exchange_rows(carry, s, rows(j_OxC, ok_OxC), recv_OxCx2[..., 0], recv_OxCx2[..., 1], opts)
-
-    j_OxC, ok_OxC, _, _ = _round_meta(index, ex.bounds_O1, 0, cap, held)
-    tok = acc.tok_sum_SxVxD
-    carry = _exchange_rows((tok.hi, tok.lo, acc.tok_count_SxV), s, rows(j_OxC, ok_OxC), ex.recv_local_OxC,
-                           ex.recv_count_OxC, opts)
-    hi, lo, count = lax.fori_loop(1, ex.rounds, later_round, carry)
-    return acc.replace(tok_sum_SxVxD=DF(hi, lo), tok_count_SxV=count)
-
-
 def update(acc: Accumulators, states_SxNxD, token_ids_N, valid_N, group=0,
            centers_SxD=None, opts: StatsOptions = DEFAULT_OPTIONS,
-           positions_N=None, sequences_N=None, observe=None, plan=None) -> Accumulators:
+           positions_N=None, sequences_N=None, observe=None, plan=None, vocab_rows: int = 0) -> Accumulators:
     """Add all S states of one batch (ids sorted once, a fori_loop over states). positions_N, sequences_N,
     observe: as update_state takes them; positions below opts.skip_positions are left out. plan: the step
     measures' per-batch hook (stats.measures.batch_planner), run once before the states; the sample's
-    (stats/measures/sample_states.py) keys tokens by positions_N and sequences_N."""
-    vocab_size = acc.tok_count_SxV.shape[1] * opts.token_shards
+    (stats/measures/sample_states.py) keys tokens by positions_N and sequences_N. vocab_rows: the padded
+    vocabulary V' the token measures' sums hold (IntraSim's, stats/measures/intra_sim.py), which the batch's
+    token index keys into (0: none)."""
     states_SxNxD, token_ids_N, valid_N = map(jnp.asarray, (states_SxNxD, token_ids_N, valid_N))
     if opts.skip_positions:
         if positions_N is None:
             raise ValueError("skip_positions needs the rows' positions")
         valid_N = valid_N & (jnp.asarray(positions_N) >= opts.skip_positions)
     centers_SxD = None if centers_SxD is None else jnp.asarray(centers_SxD)
-    index = index_tokens(token_ids_N, valid_N, max(vocab_size, 1), opts.token_shards)
+    index = index_tokens(token_ids_N, valid_N, max(vocab_rows, 1), opts.token_shards)
     plans = None
     if plan is not None:
         n = token_ids_N.shape[0]
@@ -614,6 +453,4 @@ def merge(a: Accumulators, b: Accumulators, *, keep_m2: bool = False, m2_row0=No
         m2_HxSxDxD=m2_merge(a.m2_HxSxDxD, b.m2_HxSxDxD, a.sum_GxSxD, b.sum_GxSxD),
         unit_m2_HxSxDxD=m2_merge(a.unit_m2_HxSxDxD, b.unit_m2_HxSxDxD, a.unit_sum_GxSxD,
                                  b.unit_sum_GxSxD),
-        layer_steps=tuple(x.merge(y) for x, y in zip(a.layer_steps, b.layer_steps, strict=True)),
-        tok_count_SxV=a.tok_count_SxV + b.tok_count_SxV,
-        tok_sum_SxVxD=df_merge(a.tok_sum_SxVxD, b.tok_sum_SxVxD))
+        layer_steps=tuple(x.merge(y) for x, y in zip(a.layer_steps, b.layer_steps, strict=True)))

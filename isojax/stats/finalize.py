@@ -327,16 +327,18 @@ def _bands(count_V, intra_V):
 
 
 def token_readout(acc: Accumulators) -> tuple[np.ndarray, np.ndarray] | None:
-    """(count_V, intra_sim_SxV) in float64 from accumulators on the host, one state at a time
-    (in float64 all at once the sums would double the host memory of the accumulators: 21 GB
-    more at pythia-1.4b); None without token stats. runner.Runner.token_readout does the same
-    on the devices."""
-    count_SxV = np.asarray(acc.tok_count_SxV, np.int64)
-    if count_SxV.shape[1] == 0:
+    """(count_V, intra_sim_SxV) in float64 from the per-token sums among the accumulators' step measures
+    (stats/measures/intra_sim.py) on the host, one state at a time (in float64 all at once the sums would
+    double the host memory of the accumulators: 21 GB more at pythia-1.4b); None without them.
+    runner.Runner.token_readout does the same on the devices."""
+    from isojax.stats.measures.intra_sim import Sums
+    tok = next((x for x in acc.step if isinstance(x, Sums)), None)
+    if tok is None:
         return None
+    count_SxV = np.asarray(tok.count_SxV, np.int64)
     intra = []
     for s in range(count_SxV.shape[0]):
-        sum_VxD = np.asarray(acc.tok_sum_SxVxD.hi[s], np.float64) + np.asarray(acc.tok_sum_SxVxD.lo[s], np.float64)
+        sum_VxD = np.asarray(tok.sum_SxVxD.hi[s], np.float64) + np.asarray(tok.sum_SxVxD.lo[s], np.float64)
         intra.append(_mean_cos(np.einsum("vd,vd->v", sum_VxD, sum_VxD), count_SxV[s]))
     return count_SxV[0], np.stack(intra)
 

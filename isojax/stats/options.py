@@ -34,7 +34,7 @@ class StatsOptions:
     # shards to every owner (a round pads to that; more distinct tokens per owner take more
     # rounds). None: a quarter of a device batch of up to 65,536 tokens (the ~15k distinct tokens
     # of a 65k-token batch of text in one round), beyond that growing as n^0.6 like the distinct
-    # tokens themselves (accumulators.exchange_cap), never more than an owner holds.
+    # tokens themselves (token_sums.exchange_cap), never more than an owner holds.
     exchange_rows: int | None = None
     # Widest states whose per-token segment sum tells XLA that the ids are sorted: the hint pays
     # at narrow widths and costs at wide ones (bench/RESULTS.md).

@@ -85,11 +85,20 @@ def init_sums(step_measures, num_groups: int, num_states: int, vocab_rows: int, 
                        for name, setting in part) for part in split(step_measures))
 
 
-def batch_planner(step_measures):
+def _hook(step: Step, name: str, opts):
+    """step's hook `name`, given the statistics' options where it takes them (Step.takes_options)."""
+    from isojax.stats.options import StatsOptions
+    hook = getattr(step, name)
+    return hook if hook is None or not step.takes_options else functools.partial(
+        hook, opts=StatsOptions() if opts is None else opts)
+
+
+def batch_planner(step_measures, opts=None):
     """The per-batch hook of the step measures on (Step.plan_batch): plan(acc, batch) -> (acc, plans), once per
     batch and device before the states (batch: a stats.accumulators.Batch); plans: one per step measure on, in
     split()'s order (layer part first), None for those without plan_batch; observer's `observe` takes them.
-    None where none plans."""
+    None where none plans. opts: the statistics' options (StatsOptions; None: the defaults), for the hooks
+    that take them."""
     parts = split(step_measures)
     if not any(steps()[name].plan_batch for part in parts for name, _ in part):
         return None
@@ -100,7 +109,7 @@ def batch_planner(step_measures):
         def run(sums, part):
             out = []
             for x, (name, setting) in zip(sums, part, strict=True):
-                hook = steps()[name].plan_batch
+                hook = _hook(steps()[name], "plan_batch", opts)
                 x, one = (x, None) if hook is None else hook(x, setting, batch)
                 out.append(x)
                 plans.append(one)
@@ -112,22 +121,27 @@ def batch_planner(step_measures):
     return plan
 
 
-def observer(step_measures):
+def observer(step_measures, opts=None):
     """stats.accumulators.update_state's `observe` of the step measures on (StatsOptions.step_measures): each
     one's Step.observe on its sums in the accumulators, with its plan of the batch (batch_planner's plans, or
-    None); None where none observes the states."""
+    None), in split()'s order but those of placement "vocab" last (Step.placement); None where none observes
+    the states. opts: as batch_planner's."""
     parts = split(step_measures)
     if not any(steps()[name].observe for part in parts for name, _ in part):
         return None
+    # (part, index in it, name, setting, index among the plans)
+    on = [(p, i, name, setting) for p, part in enumerate(parts) for i, (name, setting) in enumerate(part)]
+    on = [(p, i, name, setting, k) for k, (p, i, name, setting) in enumerate(on)]
+    on.sort(key=lambda x: steps()[x[2]].placement == "vocab")  # stable: the others keep their order
 
     def observe(acc, s, group, rows, index, plans=None):
-        plans = iter(plans if plans is not None else [None] * sum(map(len, parts)))
-
-        def run(sums, part):
-            return tuple(x if steps()[name].observe is None else steps()[name].observe(x, setting, s, group, rows,
-                                                                                      index, plan)
-                         for x, (name, setting), plan in zip(sums, part, plans, strict=False))
-        return acc.replace(layer_steps=run(acc.layer_steps, parts[0]), step=run(acc.step, parts[1]))
+        plans = list(plans) if plans is not None else [None] * len(on)
+        sums = [list(acc.layer_steps), list(acc.step)]
+        for p, i, name, setting, k in on:
+            hook = _hook(steps()[name], "observe", opts)
+            if hook is not None:
+                sums[p][i] = hook(sums[p][i], setting, s, group, rows, index, plans[k])
+        return acc.replace(layer_steps=tuple(sums[0]), step=tuple(sums[1]))
 
     return observe
 

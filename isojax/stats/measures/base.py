@@ -85,8 +85,8 @@ class Step:
     keyword: str  # its keyword of isojax.measure (MeasureConfig.build) taking the setting
     add_arguments: Callable  # (ap, positive_int): its command-line flags
     setting: Callable  # (args) -> int | None: its setting from the flags; None: not given (`default`)
-    init: Callable  # (setting, num_groups, num_states, vocab_rows, width, dtype) -> one device's zero sums;
-    # dtype: the forward's (the states' as the model produces them)
+    init: Callable  # (setting, num_groups, num_states, vocab_rows, width, dtype) -> one device's zero sums (placement
+    # "vocab": every device's, [S, V', ...]); dtype: the forward's (the states' as the model produces them)
     # (per-device numpy sums, num_devices, vocab_size) -> its sums on the host, float64; None: its sums are read
     # where they lie, not by Runner.step_sums (the sample's: Runner.sample)
     merged: Callable | None
@@ -113,6 +113,17 @@ class Step:
     # (module, params, setting) -> (update, weights): update(sums, states_SxBxTxD, tokens_BxT, seg_BxT,
     # kept_BxT, pos_BxT, seq_BxT, group, weights) -> sums, per device after the forward
     after_forward: Callable | None = None
+    # where its sums lie: "device", each device's own (a leading device axis, above); "vocab", split over the padded
+    # vocabulary V' on every device (axis 1 of each leaf, [S, V', ...]: device k holds rows k * V'/n.., token ids
+    # j * n + k; device/runner.py), no device axis, each token row on one device: nothing to merge (the per-token
+    # IntraSim sums, intra_sim.py). Observed after the others of the state (where the step did them before they were
+    # a step measure)
+    placement: str = "device"
+    # on exactly with token statistics (setting 1; added by device/runner.py's Layout, as the sample by the planner),
+    # not by a flag of its own
+    with_token_stats: bool = False
+    # its plan_batch and observe take the statistics' options (stats.options.StatsOptions) as the keyword `opts`
+    takes_options: bool = False
     layers: Callable | None = None  # (sums, groups or None) -> per state {metric: value} (None: every group)
     tokens: Callable | None = None  # (sums, count_V) -> {name: [S, V] float64}, written into tokens.zarr
     info: Callable | None = None  # (sums, setting, tokens counted) -> metrics.json's block named as its module
