@@ -159,7 +159,10 @@ def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.n
             continue  # its own tests check its values against float64 (tests/test_streamed_measures.py)
         if m.reads == "step" or not (m.on_by_default or name in on):  # off (the step's: its own test runs it)
             assert all(layer[metric.name] == metric.null() for layer in layers for metric in m.metrics
-                       if not metric.per_token), name  # a per-token one is in tokens.zarr, not the layers
+                       if not metric.per_token and not metric.only_where_on), name  # a per-token one is in
+            # tokens.zarr, not the layers; one only where on (centered InterSim) is absent from them
+            assert not any(metric.name in layer for layer in layers for metric in m.metrics
+                           if metric.only_where_on), name
             continue
         reference = importlib.import_module(f"test_measure_{name}").reference
         for i, layer in enumerate(layers):
