@@ -129,46 +129,14 @@ def test_a_checkpoint_written_before_the_sample_was_a_step_measure_resumes_exact
     sample_keys_Kx2 and sample_SxKxD, token_norms' sums at step 0) resumes (loop.resume reads its leaves
     under their older names, Runner.older_leaf) and ends with the sample, its keys and token_norms' sums
     of one uninterrupted pass, bit for bit."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
-
     from isojax.run.loop import resume
     from isojax.run.measure import make_runner
-    from test_streamed_measures import _runner_batches
+    from test_streamed_measures import _runner_batches, checkpoint_by_older_code
 
-    repo = Path(__file__).resolve().parents[1]
-    old = tmp_path / "old"
-    old.mkdir()
-    archive = subprocess.run(["git", "archive", "b4b826b", "isojax"], cwd=repo, capture_output=True,
-                             check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     loaded, mesh, batches = _runner_batches(tmp_path)
     on = (("massive_activations", 1), ("position_bands", 1), ("token_norms", 1))
     kw = dict(token_stats=True, num_groups=1, sample_size=8, skip_positions=1, step_measures=on)
-    np.savez(tmp_path / "batches.npz", *[a for batch in batches[:2] for a in batch])
-    script = textwrap.dedent(f"""
-        import numpy as np
-        from isojax.device import checkpoints as checkpointing
-        from isojax.device import mesh as parallel
-        from isojax.hf.loading import load_model
-        from isojax.run.measure import make_runner
-        mesh = parallel.make_mesh({{"data": 1, "model": 1}})
-        runner = make_runner(load_model({str(tmp_path / "ckpt")!r}, dtype="float32", mesh=mesh), mesh, **{kw!r})
-        assert runner.acc.sample_keys_Kx2.shape == (1, 8, 2)  # the older layout
-        arrays = np.load({str(tmp_path / "batches.npz")!r})
-        batches = [arrays[f"arr_{{i}}"] for i in range(len(arrays.files))]
-        for k in range(0, len(batches), 4):
-            runner.step(*batches[k:k + 3], 0, batches[k + 3])
-        ckpt = checkpointing.Checkpointer({str(tmp_path / "checkpoint")!r})
-        ckpt.save(2, runner.acc, {{"settings": {{"skip_positions": 1}}, "cursor": 2, "done": {{"tokens": 0}}}})
-        ckpt.close()
-    """)
-    env = {**os.environ, "PYTHONPATH": str(old), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkpoint_by_older_code(tmp_path, "b4b826b", batches, f"**{kw!r}", "runner.acc.sample_keys_Kx2.shape == (1, 8, 2)")
     resumed, whole = make_runner(loaded, mesh, **kw), make_runner(loaded, mesh, **kw)
     assert resume(resumed, tmp_path / "checkpoint", {"skip_positions": 1}, {})[0] == 2
     for r, part in ((resumed, batches[2:]), (whole, batches)):

@@ -245,6 +245,37 @@ def _runner_batches(tmp_path):
     return loaded, mesh, batches
 
 
+def checkpoint_by_older_code(tmp_path, commit: str, batches, runner_args: str, older_layout: str) -> None:
+    """tmp_path/checkpoint: step 2, written after the first 2 of `batches` by `commit`'s isojax (git archive, run
+    in a subprocess) with make_runner(the model at tmp_path/ckpt, mesh, <runner_args>: keyword arguments' source);
+    older_layout: an expression of `runner` asserting that the accumulators have the older layout."""
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(["git", "archive", commit, "isojax"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    np.savez(tmp_path / "batches.npz", *[a for batch in batches[:2] for a in batch])
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from isojax.device import checkpoints as checkpointing
+        from isojax.device import mesh as parallel
+        from isojax.hf.loading import load_model
+        from isojax.run.measure import make_runner
+        mesh = parallel.make_mesh({{"data": 1, "model": 1}})
+        runner = make_runner(load_model({str(tmp_path / "ckpt")!r}, dtype="float32", mesh=mesh), mesh, {runner_args})
+        assert {older_layout}  # the older layout
+        arrays = np.load({str(tmp_path / "batches.npz")!r})
+        batches = [arrays[f"arr_{{i}}"] for i in range(len(arrays.files))]
+        for k in range(0, len(batches), 4):
+            runner.step(*batches[k:k + 3], 0, batches[k + 3])
+        ckpt = checkpointing.Checkpointer({str(tmp_path / "checkpoint")!r})
+        ckpt.save(2, runner.acc, {{"settings": {{"skip_positions": 1}}, "cursor": 2, "done": {{"tokens": 0}}}})
+        ckpt.close()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(old), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_resumed_checkpoint_keeps_the_streamed_fields(tmp_path):
     """A checkpoint written after two batches and resumed (loop.resume) ends with the accumulators
     of one uninterrupted pass: massive_* and the position bands bit for bit."""
@@ -286,39 +317,13 @@ def test_a_checkpoint_of_the_older_layout_is_refused_or_resumes_exactly(tmp_path
     (issue 46; the code of ef52073, its accumulators holding massive_max_GxS, band_unit_sum_BxSxD, ...) is
     refused in one UserError saying so where they are on (the default); with them off it resumes, its
     sums bit for bit those of one uninterrupted pass."""
-    from isojax.device import checkpoints as checkpointing
     from isojax.errors import UserError
     from isojax.run.loop import resume
     from isojax.run.measure import make_runner
 
-    old = tmp_path / "old"
-    old.mkdir()
-    archive = subprocess.run(["git", "archive", "ef52073", "isojax"], cwd=REPO, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     loaded, mesh, batches = _runner_batches(tmp_path)
-    np.savez(tmp_path / "batches.npz", *[a for batch in batches[:2] for a in batch])
-    script = textwrap.dedent(f"""
-        import numpy as np
-        from isojax.device import checkpoints as checkpointing
-        from isojax.device import mesh as parallel
-        from isojax.hf.loading import load_model
-        from isojax.run.measure import make_runner
-        mesh = parallel.make_mesh({{"data": 1, "model": 1}})
-        runner = make_runner(load_model({str(tmp_path / "ckpt")!r}, dtype="float32", mesh=mesh), mesh,
-                             token_stats=False, num_groups=1, skip_positions=1)
-        assert hasattr(runner.acc, "massive_max_GxS")  # the older layout
-        arrays = np.load({str(tmp_path / "batches.npz")!r})
-        batches = [arrays[f"arr_{{i}}"] for i in range(len(arrays.files))]
-        for k in range(0, len(batches), 4):
-            tokens, seg, pos, seq = batches[k:k + 4]
-            runner.step(tokens, seg, pos, 0, seq)
-        ckpt = checkpointing.Checkpointer({str(tmp_path / "checkpoint")!r})
-        ckpt.save(2, runner.acc, {{"settings": {{"skip_positions": 1}}, "cursor": 2, "done": {{"tokens": 0}}}})
-        ckpt.close()
-    """)
-    env = {**os.environ, "PYTHONPATH": str(old), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkpoint_by_older_code(tmp_path, "ef52073", batches, "token_stats=False, num_groups=1, skip_positions=1",
+                             'hasattr(runner.acc, "massive_max_GxS")')
     on = make_runner(loaded, mesh, token_stats=False, num_groups=1, skip_positions=1, step_measures=STREAMED_ON)
     with pytest.raises(UserError, match="the checkpoint was written by an older isojax, before massive_activations, "
                                         "position_bands became step measures .* start over with --overwrite"):
