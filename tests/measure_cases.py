@@ -77,3 +77,25 @@ def alone(name: str, *points, host: bool = True):
     with jax.enable_x64(True):
         pending = m.readout(*points) if host else jax.jit(m.readout)(*map(jax.numpy.asarray, points))
     return measures.sample_values(pending)[m.metrics[0].name]
+
+
+def check_metrics(reference, sources: bool = True, absolute: float | None = None) -> None:
+    """check_spectral for each metric of reference(x, bf16) -> {metric: value}; absolute: a tolerance in its units
+    in place of check_spectral's relative one."""
+    import pytest
+    keys = reference(hf_points(FAMILIES[0])[0][:64].astype(np.float64), False).keys()
+    for key in keys:
+        if absolute is None:
+            check_spectral(key, lambda x, bf16: reference(x, bf16)[key], sources)
+            continue
+        for family in FAMILIES:
+            for bf16 in (False, True):
+                x, layers, groups = finalized(family, bf16)
+                populations = [(layers, slice(None))] + ([(groups["a"]["layers"], slice(0, x.shape[1] // 2)),
+                                                          (groups["b"]["layers"], slice(x.shape[1] // 2, None))]
+                                                         if sources and not bf16 else [])
+                for got, part in populations:
+                    for i, layer in enumerate(got):
+                        want = reference(x[i, part], bf16)[key]
+                        assert (layer[key] is None) == (want is None), (family, bf16, i, key)
+                        assert want is None or layer[key] == pytest.approx(want, abs=absolute), (family, bf16, i, key)

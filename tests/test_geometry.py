@@ -1,5 +1,6 @@
-"""isojax.stats.geometry against independent float64 references on random points: the IsoScore
-package itself (IsoScore 2.0.1, torch), and plain numpy written here by the papers' definitions."""
+"""The geometry measures' formulas (isojax/stats/measures/: isoscore, isoscore_star, alpha_req, rogue_dims,
+feature_kurtosis; isojax.stats.geometry: the sample's) against independent float64 references on random points:
+the IsoScore package itself (IsoScore 2.0.1, torch), and plain numpy written here by the papers' definitions."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import numpy as np
 import pytest
 
 from isojax.stats import geometry
+from isojax.stats.measures.alpha_req import alpha_req
+from isojax.stats.measures.feature_kurtosis import feature_kurtosis
+from isojax.stats.measures.isoscore import isoscore
+from isojax.stats.measures.isoscore_star import ZETA, isoscore_star
+from isojax.stats.measures.rogue_dims import rogue_dims
 
 
 def anisotropic_points(rng, n=300, d=12):
@@ -31,17 +37,17 @@ def test_isoscore_and_isoscore_star_equal_the_isoscore_package(n, d):
     rng = np.random.default_rng(n)
     x = anisotropic_points(rng, n, d)
     eig = population_eigs(x)
-    assert abs(geometry.isoscore(eig) - float(package.IsoScore(x))) < 1e-6
-    for zeta in (0.0, geometry.ISOSCORE_ZETA, 1.0):
+    assert abs(isoscore(eig) - float(package.IsoScore(x))) < 1e-6
+    for zeta in (0.0, ZETA, 1.0):
         want = float(package.IsoScore_star(x, torch.tensor(np.cov(x.T)), zeta))
-        assert abs(geometry.isoscore_star(eig, n, zeta) - want) < 1e-6, zeta
-    assert geometry.ISOSCORE_ZETA == 0.75
-    assert geometry.isoscore(np.zeros(d)) is None and geometry.isoscore_star(eig, 1, 0.75) is None
+        assert abs(isoscore_star(eig, n, zeta) - want) < 1e-6, zeta
+    assert ZETA == 0.75
+    assert isoscore(np.zeros(d)) is None and isoscore_star(eig, 1, 0.75) is None
 
 
 def test_isoscore_of_isotropic_and_one_dimensional_points():
-    assert geometry.isoscore(np.ones(7)) == pytest.approx(1.0, abs=1e-12)
-    assert geometry.isoscore(np.r_[1.0, np.zeros(6)]) == pytest.approx(0.0, abs=1e-12)
+    assert isoscore(np.ones(7)) == pytest.approx(1.0, abs=1e-12)
+    assert isoscore(np.r_[1.0, np.zeros(6)]) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_alpha_req_is_the_weighted_fit_over_ranks_11_to_100():
@@ -52,16 +58,16 @@ def test_alpha_req_is_the_weighted_fit_over_ranks_11_to_100():
     lam = np.sort(np.linalg.eigvalsh(np.cov(x.T)))[::-1]
     k = np.arange(11, 101)
     want = -np.polyfit(np.log(k), np.log(lam[k - 1]), 1, w=k ** -0.5)[0]
-    assert abs(geometry.alpha_req(population_eigs(x)) - want) < 1e-10  # the scale (ddof) moves only the intercept
+    assert abs(alpha_req(population_eigs(x)) - want) < 1e-10  # the scale (ddof) moves only the intercept
     # cut at the last nonzero (floored) eigenvalue: ranks 11..30
     lam_cut = np.r_[lam[:30], np.zeros(5)]
     k = np.arange(11, 31)
     want_cut = -np.polyfit(np.log(k), np.log(lam[k - 1]), 1, w=k ** -0.5)[0]
-    assert abs(geometry.alpha_req(lam_cut) - want_cut) < 1e-10
+    assert abs(alpha_req(lam_cut) - want_cut) < 1e-10
     power = 1.0 / np.arange(1, 150) ** 1.3
     power[:10] = 1.0  # the head is outside the fit
-    assert geometry.alpha_req(power) == pytest.approx(1.3, abs=1e-12)
-    assert geometry.alpha_req(np.r_[np.ones(11), 0.0]) is None and geometry.alpha_req(np.zeros(30)) is None
+    assert alpha_req(power) == pytest.approx(1.3, abs=1e-12)
+    assert alpha_req(np.r_[np.ones(11), 0.0]) is None and alpha_req(np.zeros(30)) is None
 
 
 def test_rogue_dims_against_brute_pairs():
@@ -77,12 +83,12 @@ def test_rogue_dims_against_brute_pairs():
     c /= n * n - n
     inter = ((u @ u.T).sum() - n) / (n * n - n)
     assert abs(c.sum() - inter) < 1e-12
-    got = geometry.rogue_dims(n, u.sum(0), (u * u).sum(0))
+    got = rogue_dims(n, u.sum(0), (u * u).sum(0))
     order = np.argsort(-c)[:3]
     assert [r["dim"] for r in got] == list(order) and got[0]["dim"] == 4
     for r, i in zip(got, order):
         assert abs(r["share"] - c[i] / inter) < 1e-10
-    assert geometry.rogue_dims(1, u[0], u[0] ** 2) is None
+    assert rogue_dims(1, u[0], u[0] ** 2) is None
 
 
 def test_feature_kurtosis_from_the_points():
@@ -90,10 +96,10 @@ def test_feature_kurtosis_from_the_points():
     x = anisotropic_points(rng)
     s2 = (x ** 2).mean(0)  # uncentered: He et al. take the second moment, not the variance
     want = (s2 ** 2).mean() / s2.mean() ** 2
-    assert abs(geometry.feature_kurtosis(len(x), (x ** 2).sum(0)) - want) < 1e-12
+    assert abs(feature_kurtosis(len(x), (x ** 2).sum(0)) - want) < 1e-12
     var = x.var(0)
-    assert abs(geometry.feature_kurtosis(len(x), (x ** 2).sum(0)) - (var ** 2).mean() / var.mean() ** 2) > 1e-3
-    assert geometry.feature_kurtosis(5, np.zeros(4)) is None
+    assert abs(feature_kurtosis(len(x), (x ** 2).sum(0)) - (var ** 2).mean() / var.mean() ** 2) > 1e-3
+    assert feature_kurtosis(5, np.zeros(4)) is None
 
 
 def test_inter_sim_standardized_against_pairwise_cosines():

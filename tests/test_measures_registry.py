@@ -58,16 +58,19 @@ def test_results_without_the_registered_measures_read_them_as_null(tmp_path):
     layers = [{"name": n, "count": 10, "inter_sim": 0.1, "null_eigenvalues": 0} for n in ("embed", "block_1")]
     (folder / "metrics.json").write_text(json.dumps({"model": "m", "tokens": 10, "layers": layers}))
     df = isojax.load(folder)
-    for key in measures.columns():
+    lacking = [key for key in measures.columns() if key not in layers[0]]
+    assert "inter_sim" in measures.columns() and "isoscore" in lacking
+    for key in lacking:
         assert df[key].isna().all(), key
     assert df["inter_sim"].tolist() == [0.1, 0.1]
     write_layers_csv(tmp_path / "layers.csv", layers)
     head, *rows = (tmp_path / "layers.csv").read_text().splitlines()
     cols = head.split(",")
-    for key in measures.columns():
+    for key in lacking:
         assert all(row.split(",")[cols.index(key)] == "" for row in rows), key
     got = _extract_run(folder).data["layers"]
-    assert all(layer[key] is None for layer in got for key in measures.columns())
+    assert all(layer[key] is None for layer in got for key in lacking)
+    assert [layer["count"] for layer in got] == [10, 10]
 
 
 def test_the_first_state_has_no_pairs_measure_and_an_off_measure_is_null(monkeypatch):

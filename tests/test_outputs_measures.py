@@ -17,9 +17,12 @@ from isojax.run import results, sweep, sweep_files
 from isojax.stats import measures
 from isojax.stats.geometry import linear_cka
 
-NEW_SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
-               "massive_max_over_sample_median", "feature_kurtosis", "alpha_req", "effective_rank", "erank_pooled",
-               "erank", "massive_count", "massive_top1", *measures.columns()]
+# the measures the report's measures section draws: those not registered, and the registered ones drawn there
+NEW_SCALARS = list(dict.fromkeys(["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized",
+                                  "massive_max", "massive_max_over_sample_median", "feature_kurtosis", "alpha_req",
+                                  "effective_rank", "erank_pooled", "erank", "massive_count", "massive_top1",
+                                  *measures.drawn(), *(c for m in measures.dict_valued().values()
+                                                       for c in m.columns())]))
 BANDS = [(0, 1), (1, 16), (16, 128), (128, None)]
 POS_COLUMNS = ["inter_sim_pos_0", "inter_sim_pos_1_16", "inter_sim_pos_16_128", "inter_sim_pos_128_"]
 

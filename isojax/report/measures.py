@@ -22,11 +22,9 @@ from isojax.report.document import Figures, Item, Section, Table
 from isojax.report.states import _band_layers, _by_layer, _has, _training, run_label, titled
 
 # every scalar measure drawn over layers and over checkpoints (its label: states._LABELS)
-SCALARS = ["isoscore", "isoscore_star", "rogue_share_top3", "inter_sim_standardized", "massive_max",
-           "massive_max_over_sample_median", "massive_count", "massive_top1", "feature_kurtosis", "alpha_req",
-           "effective_rank", "erank", "erank_pooled",
-           *(n for n in registered.names() if n not in registered.dict_valued()  # those: _registered_keyed
-             and n not in registered.default_step_nulls())]  # massive_*: drawn as above, tabled below
+SCALARS = ["inter_sim_standardized", "massive_max", "massive_max_over_sample_median", "massive_count", "massive_top1",
+           "erank", *(n for n in registered.drawn()  # the registered ones (a dict-valued one's: _registered_keyed)
+                      if n not in registered.default_step_nulls())]  # massive_*: drawn as above, tabled below
 BANDS = [("inter_sim_pos_0", "position 0"), ("inter_sim_pos_1_16", "positions 1–15"),
          ("inter_sim_pos_16_128", "positions 16–127"), ("inter_sim_pos_128_", "positions 128+")]
 
@@ -283,15 +281,13 @@ def _per_token(figs: Figures, runs: list[Run]) -> list:
 
 def section(res: Results, figs: Figures) -> Section:
     sec = Section("measures", "Isotropy, outliers, spectrum and similarity of representations",
-                  "IsoScore and IsoScore* (Rudman et al. 2022; Rudman & Eickhoff 2024), rogue dimensions and "
-                  "standardized InterSim (Timkey & van Schijndel 2021), massive activations (Sun et al. 2024), "
-                  "feature kurtosis (He et al. 2024), α-ReQ (Agrawal et al. 2022), effective rank (Roy & Vetterli 2007), "
-                  "Diff-eRank's eRank on the sentence probe's sentences and its pooled variant, each with its "
-                  "difference from step0 (Wei et al. 2024), InterSim by "
-                  "position, linear CKA (Kornblith et al. 2019), "
+                  "Standardized InterSim (Timkey & van Schijndel 2021), massive activations (Sun et al. 2024), "
+                  "Diff-eRank's eRank on the sentence probe's sentences, and the pooled eRank, each with its difference "
+                  "from step0 (Wei et al. 2024), InterSim by position, linear CKA (Kornblith et al. 2019), "
                   + "; ".join(f"{', '.join(m.name for m in r.metrics)} ({r.paper})" for r in registered.MEASURES.values()
-                            # massive activations, by position: named above; the sample: no metric of its own
-                            if r.metrics and not (r.step and r.step.layer_part))
+                            # massive activations, by position: named above; the sample: no metric of its own;
+                            # those the paper's figures draw (InterSim, IntraSim, anisotropy): not here
+                            if any(m.drawn for m in r.metrics) and not (r.step and r.step.layer_part))
                   + "; README \"Measures\" defines each.")
     runs = finals(res.extract)
     series = _with_diff_erank(trainings(res.extract))

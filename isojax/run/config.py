@@ -47,7 +47,7 @@ class StatsConfig:
     """token_stats: per-token IntraSim; centered: a second pass for centred metrics;
     save_token_sums: write the per-token unit sums; sample_states: K sampled states (None: the
     platform's default, 0: none); intrinsic_k: neighbours of the intrinsic-dimension estimators;
-    isoscore_zeta: IsoScore*'s covariance shrinkage, 0 to 1 (stats.geometry.isoscore_star).
+    isoscore_zeta: IsoScore*'s covariance shrinkage, 0 to 1 (stats/measures/isoscore_star.py).
     skip_positions: the first K positions of every sequence are left out of every statistic.
     sentence_probe: the per-sentence measures of the papers on a fixed subset (stats/sentences.py).
     step_measures: the settings given of the step measures (stats/measures base.Step), as (keyword,
@@ -58,7 +58,7 @@ class StatsConfig:
     save_token_sums: bool = False
     sample_states: int | None = None
     intrinsic_k: int = 20
-    isoscore_zeta: float = 0.75  # stats.geometry.ISOSCORE_ZETA: Rudman & Eickhoff (2024)
+    isoscore_zeta: float = 0.75  # stats/measures/isoscore_star.py ZETA: Rudman & Eickhoff (2024)
     skip_positions: int = 0
     sentence_probe: bool = False
     step_measures: tuple = ()

@@ -23,23 +23,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from isojax.stats import accumulators as stats
 from isojax.stats import geometry, measures, tridiagonal
 from isojax.stats.accumulators import _COUNT_BITS, Accumulators, chan_term
+from isojax.stats.measures import alpha_req, intra_sim
+from isojax.stats.measures.anisotropy import top_share
+from isojax.stats.measures.isoscore_star import ZETA as ISOSCORE_ZETA
 from isojax.stats.sample_readout import _top_eigenvalue, sample_programs
 
 
 def _f64(df):
     return np.asarray(df.hi, np.float64) + np.asarray(df.lo, np.float64)
-
-
-def _mean_cos(sq_norm_of_sum, n):
-    """(|Sum u|^2 - n) / (n^2 - n): the mean cosine over distinct pairs of n unit vectors."""
-    n = np.asarray(n, np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(n >= 2, (sq_norm_of_sum - n) / (n * n - n), np.nan)
-
-
-def _ratio_top(eig_D):
-    total = eig_D.sum()
-    return float(eig_D[0] / total) if total > 0 else float("nan")
 
 
 def _combine_m2(n_G, sum_GxD, m2_GxDxD):
@@ -171,7 +162,7 @@ GROUP_LANCZOS_STEPS = 128  # 1e-15 of numpy's top eigenvalue on near-isotropic 2
 
 
 def _group_readout(n, sum_D, m2_DxD, unit_m2_DxD, c0_DxD, zeta):
-    """One source's covariances read out for _moments: the centered one whole (its spectrum gives
+    """One source's covariances read out for _population: the centered one whole (its spectrum gives
     the effective rank) and IsoScore*'s shrunk covariance (1 - zeta) C + zeta C0 (C the source's
     sample covariance, ddof = 1; C0 the layer's, c0_DxD), both as matrices ([2, D, D]) whose spectra
     _read_states takes; the second moment and the unit vectors' covariance ([2, D, D]), of which
@@ -235,112 +226,55 @@ def _group_spectra(n_G, sum_GxD, unit_sum_GxD, m2, unit_m2, zeta):
 
 
 def _whole_readout(eigs):
-    """A whole population's ([3, D] eigenvalues, Sum |x|^2 / n, [3, D] diagonals) as _moments takes it."""
+    """A whole population's ([3, D] eigenvalues, Sum |x|^2 / n, [3, D] diagonals) as _population takes it."""
     (centered_D, uncentered_D, unit_D), mean_sq_norm, diag_3xD = eigs
-    return centered_D, _ratio_top(uncentered_D), _ratio_top(unit_D), mean_sq_norm, diag_3xD
+    return centered_D, top_share(uncentered_D), top_share(unit_D), mean_sq_norm, diag_3xD
 
 
-GEOMETRY_KEYS = ("isoscore", "isoscore_star", "alpha_req", "rogue_dims", "rogue_share_top3", "feature_kurtosis")
-SPECTRAL_KEYS = ("effective_rank", "erank_pooled", "null_eigenvalues", "rank_deficient")
+def _population(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = ISOSCORE_ZETA,
+                bf16: bool = False, unit_D=None, shrunk_D=None, uncentered_D=None) -> dict:
+    """The registered moments and spectral measures' metrics of one population (stats.measures.population);
+    readout: (the centered covariance's eigenvalues, descending, the top share of the second moment's and of
+    the unit vectors' covariance's trace, Sum |x|^2 / n, the [3, D] diagonals of _covariances' matrices)
+    (_whole_readout, or a group's part of _bisect_states or _host_eigs), or None (no second moments kept for
+    it: no spectral measure). zeta: IsoScore*'s shrinkage. bf16: the states were bfloat16
+    (geometry.spectral_floor). unit_D: the unit vectors' covariance eigenvalues (None: not read out, a
+    source's); uncentered_D: the second moment's (None: not read out). shrunk_D: the eigenvalues of a source's
+    IsoScore* covariance (1 - zeta) C + zeta C0 (_group_readout); None: the population is the layer, C0 = C.
+    Each spectrum is floored (geometry.spectral_floor) before the measures read it."""
+    moments = measures.Moments(int(n), sum_D, unit_sum_D, norm_sum)
+    if readout is None or not n:
+        return measures.population(moments, None)
+    centered_D, top_uncentered, top_unit, mean_sq_norm, diag_3xD = readout
+    diag_3xD = np.asarray(diag_3xD)
+    # bf16 states: the floor scales with the largest mean square of a coordinate (spectral_floor)
+    mean_sq = float(diag_3xD[1].max()) if bf16 else None
+    unit_mean_sq = float((diag_3xD[2] + (unit_sum_D / n) ** 2).max()) if bf16 else None
+    floored = lambda eig_D, scale: None if eig_D is None else geometry.floored(
+        eig_D, geometry.spectral_floor(eig_D, scale))
+    spectra = measures.Spectra(
+        int(n), floored(centered_D, mean_sq), floored(uncentered_D, mean_sq), floored(unit_D, unit_mean_sq),
+        centered_raw=np.asarray(centered_D), top_share_uncentered=float(top_uncentered),
+        top_share_unit=float(top_unit), mean_sq_norm=float(mean_sq_norm), second_moment_diag_D=diag_3xD[1],
+        unit_cov_diag_D=diag_3xD[2], unit_sum_D=unit_sum_D, shrunk=floored(shrunk_D, mean_sq), zeta=zeta)
+    return measures.population(moments, spectra)
 
 
-def _geometry(n, unit_sum_D, centered_D, diag_3xD, zeta: float) -> dict:
-    """The measures of isojax.stats.geometry from one population's floored centered eigenvalues
-    and the diagonals of its second moment (Sum x x^T / n) and unit covariance (Sum (u - mean u)
-    (u - mean u)^T / n): Sum_t u_ti^2 = n x that diagonal + S_i^2 / n, Sum_t x_ti^2 = n x the other."""
-    n = float(n)
-    unit_sq_sum_D = n * diag_3xD[2] + unit_sum_D * unit_sum_D / max(n, 1.0)
-    rogue = geometry.rogue_dims(n, unit_sum_D, unit_sq_sum_D)
-    return {"isoscore": geometry.isoscore(centered_D),
-            "isoscore_star": geometry.isoscore_star(centered_D, n, zeta),
-            "alpha_req": geometry.alpha_req(centered_D),
-            "rogue_dims": rogue,
-            "rogue_share_top3": None if rogue is None else float(sum(r["share"] for r in rogue)),
-            "feature_kurtosis": geometry.feature_kurtosis(n, n * diag_3xD[1])}
-
-
-def _moments(n, sum_D, unit_sum_D, norm_sum, readout=None, zeta: float = geometry.ISOSCORE_ZETA,
-             bf16: bool = False, unit_D=None, shrunk_D=None, uncentered_D=None):
-    """State-level metrics of one population; readout: (the centered covariance's eigenvalues,
-    descending, the uncentered and the unit anisotropy, Sum |x|^2 / n, the [3, D] diagonals of
-    _covariances' matrices) (_whole_readout, or a group's part of _bisect_states or _host_eigs),
-    or None (no second moments kept for it). zeta: IsoScore*'s shrinkage. bf16: the states were
-    bfloat16 (geometry.spectral_floor). unit_D: the unit vectors' covariance eigenvalues, for
-    erank_pooled (None: null); uncentered_D: the second moment's, for the registered spectral
-    measures (isojax.stats.measures; None: not read out). shrunk_D: the eigenvalues of a source's
-    IsoScore* covariance (1 - zeta) C + zeta C0 (_group_readout); None: the population is the
-    layer, C0 = C."""
-    out = {"count": int(n),
-           "inter_sim": float(_mean_cos(unit_sum_D @ unit_sum_D, n)),
-           "mean_norm": float(norm_sum / n) if n else float("nan"),
-           "norm_of_mean": float(np.linalg.norm(sum_D) / n) if n else float("nan")}
-    if readout is not None and n:
-        centered_D, anisotropy_uncentered, unit_anisotropy, mean_sq_norm, diag_3xD = readout
-        diag_3xD = np.asarray(diag_3xD)
-        # bf16 states: the floor scales with the largest mean square of a coordinate (spectral_floor)
-        mean_sq = float(diag_3xD[1].max()) if bf16 else None
-        unit_mean_sq = float((diag_3xD[2] + (unit_sum_D / n) ** 2).max()) if bf16 else None
-        kept_D = geometry.floored(centered_D, geometry.spectral_floor(centered_D, mean_sq))
-        nulls = int((kept_D == 0).sum()) if kept_D[0] > 0 else None
-        unit_floor = None if unit_D is None else geometry.spectral_floor(unit_D, unit_mean_sq)
-        unit_kept_D = None if unit_D is None else geometry.floored(unit_D, unit_floor)
-        out.update(anisotropy=_ratio_top(centered_D),
-                   anisotropy_uncentered=float(anisotropy_uncentered),
-                   unit_anisotropy=float(unit_anisotropy),
-                   effective_rank=geometry.effective_rank(kept_D),
-                   erank_pooled=None if unit_kept_D is None else geometry.erank(unit_kept_D),
-                   null_eigenvalues=nulls, rank_deficient=None if nulls is None else nulls > 0,
-                   mean_sq_norm=float(mean_sq_norm),
-                   **_geometry(n, unit_sum_D, kept_D, diag_3xD, zeta))
-        uncentered_kept_D = None if uncentered_D is None else geometry.floored(
-            uncentered_D, geometry.spectral_floor(uncentered_D, mean_sq))
-        out.update(measures.spectral(measures.Spectra(int(n), kept_D, uncentered_kept_D)))
-        if shrunk_D is not None and n >= 2:  # IsoScore* is IsoScore of the shrunk covariance (scale-free)
-            floor = geometry.spectral_floor(shrunk_D, mean_sq)
-            out["isoscore_star"] = geometry.isoscore(geometry.floored(shrunk_D, floor))
-    return out
+# the metrics whose null _log_nulls names, and why (others are null by design where they are: erank_pooled of a
+# source, a measure of a population without second moments of its own)
+_LOGGED_NULLS = ("isoscore", "isoscore_star", "alpha_req", "rogue_dims", "rogue_share_top3", "feature_kurtosis")
 
 
 def _log_nulls(what: str, out: dict) -> None:
     """One log line naming the geometry measures that are null for a population, and why."""
     from isojax.log import log
-    nulls = [k for k in GEOMETRY_KEYS if k in out and out[k] is None]
+    nulls = [k for k in _LOGGED_NULLS if k in out and out[k] is None]
     if nulls == ["alpha_req"] and out["count"] >= 2:
-        lo, hi = geometry.ALPHA_REQ_RANKS
+        lo, hi = alpha_req.RANKS
         log(f"alpha_req of {what}: null (fewer than 2 of its fit ranks {lo} to {hi} above the spectral floor)")
     elif nulls:
         why = "fewer than 2 tokens" if out["count"] < 2 else "its states do not vary (or InterSim is 0)"
         log(f"{', '.join(nulls)} of {what}: null ({why})")
-
-
-def _bands(count_V, intra_V):
-    """IntraSim by frequency band of the count: [2, 4), [4, 8), ... (rare-token drift)."""
-    bands, lo = [], 2
-    top = int(count_V.max()) if count_V.size else 0
-    while lo <= top:
-        sel = (count_V >= lo) & (count_V < 2 * lo)
-        k = int(sel.sum())
-        bands.append({"lo": lo, "hi": 2 * lo, "tokens": k,
-                      "intra_sim": float(intra_V[sel].mean()) if k else float("nan")})
-        lo *= 2
-    return bands
-
-
-def token_readout(acc: Accumulators) -> tuple[np.ndarray, np.ndarray] | None:
-    """(count_V, intra_sim_SxV) in float64 from the per-token sums among the accumulators' step measures
-    (stats/measures/intra_sim.py) on the host, one state at a time (in float64 all at once the sums would
-    double the host memory of the accumulators: 21 GB more at pythia-1.4b); None without them.
-    runner.Runner.token_readout does the same on the devices."""
-    from isojax.stats.measures.intra_sim import Sums
-    tok = next((x for x in acc.step if isinstance(x, Sums)), None)
-    if tok is None:
-        return None
-    count_SxV = np.asarray(tok.count_SxV, np.int64)
-    intra = []
-    for s in range(count_SxV.shape[0]):
-        sum_VxD = np.asarray(tok.sum_SxVxD.hi[s], np.float64) + np.asarray(tok.sum_SxVxD.lo[s], np.float64)
-        intra.append(_mean_cos(np.einsum("vd,vd->v", sum_VxD, sum_VxD), count_SxV[s]))
-    return count_SxV[0], np.stack(intra)
 
 
 def _state_m2(x_HxSxDxDx2, s: int):
@@ -395,7 +329,7 @@ def compile_ahead(m2_HxSxDxD_shape: tuple, num_groups: int, sample_count: int, d
 
 
 def finalize(acc: Accumulators, state_names: list[str],
-             group_names: list[str] | None = None, token=None, isoscore_zeta: float = geometry.ISOSCORE_ZETA,
+             group_names: list[str] | None = None, token=None, isoscore_zeta: float = ISOSCORE_ZETA,
              bf16: bool = False) -> dict:
     """finalize_whole's metrics with their "groups" filled in (finalize_whole for what they are)."""
     result, finish_groups = finalize_whole(acc, state_names, group_names, token, isoscore_zeta, bf16)
@@ -405,7 +339,7 @@ def finalize(acc: Accumulators, state_names: list[str],
 
 
 def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[str] | None = None, token=None,
-                   isoscore_zeta: float = geometry.ISOSCORE_ZETA, bf16: bool = False) -> tuple[dict, object]:
+                   isoscore_zeta: float = ISOSCORE_ZETA, bf16: bool = False) -> tuple[dict, object]:
     """Metrics of all states: {"layers": [...], "groups": {...}, "token": {...},
     "spectra": {...}}. "layers" combines all groups; "groups" (only with group_names) holds
     per-source results without per-token fields. Spectra are eigenvalues of the covariance
@@ -413,7 +347,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     covariance of unit vectors, each in descending order. `token`: (count_V, intra_sim_SxV)
     when already read out (runner.Runner.token_readout); else taken from acc. The second
     moments may be device arrays (runner.Runner.merged_layers): they are read out there.
-    isoscore_zeta: IsoScore*'s shrinkage (geometry.isoscore_star). bf16: the states were bfloat16
+    isoscore_zeta: IsoScore*'s shrinkage (stats/measures/isoscore_star.py). bf16: the states were bfloat16
     (the spectral floor, geometry.spectral_floor).
 
     Returns (metrics, finish_groups): with group_names, metrics["groups"] is an empty dict that
@@ -436,7 +370,7 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     norm_GxS = _f64(acc.norm_sum_GxS)
     per_group_m2 = m2_HxSxDxD.hi.shape[0] == num_groups and num_groups > 1
     if token is None:
-        token = token_readout(acc)
+        token = intra_sim.host_readout(acc)
     if token is not None:  # a mean cosine is at most 1; rounding can pass it by ~1e-8 (identical vectors)
         token = (token[0], np.minimum(token[1], 1.0))
     token_stats = token is not None
@@ -457,31 +391,23 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
     for s, name in enumerate(state_names):
         n_G = n_GxS[:, s]
         whole = reduced[s]
-        out = _moments(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
-                       _whole_readout(whole) if n_G.sum() else None, isoscore_zeta, bf16,
-                       unit_D=whole[0][2] if n_G.sum() else None, uncentered_D=whole[0][1] if n_G.sum() else None)
+        out = _population(n_G.sum(), sum_GxSxD[:, s].sum(0), unit_sum_GxSxD[:, s].sum(0), norm_GxS[:, s].sum(),
+                          _whole_readout(whole) if n_G.sum() else None, isoscore_zeta, bf16,
+                          unit_D=whole[0][2] if n_G.sum() else None,
+                          uncentered_D=whole[0][1] if n_G.sum() else None)
         _log_nulls(name, out)
         layer = {"name": name, **out}
         for key, eig in zip(spectra, whole[0] if n_G.sum() else (None,) * 3):
             spectra[key].append(eig)
-        if token_stats:
-            count_V, intra_V = token[0], token[1][s]
-            seen = count_V >= 2
-            k = int(seen.sum())
-            layer.update(
-                intra_sim=float(intra_V[seen].mean()) if k else float("nan"),
-                intra_sim_weighted=(float((intra_V[seen] * count_V[seen]).sum()
-                                          / count_V[seen].sum()) if k else float("nan")),
-                intra_tokens=k, intra_sim_by_band=_bands(count_V, intra_V))
-        else:  # the keys are part of the output contract; null says "not measured"
-            layer.update(intra_sim=None, intra_sim_weighted=None, intra_tokens=None)
+        if token_stats:  # else null (below): the keys are part of the output contract; null says "not measured"
+            layer.update(intra_sim.layer_metrics(token[0], token[1][s]))
         layers.append(layer)
 
     for layer in layers:  # massive_*, inter_sim_by_position: read out by run.measure, here null (their place)
         layer.update(measures.default_step_nulls())
     for layer in layers:  # the contract's keys, null until measured (a sample: run.measure)
         for key in ("anisotropy_batch_mean", "anisotropy_batch_std", "inter_sim_standardized",
-                    "sample_abs_median", "massive_max_over_sample_median", *GEOMETRY_KEYS, *SPECTRAL_KEYS):
+                    "sample_abs_median", "massive_max_over_sample_median"):
             layer.setdefault(key, None)
         for key, null in measures.nulls().items():  # a dict-valued one: {key: null}
             layer.setdefault(key, null)
@@ -523,8 +449,8 @@ def finalize_whole(acc: Accumulators, state_names: list[str], group_names: list[
         for g, gname in enumerate(group_names):
             glayers = []
             for s, name in enumerate(state_names):
-                out = _moments(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s], norm_GxS[g, s],
-                               eigs_GxS[g][s], isoscore_zeta, bf16, shrunk_D=shrunk_GxS[g][s])
+                out = _population(n_GxS[g, s], sum_GxSxD[g, s], unit_sum_GxSxD[g, s], norm_GxS[g, s],
+                                  eigs_GxS[g][s], isoscore_zeta, bf16, shrunk_D=shrunk_GxS[g][s])
                 _log_nulls(f"{name} in {gname}", out)
                 glayers.append({"name": name, **out})
             by_name[gname] = {"tokens": int(n_GxS[g, 0]), "layers": glayers}

@@ -1,15 +1,17 @@
-"""The measures read out from a state's spectra or from the sample, one file each (README
-"Geometry measures"): every module of this package that defines MEASURE (a base.Measure) is one,
-found here, in the order of the modules' names. Adding one is its file, its test and its row of
-the README's measures table (tests/test_measures_registry.py checks the table against MEASURES).
+"""The measures, one file each (README "Geometry measures"): every module of this package that defines MEASURE (a
+base.Measure) is one, found here, in the order of the modules' names. Adding one is its file, its test and its row
+of the README's measures table (tests/test_measures_registry.py checks the table against MEASURES).
 
-Readers: stats.finalize (spectral), stats.sample_readout.sample_metrics (sample and pairs),
-run.results.flat_layer (a run that lacks a measure reads it as null), the report's figures
-(report/measures.py). A "step" measure (its Step: base.py) is accumulated by the step where its setting
-turns it on (steps(), step_settings()), counted by the planner and read out by run.measure
-(step_readout()); massive_activations.py and position_bands.py, on by default, were the step's own streamed measures,
-sample_states.py is the sample (its K chosen by the planner; read out from the devices by Runner.sample), and
-centered_inter_sim.py is the centered pass's (on in that pass alone; read out by run/centered.py).
+Readers: stats.finalize (the moments and spectral measures of each population: population()), stats.sample_readout.
+sample_metrics (sample and pairs), run.results.flat_layer (a run that lacks a measure reads it as null), the report's
+figures (report/measures.py: those drawn, Metric.drawn). A "step" measure (its Step: base.py) is accumulated by
+the step where its setting turns it on (steps(), step_settings()), counted by the planner and read out by
+run.measure (step_readout()); massive_activations.py and position_bands.py, on by default, were the step's own
+streamed measures, sample_states.py is the sample (its K chosen by the planner; read out from the devices by
+Runner.sample), intra_sim.py the per-token sums (on with token statistics; read out per token by
+Runner.token_readout, per layer by stats.finalize) and centered_inter_sim.py is the centered pass's (on in that
+pass alone; read out by run/centered.py). The moments and spectral measures read what every step keeps
+(stats.accumulators: the count, the sums of x, x/|x| and |x|, and the second moments of x and x/|x|).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import pkgutil
 
 import numpy as np
 
-from isojax.stats.measures.base import Measure, Metric, Spectra, Step
+from isojax.stats.measures.base import Measure, Metric, Moments, Spectra, Step
 
-__all__ = ["MEASURES", "Measure", "Metric", "Spectra", "Step", "steps", "per_token", "step_readout",
+__all__ = ["MEASURES", "Measure", "Metric", "Moments", "Spectra", "Step", "population", "drawn", "steps", "per_token", "step_readout",
            "with_steps_by_source", "step_settings", "check_step", "default_step_nulls", "split", "init_sums",
            "batch_planner", "observer",
-           "names", "columns", "nulls", "dict_valued", "labels", "spectral", "optional", "check_optional", "to_final",
+           "names", "columns", "nulls", "dict_valued", "labels", "optional", "check_optional", "to_final",
            "sample_programs", "sample_readout", "sample_dispatch", "sample_values", "pairs_dispatch"]
 
 
@@ -39,6 +41,9 @@ def _found() -> dict[str, Measure]:
 
 
 MEASURES: dict[str, Measure] = _found()  # module name -> its Measure
+
+
+ALL = ("moments", "spectra", "sample", "pairs", "step")  # every kind a measure reads (base.py)
 
 
 def _on(reads: tuple[str, ...], extra: tuple[str, ...] = ()) -> list[Measure]:
@@ -225,17 +230,17 @@ def to_final() -> list[str]:
     return out
 
 
-def names(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
+def names(reads: tuple[str, ...] = ALL) -> list[str]:
     """Every registered metric name of a layer (of the measures reading `reads`; not the per-token ones)."""
     return [metric.name for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)]
 
 
-def columns(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> list[str]:
+def columns(reads: tuple[str, ...] = ALL) -> list[str]:
     """Every registered metric's columns in layers.csv / sweep.csv (a dict-valued one's: name_key)."""
     return [c for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m) for c in metric.columns()]
 
 
-def nulls(reads: tuple[str, ...] = ("spectra", "sample", "pairs", "step")) -> dict:
+def nulls(reads: tuple[str, ...] = ALL) -> dict:
     """Every registered metric's value where it is not measured: null ({key: null} for a dict-valued one)."""
     return {metric.name: metric.null() for m in MEASURES.values() if m.reads in reads for metric in _of_layers(m)}
 
@@ -258,9 +263,19 @@ def labels() -> dict[str, str]:
             for m in MEASURES.values() for metric in _of_layers(m) for c in metric.columns()}
 
 
-def spectral(spectra: Spectra) -> dict:
-    """Every spectral measure's metrics of one population (stats.finalize._moments)."""
-    return {k: v for m in _on(("spectra",)) for k, v in m.readout(spectra).items()}
+def population(moments: Moments, spectra: Spectra | None) -> dict:
+    """Every moments and spectral measure's metrics of one population (stats.finalize), in the registry's
+    order: the moments measures', then, where its spectra are read out (not None), the spectral ones'."""
+    out = {k: v for m in _on(("moments",)) for k, v in m.readout(moments).items()}
+    if spectra is not None:
+        out.update({k: v for m in _on(("spectra",)) for k, v in m.readout(spectra).items()})
+    return out
+
+
+def drawn() -> list[str]:
+    """The registered metrics of a layer that the report's figures of the measures draw (Metric.drawn), one
+    number each (a dict-valued one's are drawn by keys: report/measures.py)."""
+    return [metric.name for m in MEASURES.values() for metric in _of_layers(m) if metric.drawn and not metric.keys]
 
 
 @functools.cache

@@ -1,8 +1,11 @@
 """What a measure declares (isojax.stats.measures): its metrics and its float64 read-out.
 
 A measure reads one of:
-- "spectra": a state's (or a source's) floored float64 spectra (Spectra below), read out by
-  stats.finalize where it reads the covariances; its read-out is a numpy function of them.
+- "moments": a state's (or a source's) first moments (Moments below: the count and the sums of x, x/|x|
+  and |x|), read out by stats.finalize for every population; its read-out is a numpy function of them;
+- "spectra": a state's (or a source's) floored float64 spectra and what else its second moments give
+  (Spectra below), read out by stats.finalize where it reads the covariances (where the population keeps
+  second moments of its own and counted a token); its read-out is a numpy function of them.
 - "sample": one state's sampled points x [K, D] (stats/sample.py: the same K uniformly sampled
   tokens at every state, in the same order);
 - "pairs": the sampled points of two consecutive states, (x [K, D] of state s - 1, y [K, D] of
@@ -40,6 +43,8 @@ class Metric:
     # run.results.flat_layer: not among names() and columns()
     only_where_on: bool = False  # in a layer only where its measure is on (centered_inter_sim: a --centered run),
     # absent elsewhere, not null: not among names(), columns() and nulls()
+    drawn: bool = True  # among the report's figures of the measures (report/measures.py); False: drawn with the
+    # paper's figures (report/states.py: InterSim, IntraSim, anisotropy) or not a figure (a count)
 
     def columns(self) -> list[str]:
         """Its columns in layers.csv / sweep.csv."""
@@ -53,8 +58,9 @@ class Metric:
 @dataclasses.dataclass(frozen=True)
 class Measure:
     metrics: tuple[Metric, ...]
-    reads: str  # "spectra", "sample", "pairs" or "step" (above)
-    readout: Callable  # spectra: Spectra -> {name: float | None}; sample, pairs: arrays -> {name: 0-d array}
+    reads: str  # "moments", "spectra", "sample", "pairs" or "step" (above)
+    readout: Callable  # moments: Moments, spectra: Spectra -> {name: value | None}; sample, pairs: arrays ->
+    # {name: 0-d array}
     paper: str  # its reference
     readme_row: str  # its row of the README's measures table, exactly
     on_by_default: bool = True  # off: not read out unless its flag turns it on (a "step" measure: its Step's default)
@@ -62,7 +68,7 @@ class Measure:
     to_final: bool = False  # a "pairs" one also read out across a sweep's checkpoints (above)
 
     def __post_init__(self):
-        assert self.reads in ("spectra", "sample", "pairs", "step"), self.reads
+        assert self.reads in ("moments", "spectra", "sample", "pairs", "step"), self.reads
         assert (self.reads == "step") == (self.step is not None), "a step measure, and only one, has a Step"
         assert not self.to_final or self.reads == "pairs" and len(self.metrics) == 1 and not self.metrics[0].keys
 
@@ -130,11 +136,34 @@ class Step:
 
 
 @dataclasses.dataclass(frozen=True)
+class Moments:
+    """One population's first moments for the "moments" read-outs, float64: n states x, their sums."""
+    n: int
+    sum_D: np.ndarray  # Sum x
+    unit_sum_D: np.ndarray  # Sum x/|x|
+    norm_sum: float  # Sum |x|
+
+
+@dataclasses.dataclass(frozen=True)
 class Spectra:
     """One population's spectra for the "spectra" read-outs, float64, descending, floored
     (geometry.floored at geometry.spectral_floor): `centered` the covariance's eigenvalues
     (Sum (x - mean)(x - mean)^T / n), `uncentered` the second moment's (Sum x x^T / n; None where
-    not read out: a source's), n the number of states."""
+    not read out: a source's), n the number of states (n >= 1); with what else stats.finalize reads from
+    the second moments (None where not read out)."""
     n: int
     centered: np.ndarray
     uncentered: np.ndarray | None = None
+    unit: np.ndarray | None = None  # the unit vectors' covariance's (a state's over every source; a source's: None)
+    centered_raw: np.ndarray | None = None  # `centered` before the floor
+    # the largest eigenvalue's share of the trace of the second moment's and of the unit vectors' covariance
+    top_share_uncentered: float | None = None
+    top_share_unit: float | None = None
+    mean_sq_norm: float | None = None  # Sum |x|^2 / n
+    second_moment_diag_D: np.ndarray | None = None  # the diagonal of Sum x x^T / n
+    unit_cov_diag_D: np.ndarray | None = None  # the diagonal of the unit vectors' covariance
+    unit_sum_D: np.ndarray | None = None  # Sum x/|x|
+    # a source's IsoScore* covariance (1 - zeta) C + zeta C0's eigenvalues, floored (None: a state over every
+    # source, whose C0 is C); zeta: its shrinkage
+    shrunk: np.ndarray | None = None
+    zeta: float | None = None

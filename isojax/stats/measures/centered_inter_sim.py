@@ -68,11 +68,11 @@ def merged(per_device: Sums, num_devices: int = 1, vocab_size: int = 0) -> dict:
 
 def readout(sums: dict, count_S) -> list[dict]:
     """Per state, centered_inter_sim over every group, float64; count_S: each state's measured tokens (int)."""
-    from isojax.stats.finalize import _mean_cos
+    from isojax.stats.measures.inter_sim import mean_cos
     out = []
     for s, n in enumerate(count_S):
         sum_D = sums["sum"][:, s].sum(0)
-        out.append({"centered_inter_sim": float(_mean_cos(sum_D @ sum_D, n))})
+        out.append({"centered_inter_sim": float(mean_cos(sum_D @ sum_D, n))})
     return out
 
 

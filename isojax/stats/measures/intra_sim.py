@@ -12,15 +12,18 @@ device k holds token ids k, k + n, ...; device/runner.py), each row on one devic
 in stats-level merges of two runs' sums (Sums.merge). Per batch and device (plan_batch): with the vocabulary split,
 the exchange's plan (token_sums.plan_exchange, from the batch's token index); per state (observe, after the other
 step measures): the state's unit vectors summed per token id and added to the owners' rows (token_sums.update).
-Read out on the devices in float64 (Runner.token_readout: `intra_sim` of tokens.zarr, and finalize's layer
-metrics below); `--save-token-sums` writes the sums themselves (Runner.token_sums).
+Read out in float64 on the devices (Runner.token_readout: `intra_sim` of tokens.zarr) or on the host (host_readout
+below), and into each layer's metrics by stats.finalize (layer_metrics below); `--save-token-sums` writes the sums
+themselves (Runner.token_sums).
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from isojax.stats.measures.base import Measure, Step
+import numpy as np
+
+from isojax.stats.measures.base import Measure, Metric, Step
 
 
 class Sums(NamedTuple):
@@ -82,11 +85,53 @@ STEP = Step(keyword="token_stats", add_arguments=lambda ap, positive_int: None, 
             init=init, merged=None, step_bytes=step_bytes, needs_token_stats=True, observe=observe,
             plan_batch=plan_batch, placement="vocab", with_token_stats=True, takes_options=True)
 
-# its metrics (intra_sim, intra_sim_weighted, intra_tokens, intra_sim_by_band of each layer; intra_sim [S, V] in
-# tokens.zarr) are read out by stats.finalize, in their places among the layers' keys, and drawn by the report's
-# own figures: declared here, they would be drawn a second time among the registered measures (report/measures.py)
+def host_readout(acc) -> tuple[np.ndarray, np.ndarray] | None:
+    """(count_V, intra_sim_SxV) in float64 from the per-token sums among the accumulators' step measures on the
+    host, one state at a time (in float64 all at once the sums would double the host memory of the accumulators:
+    21 GB more at pythia-1.4b); None without them. device/runner.py Runner.token_readout does the same on the
+    devices."""
+    from isojax.stats.measures.inter_sim import mean_cos
+    tok = next((x for x in acc.step if isinstance(x, Sums)), None)
+    if tok is None:
+        return None
+    count_SxV = np.asarray(tok.count_SxV, np.int64)
+    intra = []
+    for s in range(count_SxV.shape[0]):
+        sum_VxD = np.asarray(tok.sum_SxVxD.hi[s], np.float64) + np.asarray(tok.sum_SxVxD.lo[s], np.float64)
+        intra.append(mean_cos(np.einsum("vd,vd->v", sum_VxD, sum_VxD), count_SxV[s]))
+    return count_SxV[0], np.stack(intra)
+
+
+def _bands(count_V, intra_V) -> list[dict]:
+    """IntraSim by frequency band of the count: [2, 4), [4, 8), ... (rare-token drift)."""
+    bands, lo = [], 2
+    top = int(count_V.max()) if count_V.size else 0
+    while lo <= top:
+        sel = (count_V >= lo) & (count_V < 2 * lo)
+        k = int(sel.sum())
+        bands.append({"lo": lo, "hi": 2 * lo, "tokens": k,
+                      "intra_sim": float(intra_V[sel].mean()) if k else float("nan")})
+        lo *= 2
+    return bands
+
+
+def layer_metrics(count_V, intra_V) -> dict:
+    """One state's metrics from every token's count and IntraSim (clipped at 1), [V] each: over the tokens seen
+    at least twice."""
+    seen = count_V >= 2
+    k = int(seen.sum())
+    return {"intra_sim": float(intra_V[seen].mean()) if k else float("nan"),
+            "intra_sim_weighted": float((intra_V[seen] * count_V[seen]).sum() / count_V[seen].sum()) if k
+            else float("nan"),
+            "intra_tokens": k, "intra_sim_by_band": _bands(count_V, intra_V)}
+
+
+# drawn by the report's own figures (report/states.py: the paper's Figs. 2 and 4), not among the measures'
 MEASURE = Measure(
-    metrics=(),
+    metrics=(Metric("intra_sim", "cosine", "IntraSim (mean over token types)", drawn=False),
+             Metric("intra_sim_weighted", "cosine", "IntraSim (count-weighted mean)", drawn=False),
+             Metric("intra_tokens", "token types", "token types seen twice or more", drawn=False),
+             Metric("intra_sim_by_band", "cosine", "IntraSim by count band", listed=True)),
     reads="step", readout=None, paper="Machina & Mercer 2024 (after Ethayarajh 2019)", step=STEP,
     readme_row="| `intra_sim`, `intra_sim_weighted`, `intra_tokens`, `intra_sim_by_band` | IntraSim(l, t): the mean "
                "cosine over distinct pairs of the states of token id t, (‖Σ û‖² − c)/(c² − c) from the per-token sums "
