@@ -17,6 +17,12 @@ Sum (x - mean)(x - mean)^T instead of Sum x x^T avoids the catastrophic cancella
 Sum x x^T / n - mean mean^T when the states are nearly parallel (cos ~ 0.999 costs three
 decimal digits that float32 cannot spare). The uncentered Gram is rebuilt exactly in
 float64 as M2 + sum sum^T / n.
+
+These moments (the count, the sums of x, x/|x| and |x|, and the second moments of x and x/|x|) are every
+step's own, not a step measure (stats/measures base.Step): the registered measures that read a population's
+first moments or spectra (stats/measures/: inter_sim.py, anisotropy.py, isoscore.py, ...) all read them, so they
+cannot be off; each state's Rows, which the step measures observe, come from the same pass; and their merge ties
+them together (Chan's term over the second moments' rows, which StatsOptions.gram_shards splits over devices).
 """
 
 from typing import Any, NamedTuple

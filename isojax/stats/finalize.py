@@ -1,5 +1,8 @@
-"""Float64 read-out of stats.Accumulators into the metrics of DESIGN.md.
-Length: every metric's float64 read-out in one place, so that the formulas of DESIGN.md are read together.
+"""Float64 read-out of stats.Accumulators: each population's (a state over every source, and each source's) first
+moments and floored spectra, which the registered measures read (stats.measures.population: the formulas are the
+measures' own, stats/measures/, one file each), and metrics.json's layers around them.
+Length: the second moments' read-out (their merge over the sources, the covariances, the batched reductions on the
+devices, the threads that overlap them with the host) is one pipeline, read together.
 
 Each double-float pair is summed as float64(hi) + float64(lo). Vectors (counts, sums) are read
 out in numpy on the host. The second moments, the bulk of the work, are read out where they lie by
