@@ -167,6 +167,11 @@ def check_registered(layers: list[dict], x_SxNxD: np.ndarray, sample_SxKxD: np.n
             continue
         module = importlib.import_module(f"test_measure_{name}")
         reference = module.reference
+        try:  # a reference package this host lacks (IsoScore: conftest.need) skips that measure alone
+            if m.reads in ("moments", "spectra"):
+                reference(x_SxNxD[0][:8], False)
+        except pytest.skip.Exception:
+            continue
         for i, layer in enumerate(layers):
             got = [layer[metric.name] for metric in m.metrics]
             if m.reads == "moments" or m.reads == "spectra" and isinstance(reference(x_SxNxD[i], False), dict):
