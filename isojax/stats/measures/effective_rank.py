@@ -3,16 +3,13 @@
 import numpy as np
 
 from isojax.stats.measures.base import Measure, Metric
+from isojax.stats.measures.erank_pooled import erank
 
 
 def effective_rank(eig_D) -> float | None:
     """exp of the Shannon entropy of p_k = s_k / Sum s_j, s_k = sqrt(lambda_k) the centered states' singular
-    values (floored spectrum); None without variance."""
-    sv = np.sqrt(np.clip(np.asarray(eig_D, np.float64), 0.0, None))
-    if not sv.sum() > 0:
-        return None
-    p = sv[sv > 0] / sv.sum()
-    return float(np.exp(-(p * np.log(p)).sum()))
+    values (floored spectrum): Wei et al.'s eRank of the singular values; None without variance."""
+    return erank(np.sqrt(np.clip(np.asarray(eig_D, np.float64), 0.0, None)))
 
 
 MEASURE = Measure(
